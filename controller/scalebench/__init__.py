@@ -1,0 +1,1 @@
+"""scalebench: Denali-style server consolidation framework."""
