@@ -1,0 +1,50 @@
+# The build entry behind the README's two commands:
+#   make run    installs what is needed, builds everything, runs the main job on its defaults
+#   make test   the same set-up, then the whole test suite
+SHELL := /bin/bash
+PYTHON ?= python3
+CARGO ?= cargo
+RELEASE := target/release
+STAMP := build/.stamps
+
+.PHONY: all run test deps build rust guest clean
+
+all: build
+
+$(STAMP):
+	@mkdir -p $@
+
+# Debian packages and the Python package (editable, with test extras).
+deps: $(STAMP)/apt $(STAMP)/python
+
+$(STAMP)/apt: packages.apt | $(STAMP)
+	@pkgs=$$(sed -e 's/#.*//' packages.apt | xargs); \
+	missing=$$(for p in $$pkgs; do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages: $$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+	@touch $@
+
+$(STAMP)/python: pyproject.toml $(STAMP)/apt | $(STAMP)
+	$(PYTHON) -m pip install -q -e '.[test]'
+	@touch $@
+
+build: rust guest
+
+rust:
+	$(CARGO) build --release --workspace --bins --quiet
+
+guest:
+	$(MAKE) -s -C guest-images/webguest OUT=$(CURDIR)/$(RELEASE)
+
+run: deps build
+	scalebench
+
+test: deps build
+	$(CARGO) test --release --workspace --quiet
+	$(PYTHON) -m pytest -q tests
+
+clean:
+	$(CARGO) clean
+	rm -rf build
