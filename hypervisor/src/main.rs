@@ -1,1 +1,50 @@
-fn main() {}
+//! densevm: one process hosting thousands of tiny web-server microVMs on
+//! /dev/kvm. See hypervisor/README.md.
+
+mod abi;
+mod api;
+mod boot;
+mod devices;
+mod loader;
+mod memory;
+mod monitor;
+mod platform;
+mod serve;
+mod stats;
+mod vm;
+mod vstate;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "densevm", version, about = "Thousands of tiny web-server microVMs in one KVM monitor")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Boot N VMs and serve HTTP on their loopback addresses until SIGTERM.
+    Serve(serve::ServeArgs),
+}
+
+fn main() {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+                e.exit();
+            }
+            let message = e.to_string();
+            let first = message.lines().find(|l| !l.trim().is_empty()).unwrap_or("bad arguments");
+            eprintln!("densevm: {}", first.trim_start_matches("error: "));
+            std::process::exit(2);
+        }
+    };
+    let code = match cli.command {
+        Command::Serve(args) => serve::run(args),
+    };
+    std::process::exit(code);
+}

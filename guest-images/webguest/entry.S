@@ -1,0 +1,118 @@
+/*
+ * Entry point, exception and interrupt stubs, and the idle window.
+ *
+ * The monitor enters _start in 64-bit mode with RSP at the top of RAM and
+ * RDI pointing at the boot-info page.
+ */
+#include "abi.h"
+
+    .section .text.entry, "ax"
+    .globl _start
+_start:
+    and $-16, %rsp
+    call guest_main
+1:  hlt
+    jmp 1b
+
+/* Exceptions: normalise the frame to (vector, error code, rip, cs, rflags,
+ * rsp, ss) and report it. A dead guest never returns from guest_exception. */
+.macro EXC_NOERR n
+exc_\n:
+    pushq $0
+    pushq $\n
+    jmp exc_common
+.endm
+.macro EXC_ERR n
+exc_\n:
+    pushq $\n
+    jmp exc_common
+.endm
+
+EXC_NOERR 0
+EXC_NOERR 1
+EXC_NOERR 2
+EXC_NOERR 3
+EXC_NOERR 4
+EXC_NOERR 5
+EXC_NOERR 6
+EXC_NOERR 7
+EXC_ERR   8
+EXC_NOERR 9
+EXC_ERR   10
+EXC_ERR   11
+EXC_ERR   12
+EXC_ERR   13
+EXC_ERR   14
+EXC_NOERR 15
+EXC_NOERR 16
+EXC_ERR   17
+EXC_NOERR 18
+EXC_NOERR 19
+EXC_NOERR 20
+EXC_ERR   21
+EXC_NOERR 22
+EXC_NOERR 23
+EXC_NOERR 24
+EXC_NOERR 25
+EXC_NOERR 26
+EXC_NOERR 27
+EXC_NOERR 28
+EXC_ERR   29
+EXC_ERR   30
+EXC_NOERR 31
+
+exc_common:
+    mov %rsp, %rdi
+    and $-16, %rsp
+    call guest_exception
+2:  hlt
+    jmp 2b
+
+    .section .rodata
+    .globl exception_stubs
+exception_stubs:
+    .irp n, 0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31
+    .quad exc_\n
+    .endr
+
+    .text
+/* The doorbell interrupt: note it, EOI, and if it landed between the idle
+ * check and its hlt, resume after the hlt so the wake-up is not lost (a PVM
+ * guest has no sti-shadow to make "enable and halt" atomic). */
+    .globl irq_entry
+irq_entry:
+    push %rax
+    push %rcx
+    push %rdx
+    movl $1, irq_seen(%rip)
+    mov $0x80b, %ecx
+    xor %eax, %eax
+    xor %edx, %edx
+    wrmsr
+    mov 24(%rsp), %rax
+    lea idle_window_start(%rip), %rcx
+    cmp %rcx, %rax
+    jb 1f
+    lea idle_window_end(%rip), %rcx
+    cmp %rcx, %rax
+    jae 1f
+    mov %rcx, 24(%rsp)
+1:  pop %rdx
+    pop %rcx
+    pop %rax
+    iretq
+
+    .globl spurious_entry
+spurious_entry:
+    iretq
+
+/* void idle_wait(void): halt unless the doorbell interrupt came after
+ * irq_seen was last cleared. */
+    .globl idle_wait
+idle_wait:
+idle_window_start:
+    cmpl $0, irq_seen(%rip)
+    jne idle_window_end
+    hlt
+idle_window_end:
+    ret

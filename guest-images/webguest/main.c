@@ -1,0 +1,16 @@
+/* webguest: a freestanding HTTP server VM for densevm. */
+#include "abi.h"
+#include "arch.h"
+#include "server.h"
+
+void guest_main(const struct dv_boot_info *bi) __attribute__((noreturn));
+void guest_main(const struct dv_boot_info *bi)
+{
+    struct dv_ctrl *ctrl = ctrl_page();
+    if (bi->magic != DV_BOOT_MAGIC || bi->version != DV_BOOT_VERSION)
+        arch_crash(DV_CMD_CRASH);
+    arch_init(bi);
+    ctrl->state = DV_STATE_READY;
+    arch_doorbell();
+    server_run(bi);
+}

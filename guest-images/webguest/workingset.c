@@ -1,0 +1,68 @@
+#include "workingset.h"
+#include "arch.h"
+
+#define PAGE 4096
+#define STAMP_MAGIC 0x4b43454846534c57ULL /* "WLSFHECK" */
+
+struct stamp {
+    uint64_t magic, vm_id, page, generation;
+};
+
+/* Generation of the stamps now in memory; lives in RAM like everything the
+ * pager could lose, so a lost page of bss shows up as mismatches too. */
+static uint64_t stamped_generation;
+
+static int stamp_matches(const volatile struct stamp *s, uint64_t vm, uint64_t page, uint64_t gen)
+{
+    if (gen == 0)
+        return s->magic == 0 && s->vm_id == 0 && s->page == 0 && s->generation == 0;
+    return s->magic == STAMP_MAGIC && s->vm_id == vm && s->page == page && s->generation == gen;
+}
+
+static void stamp_write(volatile struct stamp *s, uint64_t vm, uint64_t page, uint64_t gen)
+{
+    s->magic = STAMP_MAGIC;
+    s->vm_id = vm;
+    s->page = page;
+    s->generation = gen;
+}
+
+/* Verify the previous generation's stamps at both ends of every page, then
+ * write the next generation: every page is dirtied by every request. */
+static void selfcheck(const struct dv_boot_info *bi, uint8_t *ws, uint64_t pages)
+{
+    struct dv_ctrl *ctrl = ctrl_page();
+    uint64_t gen = stamped_generation;
+    uint64_t errors = 0;
+    for (uint64_t p = 0; p < pages; p++) {
+        volatile struct stamp *head = (volatile struct stamp *)(ws + p * PAGE);
+        volatile struct stamp *tail = (volatile struct stamp *)(ws + (p + 1) * PAGE - sizeof(struct stamp));
+        if (!stamp_matches(head, bi->vm_id, p, gen) || !stamp_matches(tail, bi->vm_id, p, gen))
+            errors++;
+        stamp_write(head, bi->vm_id, p, gen + 1);
+        stamp_write(tail, bi->vm_id, p, gen + 1);
+    }
+    stamped_generation = gen + 1;
+    ctrl->selfcheck_pages += pages;
+    ctrl->selfcheck_errors += errors;
+}
+
+void ws_touch(const struct dv_boot_info *bi)
+{
+    uint8_t *ws = (uint8_t *)bi->ws_gpa;
+    uint64_t pages = bi->ws_bytes / PAGE;
+    if (bi->flags & DV_FLAG_SELFCHECK) {
+        selfcheck(bi, ws, pages);
+        return;
+    }
+    uint64_t stride = bi->ws_write_stride ? bi->ws_write_stride : 1;
+    uint64_t sum = 0;
+    for (uint64_t p = 0; p < pages; p++) {
+        volatile uint64_t *word = (volatile uint64_t *)(ws + p * PAGE);
+        if (p % stride == 0)
+            word[1] += 1;
+        else
+            sum += word[0];
+    }
+    __asm__ volatile("" ::"r"(sum));
+}

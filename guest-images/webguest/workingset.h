@@ -1,0 +1,8 @@
+/* The working set every request touches: it stands for the guest OS and
+ * server footprint Denali's VMs carried. */
+#ifndef WEBGUEST_WORKINGSET_H
+#define WEBGUEST_WORKINGSET_H
+#include "abi.h"
+
+void ws_touch(const struct dv_boot_info *bi);
+#endif

@@ -1,0 +1,109 @@
+//! The control API: newline-delimited JSON requests on a Unix socket.
+//!
+//! Every request gets exactly one reply line, `{"ok": true, ...}` or
+//! `{"error": "..."}`; no request can take the monitor down.
+
+use serde::Deserialize;
+
+/// A parsed control request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    /// Per-VM and total statistics.
+    Stats,
+    /// The VMs with their addresses and states.
+    List,
+    /// Boot `count` more VMs.
+    Create {
+        /// How many.
+        count: u32,
+    },
+    /// Stop a VM and release it.
+    Destroy {
+        /// Its index.
+        vm: u32,
+    },
+    /// Make a guest fault (fault-containment testing).
+    Crash {
+        /// Its index.
+        vm: u32,
+        /// Triple fault rather than an invalid instruction.
+        triple: bool,
+    },
+    /// The pager's settings and totals.
+    Pager,
+}
+
+/// Largest `count` a single create request may ask for.
+pub const MAX_CREATE: u32 = 1024;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Raw {
+    cmd: String,
+    vm: Option<u32>,
+    count: Option<u32>,
+    how: Option<String>,
+}
+
+/// Parses one request line.
+pub fn parse(line: &[u8]) -> Result<Request, String> {
+    let text = std::str::from_utf8(line).map_err(|_| "request is not UTF-8".to_string())?.trim();
+    if text.is_empty() {
+        return Err("empty request".into());
+    }
+    let raw: Raw = serde_json::from_str(text).map_err(|e| format!("malformed request: {e}"))?;
+    let need_vm = || raw.vm.ok_or_else(|| format!("'{}' needs \"vm\"", raw.cmd));
+    match raw.cmd.as_str() {
+        "stats" => Ok(Request::Stats),
+        "list" => Ok(Request::List),
+        "pager" => Ok(Request::Pager),
+        "create" => match raw.count.unwrap_or(1) {
+            0 => Err("'create' needs count >= 1".into()),
+            n if n > MAX_CREATE => Err(format!("'create' takes at most {MAX_CREATE} VMs at a time")),
+            count => Ok(Request::Create { count }),
+        },
+        "destroy" => Ok(Request::Destroy { vm: need_vm()? }),
+        "crash" => {
+            let triple = match raw.how.as_deref() {
+                None | Some("ud2") => false,
+                Some("triple") => true,
+                Some(other) => return Err(format!("unknown crash kind '{other}' (ud2 or triple)")),
+            };
+            Ok(Request::Crash { vm: need_vm()?, triple })
+        }
+        other => Err(format!("unknown command '{other}'")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_command() {
+        assert_eq!(parse(br#"{"cmd":"stats"}"#), Ok(Request::Stats));
+        assert_eq!(parse(b"{\"cmd\":\"list\"}\n"), Ok(Request::List));
+        assert_eq!(parse(br#"{"cmd":"create","count":3}"#), Ok(Request::Create { count: 3 }));
+        assert_eq!(parse(br#"{"cmd":"destroy","vm":7}"#), Ok(Request::Destroy { vm: 7 }));
+        assert_eq!(parse(br#"{"cmd":"crash","vm":1,"how":"triple"}"#), Ok(Request::Crash { vm: 1, triple: true }));
+    }
+
+    #[test]
+    fn rejects_bad_requests_with_a_reason() {
+        for (line, fragment) in [
+            (&b"not json"[..], "malformed"),
+            (br#"{"cmd":"reboot"}"#, "unknown command"),
+            (br#"{"cmd":"destroy"}"#, "needs \"vm\""),
+            (br#"{"cmd":"destroy","vm":-1}"#, "malformed"),
+            (br#"{"cmd":"create","count":0}"#, "count >= 1"),
+            (br#"{"cmd":"create","count":100000}"#, "at most"),
+            (br#"{"cmd":"stats","extra":1}"#, "malformed"),
+            (br#"{"cmd":"crash","vm":1,"how":"gently"}"#, "unknown crash kind"),
+            (b"\xff\xfe", "UTF-8"),
+            (b"   ", "empty"),
+        ] {
+            let error = parse(line).unwrap_err();
+            assert!(error.contains(fragment), "{error:?} lacks {fragment:?}");
+        }
+    }
+}

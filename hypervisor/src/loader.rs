@@ -1,0 +1,80 @@
+//! Loads the webguest ELF once into the image shared by every VM.
+
+use crate::abi::{IMAGE_BYTES, IMAGE_GPA, RAM_GPA};
+use crate::memory::Mapping;
+use goblin::elf::{header::EM_X86_64, program_header::PT_LOAD, Elf};
+use std::path::{Path, PathBuf};
+
+/// Why a guest image could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// The file could not be read.
+    #[error("cannot read guest image {path}: {source}")]
+    Read {
+        /// The image path.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// Not an x86-64 ELF executable.
+    #[error("guest image {0} is not an x86-64 ELF executable")]
+    NotElf(PathBuf),
+    /// A segment lies outside the regions the ABI allows.
+    #[error("guest image {path}: segment at {vaddr:#x} (+{memsz:#x}) is outside the image and RAM regions, or initialises RAM")]
+    BadSegment {
+        /// The image path.
+        path: PathBuf,
+        /// Segment address.
+        vaddr: u64,
+        /// Segment size in memory.
+        memsz: u64,
+    },
+    /// Mapping the shared image failed.
+    #[error("cannot map the guest image: {0}")]
+    Map(std::io::Error),
+}
+
+/// The loaded image.
+#[derive(Debug)]
+pub struct GuestImage {
+    /// Text and rodata at [`IMAGE_GPA`]; shared by every VM.
+    pub mapping: Mapping,
+    /// Bytes of `mapping` the VMs map (page-rounded extent of the image).
+    pub mapped_bytes: u64,
+    /// Entry point (guest-physical).
+    pub entry: u64,
+    /// RAM offset where the guest's bss ends.
+    pub bss_end: u64,
+}
+
+/// Loads the ELF at `path`.
+pub fn load(path: &Path) -> Result<GuestImage, LoadError> {
+    let bytes = std::fs::read(path).map_err(|source| LoadError::Read { path: path.into(), source })?;
+    let elf = Elf::parse(&bytes).map_err(|_| LoadError::NotElf(path.into()))?;
+    if !elf.is_64 || elf.header.e_machine != EM_X86_64 {
+        return Err(LoadError::NotElf(path.into()));
+    }
+    let mapping = Mapping::anonymous(IMAGE_BYTES as usize, true).map_err(LoadError::Map)?;
+    let mut image_end = 0u64;
+    let mut bss_end = 0u64;
+    for ph in elf.program_headers.iter().filter(|ph| ph.p_type == PT_LOAD) {
+        let bad = || LoadError::BadSegment { path: path.into(), vaddr: ph.p_vaddr, memsz: ph.p_memsz };
+        let end = ph.p_vaddr.checked_add(ph.p_memsz).ok_or_else(bad)?;
+        if ph.p_vaddr >= IMAGE_GPA && end <= IMAGE_GPA + IMAGE_BYTES {
+            let file = bytes
+                .get(ph.p_offset as usize..(ph.p_offset + ph.p_filesz) as usize)
+                .ok_or_else(bad)?;
+            mapping.write_bytes(ph.p_vaddr - IMAGE_GPA, file);
+            image_end = image_end.max(end - IMAGE_GPA);
+        } else if ph.p_vaddr >= RAM_GPA && ph.p_filesz == 0 {
+            bss_end = bss_end.max(end - RAM_GPA);
+        } else {
+            return Err(bad());
+        }
+    }
+    let entry = elf.entry;
+    if entry < IMAGE_GPA || entry >= IMAGE_GPA + image_end {
+        return Err(LoadError::NotElf(path.into()));
+    }
+    Ok(GuestImage { mapping, mapped_bytes: image_end.next_multiple_of(4096), entry, bss_end })
+}

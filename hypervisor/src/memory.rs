@@ -1,0 +1,109 @@
+//! Host mappings that back guest memory.
+//!
+//! A VM has three regions (see `abi`): its private system pages, the image
+//! shared read-only by every VM, and its RAM. All are anonymous mappings
+//! with MAP_NORESERVE: nothing is allocated until touched.
+
+use std::io;
+use std::ptr::NonNull;
+use std::sync::atomic::AtomicU32;
+
+/// One anonymous host mapping, unmapped on drop.
+#[derive(Debug)]
+pub struct Mapping {
+    base: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain memory; concurrent access from the guest and
+// from host threads goes through volatile or atomic accesses.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps `len` bytes of zeroed private (or shared) anonymous memory.
+    pub fn anonymous(len: usize, shared: bool) -> io::Result<Self> {
+        let visibility = if shared { libc::MAP_SHARED } else { libc::MAP_PRIVATE };
+        // SAFETY: a fresh anonymous mapping aliases nothing.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                visibility | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Mapping { base: NonNull::new(ptr.cast()).expect("mmap returned null"), len })
+    }
+
+    /// Host address of the first byte.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.base.as_ptr()
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Host address of byte `offset`; panics outside the mapping.
+    pub fn at(&self, offset: u64) -> *mut u8 {
+        assert!(offset < self.len as u64, "offset {offset:#x} outside a {:#x}-byte mapping", self.len);
+        // SAFETY: bounds checked above.
+        unsafe { self.base.as_ptr().add(offset as usize) }
+    }
+
+    /// Copies `bytes` to `offset`.
+    pub fn write_bytes(&self, offset: u64, bytes: &[u8]) {
+        assert!(offset as usize + bytes.len() <= self.len);
+        // SAFETY: bounds checked; the destination is ours.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.at(offset), bytes.len()) }
+    }
+
+    /// Writes a plain-data value at `offset`.
+    pub fn write_obj<T: Copy>(&self, offset: u64, value: T) {
+        assert!(offset as usize + std::mem::size_of::<T>() <= self.len);
+        // SAFETY: bounds checked; T is plain data.
+        unsafe { std::ptr::write_unaligned(self.at(offset).cast::<T>(), value) }
+    }
+
+    /// Reads a plain-data value at `offset` that the guest may be writing.
+    pub fn read_volatile<T: Copy>(&self, offset: u64) -> T {
+        assert!(offset as usize + std::mem::size_of::<T>() <= self.len);
+        assert_eq!(offset as usize % std::mem::align_of::<T>(), 0, "unaligned volatile read");
+        // SAFETY: bounds and alignment checked.
+        unsafe { std::ptr::read_volatile(self.at(offset).cast::<T>()) }
+    }
+
+    /// A 32-bit word shared with the guest, at a 4-byte aligned `offset`.
+    pub fn atomic_u32(&self, offset: u64) -> &AtomicU32 {
+        assert!(offset as usize + 4 <= self.len && offset % 4 == 0);
+        // SAFETY: in bounds, aligned, and the mapping outlives the reference.
+        unsafe { AtomicU32::from_ptr(self.at(offset).cast::<u32>()) }
+    }
+
+    /// Bytes of the mapping that are resident in host memory.
+    pub fn resident_bytes(&self) -> u64 {
+        let page = 4096usize;
+        let mut vec = vec![0u8; self.len.div_ceil(page)];
+        // SAFETY: the range is our mapping and vec has one byte per page.
+        let rc = unsafe { libc::mincore(self.as_ptr().cast(), self.len, vec.as_mut_ptr()) };
+        if rc != 0 {
+            return 0;
+        }
+        vec.iter().filter(|b| *b & 1 == 1).count() as u64 * page as u64
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: we own the mapping.
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
+    }
+}

@@ -1,0 +1,73 @@
+//! Statistics replies: per VM and totals.
+
+use crate::monitor::VmEntry;
+use serde_json::{json, Value};
+
+/// One VM's summary for `list`.
+pub fn vm_summary(entry: &VmEntry) -> Value {
+    match entry {
+        VmEntry::Live(vm) => json!({ "id": vm.id, "addr": vm.addr.to_string(), "state": entry.state_name() }),
+        VmEntry::Dead(dead) => json!({ "id": dead.id, "addr": dead.addr.to_string(), "state": dead.state, "reason": dead.reason }),
+    }
+}
+
+/// The `stats` reply: every VM and the totals.
+pub fn collect(vms: &[VmEntry], connections: usize) -> Value {
+    let mut per_vm = Vec::with_capacity(vms.len());
+    let (mut requests, mut errors, mut tx_bytes, mut wakeups) = (0u64, 0u64, 0u64, 0u64);
+    let (mut selfcheck_pages, mut selfcheck_errors) = (0u64, 0u64);
+    let (mut running, mut stopped, mut crashed, mut booting) = (0, 0, 0, 0);
+    let mut ram_resident = 0u64;
+    let mut sys_resident = 0u64;
+    for entry in vms {
+        let state = entry.state_name();
+        match state {
+            "running" => running += 1,
+            "booting" => booting += 1,
+            "crashed" => crashed += 1,
+            _ => stopped += 1,
+        }
+        let (ctrl, mut value) = match entry {
+            VmEntry::Live(vm) => {
+                let ram = vm.ram.resident_bytes();
+                let sys = vm.sys.resident_bytes();
+                ram_resident += ram;
+                sys_resident += sys;
+                (vm.ctrl(), json!({ "id": vm.id, "addr": vm.addr.to_string(), "state": state, "ram_resident_bytes": ram, "sys_resident_bytes": sys }))
+            }
+            VmEntry::Dead(dead) => (dead.ctrl, json!({ "id": dead.id, "addr": dead.addr.to_string(), "state": state, "reason": dead.reason })),
+        };
+        value["requests"] = json!(ctrl.requests);
+        value["errors_4xx"] = json!(ctrl.responses_4xx);
+        value["tx_bytes"] = json!(ctrl.tx_bytes);
+        value["wakeups"] = json!(ctrl.wakeups);
+        value["selfcheck_errors"] = json!(ctrl.selfcheck_errors);
+        requests += ctrl.requests;
+        errors += ctrl.responses_4xx;
+        tx_bytes += ctrl.tx_bytes;
+        wakeups += ctrl.wakeups;
+        selfcheck_pages += ctrl.selfcheck_pages;
+        selfcheck_errors += ctrl.selfcheck_errors;
+        per_vm.push(value);
+    }
+    json!({
+        "ok": true,
+        "totals": {
+            "vms": vms.len(),
+            "running": running,
+            "booting": booting,
+            "crashed": crashed,
+            "stopped": stopped,
+            "connections": connections,
+            "requests": requests,
+            "errors_4xx": errors,
+            "tx_bytes": tx_bytes,
+            "wakeups": wakeups,
+            "selfcheck_pages": selfcheck_pages,
+            "selfcheck_errors": selfcheck_errors,
+            "ram_resident_bytes": ram_resident,
+            "sys_resident_bytes": sys_resident,
+        },
+        "vms": per_vm,
+    })
+}

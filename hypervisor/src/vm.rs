@@ -1,0 +1,209 @@
+//! One microVM as the monitor holds it, and the builder that assembles it.
+
+use crate::abi::{self, BootInfo};
+use crate::boot::{self, RamLayout};
+use crate::devices::stream::StreamDevice;
+use crate::loader::GuestImage;
+use crate::memory::Mapping;
+use crate::platform::Platform;
+use crate::vstate::vcpu::{self, VcpuHandle, VcpuShared};
+use crate::vstate::vm::{self as kvm_vm, Slot, VmCaps};
+use kvm_bindings::CpuId;
+use kvm_ioctls::{Kvm, VmFd};
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::sync::Arc;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+/// VMs that share one doorbell eventfd (the fd limit allows ~4 per VM).
+pub const DOORBELL_GROUP: u32 = 16;
+
+/// Why a VM could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// Host memory could not be mapped.
+    #[error("VM {vm}: map memory: {source}")]
+    Memory {
+        /// VM index.
+        vm: u32,
+        /// The mmap error.
+        source: std::io::Error,
+    },
+    /// An eventfd could not be created.
+    #[error("VM {vm}: eventfd: {source}")]
+    EventFd {
+        /// VM index.
+        vm: u32,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// KVM refused a step.
+    #[error("VM {vm}: {source}")]
+    Kvm {
+        /// VM index.
+        vm: u32,
+        /// The failing step.
+        source: kvm_vm::VmError,
+    },
+    /// The vCPU could not be configured or started.
+    #[error("VM {vm}: {source}")]
+    Vcpu {
+        /// VM index.
+        vm: u32,
+        /// The vCPU error.
+        source: vcpu::VcpuError,
+    },
+    /// The VM's listener could not be bound.
+    #[error("VM {vm}: listen on {addr}: {source}")]
+    Listen {
+        /// VM index.
+        vm: u32,
+        /// The address.
+        addr: SocketAddrV4,
+        /// The bind error.
+        source: std::io::Error,
+    },
+    /// The pager refused the VM's RAM.
+    #[error("VM {vm}: pager: {message}")]
+    Pager {
+        /// VM index.
+        vm: u32,
+        /// The pager's error.
+        message: String,
+    },
+}
+
+/// Everything shared by the VMs a monitor builds.
+pub struct BuildContext {
+    /// /dev/kvm.
+    pub kvm: Kvm,
+    /// Its capabilities.
+    pub caps: VmCaps,
+    /// CPUID given to every vCPU.
+    pub cpuid: CpuId,
+    /// Host-specific set-up.
+    pub platform: Box<dyn Platform>,
+    /// The shared guest image.
+    pub image: GuestImage,
+    /// RAM layout of every VM.
+    pub layout: RamLayout,
+    /// `FLAG_SELFCHECK` or 0, and the working-set write stride.
+    pub extra_flags: u32,
+    /// Write one word in every Nth working-set page per request.
+    pub ws_write_stride: u32,
+    /// Address of VM 0; VM i is at this plus i.
+    pub addr_base: Ipv4Addr,
+    /// TCP port of every VM.
+    pub port: u16,
+    /// Per-VM halt polling, if set.
+    pub halt_poll_ns: Option<u64>,
+    /// Called from a vCPU thread whose guest died.
+    pub on_exit: Arc<dyn Fn(u32) + Send + Sync>,
+    /// Registers a VM's RAM with the pager.
+    pub register_ram: Box<dyn Fn(u32, &Mapping) -> Result<(), String> + Send + Sync>,
+    /// Releases a destroyed VM's RAM from the pager.
+    pub unregister_ram: Box<dyn Fn(u32) + Send + Sync>,
+}
+
+impl BuildContext {
+    /// Address VM `id` listens on.
+    pub fn addr_of(&self, id: u32) -> SocketAddrV4 {
+        SocketAddrV4::new(Ipv4Addr::from(u32::from(self.addr_base).wrapping_add(id)), self.port)
+    }
+}
+
+/// A booted microVM.
+pub struct MicroVm {
+    /// The vCPU thread; first so it stops before anything else goes.
+    pub vcpu: VcpuHandle,
+    _kvm: VmFd,
+    /// Index of the VM.
+    pub id: u32,
+    /// Where it listens.
+    pub addr: SocketAddrV4,
+    /// Its TCP listener.
+    pub listener: mio::net::TcpListener,
+    /// Host-to-guest interrupt.
+    pub irq: EventFd,
+    /// Host side of the stream device.
+    pub stream: StreamDevice,
+    /// Connection (slab key) on each slot.
+    pub slots: [Option<usize>; abi::MAX_SLOTS],
+    /// Connections whose unread bytes wait for credit or ring room.
+    pub waiting: Vec<usize>,
+    /// Accepting paused until a slot or ring room frees up.
+    pub accept_paused: bool,
+    /// The guest reported ready.
+    pub ready: bool,
+    /// System pages (rings, control page).
+    pub sys: Mapping,
+    /// Guest RAM.
+    pub ram: Mapping,
+}
+
+impl MicroVm {
+    /// The guest's control page.
+    pub fn ctrl(&self) -> abi::Ctrl {
+        self.sys.read_volatile(abi::CTRL_GPA)
+    }
+
+    /// Writes the host command word.
+    pub fn command(&self, cmd: u32) {
+        self.sys.atomic_u32(abi::CTRL_GPA + 4).store(cmd, std::sync::atomic::Ordering::Release);
+    }
+
+    /// The vCPU's shared state.
+    pub fn vcpu_state(&self) -> &Arc<VcpuShared> {
+        self.vcpu.shared()
+    }
+}
+
+/// Builds and starts VM `id`, its doorbell wired to `doorbell`.
+pub fn build(ctx: &BuildContext, id: u32, doorbell: &EventFd) -> Result<MicroVm, BuildError> {
+    let layout = ctx.layout;
+    let sys = Mapping::anonymous(abi::SYS_BYTES as usize, false).map_err(|source| BuildError::Memory { vm: id, source })?;
+    let ram = Mapping::anonymous(layout.ram_bytes as usize, false).map_err(|source| BuildError::Memory { vm: id, source })?;
+    let info = BootInfo {
+        magic: abi::BOOT_MAGIC,
+        version: abi::BOOT_VERSION,
+        vm_id: id,
+        flags: ctx.platform.boot_flags() | ctx.extra_flags,
+        ws_write_stride: ctx.ws_write_stride,
+        ram_gpa: abi::RAM_GPA,
+        ram_bytes: layout.ram_bytes,
+        ws_gpa: abi::RAM_GPA + layout.ws_offset,
+        ws_bytes: layout.ws_bytes,
+    };
+    boot::write_system_pages(&sys, &info);
+    (ctx.register_ram)(id, &ram).map_err(|message| BuildError::Pager { vm: id, message })?;
+
+    let addr = ctx.addr_of(id);
+    let listener = std::net::TcpListener::bind(addr).map_err(|source| BuildError::Listen { vm: id, addr, source })?;
+    listener.set_nonblocking(true).map_err(|source| BuildError::Listen { vm: id, addr, source })?;
+    let irq = EventFd::new(EFD_NONBLOCK).map_err(|source| BuildError::EventFd { vm: id, source })?;
+    let slots = [
+        Slot { gpa: abi::SYS_GPA, mapping: &sys, bytes: abi::SYS_BYTES, readonly: false },
+        Slot { gpa: abi::IMAGE_GPA, mapping: &ctx.image.mapping, bytes: ctx.image.mapped_bytes, readonly: true },
+        Slot { gpa: abi::RAM_GPA, mapping: &ram, bytes: layout.ram_bytes, readonly: false },
+    ];
+    let (kvm, vcpu_fd) = kvm_vm::create(&ctx.kvm, ctx.caps, &slots, &irq, doorbell, ctx.halt_poll_ns)
+        .map_err(|source| BuildError::Kvm { vm: id, source })?;
+    let stack_top = abi::RAM_GPA + layout.ram_bytes;
+    vcpu::configure(&vcpu_fd, &ctx.cpuid, ctx.platform.as_ref(), ctx.image.entry, stack_top)
+        .map_err(|source| BuildError::Vcpu { vm: id, source })?;
+    let vcpu = VcpuHandle::spawn(id, vcpu_fd, Arc::clone(&ctx.on_exit)).map_err(|source| BuildError::Vcpu { vm: id, source })?;
+    Ok(MicroVm {
+        vcpu,
+        _kvm: kvm,
+        id,
+        addr,
+        listener: mio::net::TcpListener::from_std(listener),
+        irq,
+        stream: StreamDevice::default(),
+        slots: [None; abi::MAX_SLOTS],
+        waiting: Vec::new(),
+        accept_paused: false,
+        ready: false,
+        sys,
+        ram,
+    })
+}

@@ -1,0 +1,5 @@
+//! KVM objects: the VM (memory slots, interrupt controller, irqfd and
+//! ioeventfd wiring) and its vCPU thread.
+
+pub mod vcpu;
+pub mod vm;

@@ -1,0 +1,212 @@
+//! The vCPU: its boot state, and the thread that keeps it in KVM_RUN.
+
+use crate::abi;
+use crate::boot;
+use crate::platform::{Platform, PlatformError};
+use kvm_bindings::{kvm_msr_entry, kvm_regs, kvm_segment, CpuId, Msrs};
+use kvm_ioctls::{VcpuExit, VcpuFd};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, Once};
+use std::thread::JoinHandle;
+
+const CR0_PE: u64 = 1 << 0;
+const CR0_ET: u64 = 1 << 4;
+const CR0_PG: u64 = 1 << 31;
+const CR4_PAE: u64 = 1 << 5;
+const EFER_LME: u64 = 1 << 8;
+const EFER_LMA: u64 = 1 << 10;
+const MSR_APIC_BASE: u32 = 0x1b;
+/// APIC at its default address, enabled, x2APIC mode, bootstrap processor.
+const APIC_BASE_X2APIC: u64 = 0xfee0_0000 | (1 << 11) | (1 << 10) | (1 << 8);
+const VCPU_STACK_BYTES: usize = 128 << 10;
+
+/// Why a vCPU could not be set up or started.
+#[derive(Debug, thiserror::Error)]
+pub enum VcpuError {
+    /// A KVM call failed.
+    #[error("{what}: {source}")]
+    Kvm {
+        /// The step that failed.
+        what: &'static str,
+        /// The KVM error.
+        source: kvm_ioctls::Error,
+    },
+    /// Host-specific set-up failed.
+    #[error(transparent)]
+    Platform(#[from] PlatformError),
+    /// The thread could not be spawned.
+    #[error("spawn the vCPU thread: {0}")]
+    Spawn(std::io::Error),
+}
+
+fn step<T>(what: &'static str, r: Result<T, kvm_ioctls::Error>) -> Result<T, VcpuError> {
+    r.map_err(|source| VcpuError::Kvm { what, source })
+}
+
+/// Loads 64-bit mode state: registers, segments, paging, the x2APIC.
+pub fn configure(vcpu: &VcpuFd, cpuid: &CpuId, platform: &dyn Platform, entry: u64, stack_top: u64) -> Result<(), VcpuError> {
+    step("set CPUID", vcpu.set_cpuid2(cpuid))?;
+    let mut sregs = step("get special registers", vcpu.get_sregs())?;
+    let code = kvm_segment { base: 0, limit: 0xffff_ffff, selector: 0x08, type_: 11, present: 1, dpl: 0, db: 0, s: 1, l: 1, g: 1, ..Default::default() };
+    let data = kvm_segment { selector: 0x10, type_: 3, l: 0, db: 1, ..code };
+    sregs.cs = code;
+    sregs.ds = data;
+    sregs.es = data;
+    sregs.fs = data;
+    sregs.gs = data;
+    sregs.ss = data;
+    sregs.tr = kvm_segment { base: abi::TSS_GPA, limit: 0x67, selector: boot::TSS_SELECTOR, type_: 11, present: 1, s: 0, ..Default::default() };
+    sregs.ldt = kvm_segment { unusable: 1, type_: 2, present: 1, ..Default::default() };
+    sregs.gdt.base = abi::GDT_GPA;
+    sregs.gdt.limit = boot::GDT_LIMIT;
+    sregs.idt.base = 0;
+    sregs.idt.limit = 0;
+    sregs.cr0 = CR0_PE | CR0_ET | CR0_PG;
+    sregs.cr3 = abi::PML4_GPA;
+    sregs.cr4 = CR4_PAE;
+    sregs.efer = EFER_LME | EFER_LMA;
+    step("set special registers", vcpu.set_sregs(&sregs))?;
+    let regs = kvm_regs { rip: entry, rsp: stack_top, rdi: abi::BOOTINFO_GPA, rflags: 0x2, ..Default::default() };
+    step("set registers", vcpu.set_regs(&regs))?;
+    let apic = kvm_msr_entry { index: MSR_APIC_BASE, data: APIC_BASE_X2APIC, ..Default::default() };
+    let written = step("switch the APIC to x2APIC mode", vcpu.set_msrs(&Msrs::from_entries(&[apic]).expect("one MSR")))?;
+    if written != 1 {
+        return Err(VcpuError::Kvm { what: "switch the APIC to x2APIC mode", source: kvm_ioctls::Error::new(libc::EINVAL) });
+    }
+    platform.configure_vcpu(vcpu)?;
+    Ok(())
+}
+
+/// Run state of a vCPU as the rest of the monitor sees it.
+#[repr(u8)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunState {
+    /// In KVM_RUN (or about to be).
+    Running = 0,
+    /// The guest died; the VM serves nothing more.
+    Crashed = 1,
+    /// Stopped by the monitor.
+    Stopped = 2,
+}
+
+/// State shared between a vCPU thread and the monitor.
+#[derive(Debug, Default)]
+pub struct VcpuShared {
+    state: AtomicU8,
+    stop: AtomicBool,
+    reason: Mutex<Option<String>>,
+}
+
+impl VcpuShared {
+    /// Current run state.
+    pub fn state(&self) -> RunState {
+        match self.state.load(Ordering::Acquire) {
+            0 => RunState::Running,
+            1 => RunState::Crashed,
+            _ => RunState::Stopped,
+        }
+    }
+
+    /// Why the vCPU stopped, if it did.
+    pub fn reason(&self) -> Option<String> {
+        self.reason.lock().expect("reason lock").clone()
+    }
+
+    fn finish(&self, state: RunState, reason: String) {
+        *self.reason.lock().expect("reason lock") = Some(reason);
+        self.state.store(state as u8, Ordering::Release);
+    }
+}
+
+extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
+
+fn kick_signal() -> libc::c_int {
+    vmm_sys_util::signal::SIGRTMIN()
+}
+
+/// A running vCPU thread.
+pub struct VcpuHandle {
+    thread: Option<JoinHandle<()>>,
+    /// `kvm_run.immediate_exit`, written to stop a vCPU about to enter.
+    immediate_exit: *mut u8,
+    shared: Arc<VcpuShared>,
+}
+
+// SAFETY: immediate_exit points into the vCPU's kvm_run mapping, which lives
+// as long as the thread (joined before the handle goes away).
+unsafe impl Send for VcpuHandle {}
+
+impl VcpuHandle {
+    /// Starts `vcpu` on its own thread. `on_exit(vm)` is called from that
+    /// thread when the guest dies, so the monitor can react.
+    pub fn spawn(vm: u32, mut vcpu: VcpuFd, on_exit: Arc<dyn Fn(u32) + Send + Sync>) -> Result<Self, VcpuError> {
+        static HANDLER: Once = Once::new();
+        HANDLER.call_once(|| {
+            vmm_sys_util::signal::register_signal_handler(kick_signal(), kick_handler).expect("register the vCPU kick handler");
+        });
+        let shared = Arc::new(VcpuShared::default());
+        let immediate_exit = std::ptr::addr_of_mut!(vcpu.get_kvm_run().immediate_exit);
+        let thread_shared = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name(format!("vcpu{vm}"))
+            .stack_size(VCPU_STACK_BYTES)
+            .spawn(move || {
+                let (state, reason) = run_loop(&mut vcpu, &thread_shared);
+                thread_shared.finish(state, reason);
+                if state == RunState::Crashed {
+                    on_exit(vm);
+                }
+            })
+            .map_err(VcpuError::Spawn)?;
+        Ok(VcpuHandle { thread: Some(thread), immediate_exit, shared })
+    }
+
+    /// The state shared with the thread.
+    pub fn shared(&self) -> &Arc<VcpuShared> {
+        &self.shared
+    }
+
+    /// Stops the vCPU (if it still runs) and joins its thread.
+    pub fn stop(&mut self) {
+        let Some(thread) = self.thread.take() else { return };
+        self.shared.stop.store(true, Ordering::Release);
+        if !thread.is_finished() {
+            // SAFETY: the kvm_run mapping is alive until the thread ends.
+            unsafe { std::ptr::write_volatile(self.immediate_exit, 1) };
+            use std::os::unix::thread::JoinHandleExt;
+            // SAFETY: the thread has not been joined, so its pthread_t is valid.
+            unsafe { libc::pthread_kill(thread.as_pthread_t(), kick_signal()) };
+        }
+        let _ = thread.join();
+    }
+}
+
+impl Drop for VcpuHandle {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn run_loop(vcpu: &mut VcpuFd, shared: &VcpuShared) -> (RunState, String) {
+    loop {
+        if shared.stop.load(Ordering::Acquire) {
+            return (RunState::Stopped, "stopped by the monitor".into());
+        }
+        match vcpu.run() {
+            Ok(VcpuExit::IoOut(port, _)) if port == abi::PANIC_PORT => {
+                return (RunState::Crashed, "guest exception".into());
+            }
+            Ok(VcpuExit::Hlt) => {}
+            Ok(VcpuExit::Shutdown) => return (RunState::Crashed, "triple fault (shutdown)".into()),
+            Ok(VcpuExit::IoOut(port, _)) => return (RunState::Crashed, format!("write to unknown port {port:#x}")),
+            Ok(VcpuExit::IoIn(port, _)) => return (RunState::Crashed, format!("read from unknown port {port:#x}")),
+            Ok(VcpuExit::MmioWrite(addr, _)) => return (RunState::Crashed, format!("write to unbacked or read-only address {addr:#x}")),
+            Ok(VcpuExit::MmioRead(addr, _)) => return (RunState::Crashed, format!("read of unbacked address {addr:#x}")),
+            Ok(other) => return (RunState::Crashed, format!("unexpected exit {other:?}")),
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                vcpu.set_kvm_immediate_exit(0);
+            }
+            Err(e) => return (RunState::Crashed, format!("KVM_RUN failed: {e}")),
+        }
+    }
+}
