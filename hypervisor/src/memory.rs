@@ -8,11 +8,13 @@ use std::io;
 use std::ptr::NonNull;
 use std::sync::atomic::AtomicU32;
 
-/// One anonymous host mapping, unmapped on drop.
+/// Anonymous host memory: a mapping of its own (unmapped on drop) or a slot
+/// of an [`Arena`] (released to the kernel on drop).
 #[derive(Debug)]
 pub struct Mapping {
     base: NonNull<u8>,
     len: usize,
+    owned: bool,
 }
 
 // SAFETY: the mapping is plain memory; concurrent access from the guest and
@@ -39,7 +41,7 @@ impl Mapping {
         if ptr == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        Ok(Mapping { base: NonNull::new(ptr.cast()).expect("mmap returned null"), len })
+        Ok(Mapping { base: NonNull::new(ptr.cast()).expect("mmap returned null"), len, owned: true })
     }
 
     /// Host address of the first byte.
@@ -103,7 +105,46 @@ impl Mapping {
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        // SAFETY: we own the mapping.
-        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
+        // SAFETY: we own the mapping, or this slot of an arena.
+        unsafe {
+            if self.owned {
+                libc::munmap(self.base.as_ptr().cast(), self.len);
+            } else {
+                libc::madvise(self.base.as_ptr().cast(), self.len, libc::MADV_DONTNEED);
+            }
+        }
+    }
+}
+
+/// Equal-sized slots carved from large mappings, a chunk at a time.
+///
+/// Every VMA of the process is visited when a KVM VM registers its MMU
+/// notifier; one mapping per VM for each kind of memory would make booting
+/// N VMs quadratic. Slots are never reused: VM indices only grow.
+#[derive(Debug)]
+pub struct Arena {
+    slot_bytes: usize,
+    slots_per_chunk: usize,
+    chunks: std::sync::Mutex<Vec<Option<Mapping>>>,
+}
+
+impl Arena {
+    /// An arena of `slot_bytes` slots, mapped `slots_per_chunk` at a time.
+    pub fn new(slot_bytes: usize, slots_per_chunk: usize) -> Self {
+        Arena { slot_bytes, slots_per_chunk, chunks: std::sync::Mutex::new(Vec::new()) }
+    }
+
+    /// Slot `index`, zeroed on first use.
+    pub fn slot(&self, index: usize) -> io::Result<Mapping> {
+        let (chunk, within) = (index / self.slots_per_chunk, index % self.slots_per_chunk);
+        let mut chunks = self.chunks.lock().expect("arena lock");
+        if chunks.len() <= chunk {
+            chunks.resize_with(chunk + 1, || None);
+        }
+        if chunks[chunk].is_none() {
+            chunks[chunk] = Some(Mapping::anonymous(self.slot_bytes * self.slots_per_chunk, false)?);
+        }
+        let base = chunks[chunk].as_ref().expect("chunk mapped").at((within * self.slot_bytes) as u64);
+        Ok(Mapping { base: NonNull::new(base).expect("non-null slot"), len: self.slot_bytes, owned: false })
     }
 }

@@ -32,6 +32,8 @@ const KIND_CONN: usize = 4;
 const READ_CHUNK: u32 = 64 << 10;
 /// Longest control request accepted.
 const MAX_API_LINE: usize = 64 << 10;
+/// Threads that destroy VMs at shutdown.
+const TEARDOWN_THREADS: usize = 16;
 
 fn token(kind: usize, index: usize) -> Token {
     Token((kind << KIND_SHIFT) | index)
@@ -690,7 +692,8 @@ impl Monitor {
                     Err(e) => return json!({ "error": format!("create VM {id}: {e}"), "created": created }),
                 }
             }
-            match vm::build(&self.ctx, id, &self.doorbells[group]) {
+            let parts = vm::park_vcpu(&self.ctx, id).and_then(|vcpu| Ok(vm::Prebuilt { vcpu, kvm: vm::create(&self.ctx, id)? }));
+            match parts.and_then(|parts| vm::build(&self.ctx, id, parts, &self.doorbells[group])) {
                 Ok(vm) => {
                     if let Err(e) = self.adopt(vm) {
                         return json!({ "error": format!("create VM {id}: {e}"), "created": created });
@@ -711,14 +714,33 @@ impl Monitor {
         reply
     }
 
-    /// Stops every vCPU and releases everything; removes the API socket.
+    /// Stops every vCPU and destroys every VM; removes the API socket.
+    ///
+    /// Destroying a KVM VM waits for an SRCU grace period; doing it from
+    /// several threads lets thousands of those waits overlap.
     pub fn shutdown(&mut self) {
+        let _ = std::fs::remove_file(&self.api_path);
+        let mut live: Vec<Box<MicroVm>> = Vec::new();
         for entry in &mut self.vms {
             if let VmEntry::Live(vm) = entry {
-                vm.vcpu.stop();
+                vm.vcpu.request_stop();
             }
         }
-        let _ = std::fs::remove_file(&self.api_path);
+        for entry in self.vms.drain(..) {
+            if let VmEntry::Live(vm) = entry {
+                live.push(vm);
+            }
+        }
+        for vm in &live {
+            (self.ctx.unregister_ram)(vm.id);
+        }
+        let per_thread = live.len().div_ceil(TEARDOWN_THREADS).max(1);
+        std::thread::scope(|scope| {
+            while !live.is_empty() {
+                let chunk: Vec<Box<MicroVm>> = live.drain(..per_thread.min(live.len())).collect();
+                scope.spawn(move || drop(chunk));
+            }
+        });
     }
 }
 

@@ -3,6 +3,7 @@
 
 use crate::boot::RamLayout;
 use crate::loader;
+use crate::memory::Arena;
 use crate::monitor::{Exit, Monitor, MonitorSetup};
 use crate::platform;
 use crate::vm::{self, BuildContext, MicroVm, DOORBELL_GROUP};
@@ -194,6 +195,9 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
         on_exit,
         register_ram: Box::new(|_, _| Ok(())),
         unregister_ram: Box::new(|_| {}),
+        sys_arena: Arena::new(crate::abi::SYS_BYTES as usize, vm::ARENA_CHUNK_VMS),
+        ram_arena: Arena::new(layout.ram_bytes as usize, vm::ARENA_CHUNK_VMS),
+        stack_arena: Arena::new(crate::vstate::vcpu::VCPU_STACK_BYTES, vm::ARENA_CHUNK_VMS),
     };
     Ok(Prepared { ctx, api, api_path, crashed, waker_slot })
 }
@@ -201,6 +205,15 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
 /// Builds VMs `0..count` on `threads` threads, in index order.
 fn build_all(ctx: &BuildContext, doorbells: &[EventFd], count: u32, threads: u32) -> Result<Vec<MicroVm>, String> {
     let threads = threads.clamp(1, 16);
+    let mut kvms = Vec::with_capacity(count as usize);
+    for id in 0..count {
+        kvms.push(vm::create(ctx, id).map_err(|e| e.to_string())?);
+    }
+    let mut parts = Vec::with_capacity(count as usize);
+    for (id, kvm) in (0..count).zip(kvms) {
+        let vcpu = vm::park_vcpu(ctx, id).map_err(|e| e.to_string())?;
+        parts.push(Mutex::new(Some(vm::Prebuilt { vcpu, kvm })));
+    }
     let next = std::sync::atomic::AtomicU32::new(0);
     let built: Mutex<Vec<Option<MicroVm>>> = Mutex::new((0..count).map(|_| None).collect());
     let failure: Mutex<Option<String>> = Mutex::new(None);
@@ -214,7 +227,8 @@ fn build_all(ctx: &BuildContext, doorbells: &[EventFd], count: u32, threads: u32
                 if id >= count {
                     return;
                 }
-                match vm::build(ctx, id, &doorbells[(id / DOORBELL_GROUP) as usize]) {
+                let prebuilt = parts[id as usize].lock().expect("prebuilt").take().expect("each VM built once");
+                match vm::build(ctx, id, prebuilt, &doorbells[(id / DOORBELL_GROUP) as usize]) {
                     Ok(vm) => built.lock().expect("built")[id as usize] = Some(vm),
                     Err(e) => *failure.lock().expect("failure") = Some(e.to_string()),
                 }

@@ -4,7 +4,7 @@ use crate::abi::{self, BootInfo};
 use crate::boot::{self, RamLayout};
 use crate::devices::stream::StreamDevice;
 use crate::loader::GuestImage;
-use crate::memory::Mapping;
+use crate::memory::{Arena, Mapping};
 use crate::platform::Platform;
 use crate::vstate::vcpu::{self, VcpuHandle, VcpuShared};
 use crate::vstate::vm::{self as kvm_vm, Slot, VmCaps};
@@ -16,6 +16,8 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 /// VMs that share one doorbell eventfd (the fd limit allows ~4 per VM).
 pub const DOORBELL_GROUP: u32 = 16;
+/// VMs whose memory one arena chunk holds.
+pub const ARENA_CHUNK_VMS: usize = 64;
 
 /// Why a VM could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -102,6 +104,12 @@ pub struct BuildContext {
     pub register_ram: Box<dyn Fn(u32, &Mapping) -> Result<(), String> + Send + Sync>,
     /// Releases a destroyed VM's RAM from the pager.
     pub unregister_ram: Box<dyn Fn(u32) + Send + Sync>,
+    /// System pages of every VM.
+    pub sys_arena: Arena,
+    /// RAM of every VM.
+    pub ram_arena: Arena,
+    /// vCPU thread stacks.
+    pub stack_arena: Arena,
 }
 
 impl BuildContext {
@@ -157,11 +165,33 @@ impl MicroVm {
     }
 }
 
-/// Builds and starts VM `id`, its doorbell wired to `doorbell`.
-pub fn build(ctx: &BuildContext, id: u32, doorbell: &EventFd) -> Result<MicroVm, BuildError> {
+/// Creates the empty KVM VM that [`build`] completes.
+pub fn create(ctx: &BuildContext, id: u32) -> Result<VmFd, BuildError> {
+    kvm_vm::create(&ctx.kvm).map_err(|source| BuildError::Kvm { vm: id, source })
+}
+
+/// Spawns the parked vCPU thread that [`build`] starts.
+pub fn park_vcpu(ctx: &BuildContext, id: u32) -> Result<VcpuHandle, BuildError> {
+    let stack = ctx.stack_arena.slot(id as usize).map_err(|source| BuildError::Memory { vm: id, source })?;
+    VcpuHandle::park(id, stack, Arc::clone(&ctx.on_exit)).map_err(|source| BuildError::Vcpu { vm: id, source })
+}
+
+/// The pieces of a VM made ahead of [`build`]: creating every KVM VM before
+/// any vCPU maps its run page keeps boot linear in the number of VMs.
+pub struct Prebuilt {
+    /// The parked vCPU thread.
+    pub vcpu: VcpuHandle,
+    /// The empty KVM VM.
+    pub kvm: VmFd,
+}
+
+/// Builds and starts VM `id` from its prebuilt parts, its doorbell wired to
+/// `doorbell`.
+pub fn build(ctx: &BuildContext, id: u32, parts: Prebuilt, doorbell: &EventFd) -> Result<MicroVm, BuildError> {
+    let Prebuilt { mut vcpu, kvm } = parts;
     let layout = ctx.layout;
-    let sys = Mapping::anonymous(abi::SYS_BYTES as usize, false).map_err(|source| BuildError::Memory { vm: id, source })?;
-    let ram = Mapping::anonymous(layout.ram_bytes as usize, false).map_err(|source| BuildError::Memory { vm: id, source })?;
+    let sys = ctx.sys_arena.slot(id as usize).map_err(|source| BuildError::Memory { vm: id, source })?;
+    let ram = ctx.ram_arena.slot(id as usize).map_err(|source| BuildError::Memory { vm: id, source })?;
     let info = BootInfo {
         magic: abi::BOOT_MAGIC,
         version: abi::BOOT_VERSION,
@@ -174,6 +204,12 @@ pub fn build(ctx: &BuildContext, id: u32, doorbell: &EventFd) -> Result<MicroVm,
         ws_bytes: layout.ws_bytes,
     };
     boot::write_system_pages(&sys, &info);
+    // Fault in, writable, the pages the guest reads before it writes them:
+    // a read would map the shared zero page, and the later copy-on-write
+    // would visit every VM's MMU notifier.
+    for page in [abi::VIF_GPA, abi::CTRL_GPA, abi::RINGHDR_GPA, abi::CREDIT_GPA] {
+        sys.write_obj(page, 0u64);
+    }
     (ctx.register_ram)(id, &ram).map_err(|message| BuildError::Pager { vm: id, message })?;
 
     let addr = ctx.addr_of(id);
@@ -185,12 +221,12 @@ pub fn build(ctx: &BuildContext, id: u32, doorbell: &EventFd) -> Result<MicroVm,
         Slot { gpa: abi::IMAGE_GPA, mapping: &ctx.image.mapping, bytes: ctx.image.mapped_bytes, readonly: true },
         Slot { gpa: abi::RAM_GPA, mapping: &ram, bytes: layout.ram_bytes, readonly: false },
     ];
-    let (kvm, vcpu_fd) = kvm_vm::create(&ctx.kvm, ctx.caps, &slots, &irq, doorbell, ctx.halt_poll_ns)
+    let vcpu_fd = kvm_vm::configure(&kvm, ctx.caps, &slots, &irq, doorbell, ctx.halt_poll_ns)
         .map_err(|source| BuildError::Kvm { vm: id, source })?;
     let stack_top = abi::RAM_GPA + layout.ram_bytes;
     vcpu::configure(&vcpu_fd, &ctx.cpuid, ctx.platform.as_ref(), ctx.image.entry, stack_top)
         .map_err(|source| BuildError::Vcpu { vm: id, source })?;
-    let vcpu = VcpuHandle::spawn(id, vcpu_fd, Arc::clone(&ctx.on_exit)).map_err(|source| BuildError::Vcpu { vm: id, source })?;
+    vcpu.start(vcpu_fd);
     Ok(MicroVm {
         vcpu,
         _kvm: kvm,

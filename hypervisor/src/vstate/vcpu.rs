@@ -6,8 +6,9 @@ use crate::platform::{Platform, PlatformError};
 use kvm_bindings::{kvm_msr_entry, kvm_regs, kvm_segment, CpuId, Msrs};
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex, Once};
-use std::thread::JoinHandle;
+use crate::memory::Mapping;
 
 const CR0_PE: u64 = 1 << 0;
 const CR0_ET: u64 = 1 << 4;
@@ -18,7 +19,8 @@ const EFER_LMA: u64 = 1 << 10;
 const MSR_APIC_BASE: u32 = 0x1b;
 /// APIC at its default address, enabled, x2APIC mode, bootstrap processor.
 const APIC_BASE_X2APIC: u64 = 0xfee0_0000 | (1 << 11) | (1 << 10) | (1 << 8);
-const VCPU_STACK_BYTES: usize = 128 << 10;
+/// Stack of a vCPU thread: KVM_RUN and a small exit loop need little.
+pub const VCPU_STACK_BYTES: usize = 128 << 10;
 
 /// Why a vCPU could not be set up or started.
 #[derive(Debug, thiserror::Error)]
@@ -124,41 +126,87 @@ fn kick_signal() -> libc::c_int {
     vmm_sys_util::signal::SIGRTMIN()
 }
 
-/// A running vCPU thread.
+/// A vCPU thread: parked until it is given its vCPU, then in KVM_RUN.
+///
+/// Threads are spawned before the VMs exist: starting a thread changes
+/// memory protections, and once thousands of VMs have registered MMU
+/// notifiers on this process every such change visits all of them.
 pub struct VcpuHandle {
-    thread: Option<JoinHandle<()>>,
+    thread: Option<libc::pthread_t>,
+    start: Option<SyncSender<VcpuFd>>,
     /// `kvm_run.immediate_exit`, written to stop a vCPU about to enter.
     immediate_exit: *mut u8,
     shared: Arc<VcpuShared>,
+    /// The thread's stack, released after the join.
+    _stack: Mapping,
 }
 
 // SAFETY: immediate_exit points into the vCPU's kvm_run mapping, which lives
 // as long as the thread (joined before the handle goes away).
 unsafe impl Send for VcpuHandle {}
 
+type ThreadBody = Box<dyn FnOnce() + Send>;
+
+extern "C" fn thread_entry(arg: *mut libc::c_void) -> *mut libc::c_void {
+    // SAFETY: arg is the Box<ThreadBody> leaked by spawn_on_stack.
+    let body = unsafe { Box::from_raw(arg.cast::<ThreadBody>()) };
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body));
+    std::ptr::null_mut()
+}
+
+/// Starts a POSIX thread on `stack` (no guard page, no signal stack): a
+/// std thread would map both, adding VMAs and protection changes.
+fn spawn_on_stack(stack: &Mapping, body: ThreadBody) -> Result<libc::pthread_t, VcpuError> {
+    let arg = Box::into_raw(Box::new(body));
+    // SAFETY: attr is initialised before use and destroyed after; the stack
+    // outlives the thread (the handle joins before dropping it).
+    unsafe {
+        let mut attr: libc::pthread_attr_t = std::mem::zeroed();
+        libc::pthread_attr_init(&mut attr);
+        libc::pthread_attr_setstack(&mut attr, stack.as_ptr().cast(), stack.len());
+        let mut thread: libc::pthread_t = 0;
+        let rc = libc::pthread_create(&mut thread, &attr, thread_entry, arg.cast());
+        libc::pthread_attr_destroy(&mut attr);
+        if rc != 0 {
+            drop(Box::from_raw(arg));
+            return Err(VcpuError::Spawn(std::io::Error::from_raw_os_error(rc)));
+        }
+        Ok(thread)
+    }
+}
+
 impl VcpuHandle {
-    /// Starts `vcpu` on its own thread. `on_exit(vm)` is called from that
-    /// thread when the guest dies, so the monitor can react.
-    pub fn spawn(vm: u32, mut vcpu: VcpuFd, on_exit: Arc<dyn Fn(u32) + Send + Sync>) -> Result<Self, VcpuError> {
+    /// Spawns the thread for VM `vm` on `stack`, parked until
+    /// [`Self::start`]. `on_exit(vm)` is called from the thread when the
+    /// guest dies.
+    pub fn park(vm: u32, stack: Mapping, on_exit: Arc<dyn Fn(u32) + Send + Sync>) -> Result<Self, VcpuError> {
         static HANDLER: Once = Once::new();
         HANDLER.call_once(|| {
             vmm_sys_util::signal::register_signal_handler(kick_signal(), kick_handler).expect("register the vCPU kick handler");
         });
         let shared = Arc::new(VcpuShared::default());
-        let immediate_exit = std::ptr::addr_of_mut!(vcpu.get_kvm_run().immediate_exit);
+        let (start, parked) = sync_channel::<VcpuFd>(1);
         let thread_shared = Arc::clone(&shared);
-        let thread = std::thread::Builder::new()
-            .name(format!("vcpu{vm}"))
-            .stack_size(VCPU_STACK_BYTES)
-            .spawn(move || {
+        let thread = spawn_on_stack(
+            &stack,
+            Box::new(move || {
+                let Ok(mut vcpu) = parked.recv() else { return };
                 let (state, reason) = run_loop(&mut vcpu, &thread_shared);
                 thread_shared.finish(state, reason);
                 if state == RunState::Crashed {
                     on_exit(vm);
                 }
-            })
-            .map_err(VcpuError::Spawn)?;
-        Ok(VcpuHandle { thread: Some(thread), immediate_exit, shared })
+            }),
+        )?;
+        Ok(VcpuHandle { thread: Some(thread), start: Some(start), immediate_exit: std::ptr::null_mut(), shared, _stack: stack })
+    }
+
+    /// Hands the thread its vCPU: the guest starts running.
+    pub fn start(&mut self, mut vcpu: VcpuFd) {
+        self.immediate_exit = std::ptr::addr_of_mut!(vcpu.get_kvm_run().immediate_exit);
+        if let Some(start) = self.start.take() {
+            let _ = start.send(vcpu);
+        }
     }
 
     /// The state shared with the thread.
@@ -166,18 +214,26 @@ impl VcpuHandle {
         &self.shared
     }
 
-    /// Stops the vCPU (if it still runs) and joins its thread.
-    pub fn stop(&mut self) {
-        let Some(thread) = self.thread.take() else { return };
+    /// Asks the vCPU to leave KVM_RUN, without waiting.
+    pub fn request_stop(&mut self) {
+        self.start.take();
+        let Some(thread) = self.thread else { return };
         self.shared.stop.store(true, Ordering::Release);
-        if !thread.is_finished() {
+        if !self.immediate_exit.is_null() && self.shared.state() == RunState::Running {
             // SAFETY: the kvm_run mapping is alive until the thread ends.
             unsafe { std::ptr::write_volatile(self.immediate_exit, 1) };
-            use std::os::unix::thread::JoinHandleExt;
             // SAFETY: the thread has not been joined, so its pthread_t is valid.
-            unsafe { libc::pthread_kill(thread.as_pthread_t(), kick_signal()) };
+            unsafe { libc::pthread_kill(thread, kick_signal()) };
         }
-        let _ = thread.join();
+    }
+
+    /// Stops the vCPU (if it still runs) and joins its thread.
+    pub fn stop(&mut self) {
+        self.request_stop();
+        if let Some(thread) = self.thread.take() {
+            // SAFETY: joined exactly once.
+            unsafe { libc::pthread_join(thread, std::ptr::null_mut()) };
+        }
     }
 }
 

@@ -63,17 +63,25 @@ pub struct Slot<'a> {
     pub readonly: bool,
 }
 
-/// Creates a VM: memory slots, an in-kernel APIC, an MSI route for `irq`
-/// and the doorbell port wired to `doorbell`, and its one vCPU.
-pub fn create(
-    kvm: &Kvm,
+/// Creates an empty VM.
+///
+/// KVM_CREATE_VM registers an MMU notifier, which takes every VMA lock of
+/// the process: its cost grows with the address space. Creating all VMs
+/// before mapping their memory keeps booting thousands of them linear.
+pub fn create(kvm: &Kvm) -> Result<VmFd, VmError> {
+    step("create the VM", kvm.create_vm())
+}
+
+/// Sets a VM up: memory slots, an in-kernel APIC, an MSI route for `irq`,
+/// the doorbell port wired to `doorbell`, and its one vCPU.
+pub fn configure(
+    vm: &VmFd,
     caps: VmCaps,
     slots: &[Slot<'_>],
     irq: &EventFd,
     doorbell: &EventFd,
     halt_poll_ns: Option<u64>,
-) -> Result<(VmFd, VcpuFd), VmError> {
-    let vm = step("create the VM", kvm.create_vm())?;
+) -> Result<VcpuFd, VmError> {
     for (index, slot) in slots.iter().enumerate() {
         let region = kvm_userspace_memory_region {
             slot: index as u32,
@@ -105,6 +113,5 @@ pub fn create(
         "register the doorbell ioeventfd",
         vm.register_ioevent(doorbell, &IoEventAddress::Pio(abi::DOORBELL_PORT.into()), NoDatamatch),
     )?;
-    let vcpu = step("create the vCPU", vm.create_vcpu(0))?;
-    Ok((vm, vcpu))
+    step("create the vCPU", vm.create_vcpu(0))
 }
