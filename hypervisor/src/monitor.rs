@@ -351,7 +351,6 @@ impl Monitor {
                     vm.stream.tx_consume(&vm.sys, &record);
                     vm.stream.ack(&vm.sys, slot, 0);
                     let conn_key = vm.slots[slot].take();
-                    vm.accept_paused = false;
                     if let Some(key) = conn_key {
                         vm.waiting.retain(|k| *k != key);
                         if let Some(conn) = self.conns.get_mut(key) {
