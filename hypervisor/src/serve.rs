@@ -59,6 +59,9 @@ pub struct ServeArgs {
     /// Give up if the VMs are not all up after this many seconds.
     #[arg(long, default_value_t = 120)]
     pub boot_timeout: u64,
+    /// Report KVM's per-vCPU counters in the stats (one more fd per VM).
+    #[arg(long)]
+    pub vcpu_stats: bool,
     /// Threads that create VMs at boot.
     #[arg(long, default_value_t = 2)]
     pub boot_threads: u32,
@@ -91,7 +94,7 @@ fn default_guest() -> PathBuf {
 }
 
 /// Raises the soft fd limit to the hard one; checks it covers `vms` VMs.
-fn ensure_fd_budget(vms: u32) -> Result<(), ConfigError> {
+fn ensure_fd_budget(vms: u32, fds_per_vm: u64) -> Result<(), ConfigError> {
     let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: plain getrlimit/setrlimit on our own process.
     unsafe {
@@ -99,9 +102,9 @@ fn ensure_fd_budget(vms: u32) -> Result<(), ConfigError> {
         limit.rlim_cur = limit.rlim_max;
         libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
     }
-    let needed = vms as u64 * FDS_PER_VM + FD_HEADROOM;
+    let needed = vms as u64 * fds_per_vm + FD_HEADROOM;
     if needed > limit.rlim_max {
-        let most = (limit.rlim_max.saturating_sub(FD_HEADROOM)) / FDS_PER_VM;
+        let most = (limit.rlim_max.saturating_sub(FD_HEADROOM)) / fds_per_vm;
         return Err(ConfigError(format!(
             "--vms {vms} needs about {needed} file descriptors but RLIMIT_NOFILE allows {} (at most {most} VMs here)",
             limit.rlim_max
@@ -138,7 +141,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
         Some(addr) if addr.is_loopback() && args.addr_base.is_loopback() => {}
         _ => return Err(ConfigError(format!("--addr-base {} + {} VMs leaves 127.0.0.0/8", args.addr_base, args.vms))),
     }
-    ensure_fd_budget(args.vms)?;
+    ensure_fd_budget(args.vms, FDS_PER_VM + args.vcpu_stats as u64)?;
 
     let guest = args.guest.clone().unwrap_or_else(default_guest);
     let image = loader::load(&guest).map_err(|e| ConfigError(e.to_string()))?;
@@ -198,6 +201,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
         sys_arena: Arena::new(crate::abi::SYS_BYTES as usize, vm::ARENA_CHUNK_VMS),
         ram_arena: Arena::new(layout.ram_bytes as usize, vm::ARENA_CHUNK_VMS),
         stack_arena: Arena::new(crate::vstate::vcpu::VCPU_STACK_BYTES, vm::ARENA_CHUNK_VMS),
+        vcpu_stats: args.vcpu_stats,
     };
     Ok(Prepared { ctx, api, api_path, crashed, waker_slot })
 }

@@ -33,7 +33,11 @@ pub fn collect(vms: &[VmEntry], connections: usize) -> Value {
                 let sys = vm.sys.resident_bytes();
                 ram_resident += ram;
                 sys_resident += sys;
-                (vm.ctrl(), json!({ "id": vm.id, "addr": vm.addr.to_string(), "state": state, "ram_resident_bytes": ram, "sys_resident_bytes": sys }))
+                let mut value = json!({ "id": vm.id, "addr": vm.addr.to_string(), "state": state, "ram_resident_bytes": ram, "sys_resident_bytes": sys });
+                if let Some(counters) = vm.kvm_stats.as_ref().and_then(|s| s.read().ok()) {
+                    value["kvm"] = counters.into();
+                }
+                (vm.ctrl(), value)
             }
             VmEntry::Dead(dead) => (dead.ctrl, json!({ "id": dead.id, "addr": dead.addr.to_string(), "state": state, "reason": dead.reason })),
         };

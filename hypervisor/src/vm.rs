@@ -6,6 +6,7 @@ use crate::devices::stream::StreamDevice;
 use crate::loader::GuestImage;
 use crate::memory::{Arena, Mapping};
 use crate::platform::Platform;
+use crate::vstate::stats::VcpuStats;
 use crate::vstate::vcpu::{self, VcpuHandle, VcpuShared};
 use crate::vstate::vm::{self as kvm_vm, Slot, VmCaps};
 use kvm_bindings::CpuId;
@@ -110,6 +111,8 @@ pub struct BuildContext {
     pub ram_arena: Arena,
     /// vCPU thread stacks.
     pub stack_arena: Arena,
+    /// Open each vCPU's KVM statistics (one more fd per VM).
+    pub vcpu_stats: bool,
 }
 
 impl BuildContext {
@@ -146,6 +149,8 @@ pub struct MicroVm {
     pub sys: Mapping,
     /// Guest RAM.
     pub ram: Mapping,
+    /// KVM's counters for the vCPU, when requested.
+    pub kvm_stats: Option<VcpuStats>,
 }
 
 impl MicroVm {
@@ -226,6 +231,10 @@ pub fn build(ctx: &BuildContext, id: u32, parts: Prebuilt, doorbell: &EventFd) -
     let stack_top = abi::RAM_GPA + layout.ram_bytes;
     vcpu::configure(&vcpu_fd, &ctx.cpuid, ctx.platform.as_ref(), ctx.image.entry, stack_top)
         .map_err(|source| BuildError::Vcpu { vm: id, source })?;
+    let kvm_stats = match ctx.vcpu_stats {
+        true => Some(VcpuStats::open(&vcpu_fd).map_err(|source| BuildError::Memory { vm: id, source })?),
+        false => None,
+    };
     vcpu.start(vcpu_fd);
     Ok(MicroVm {
         vcpu,
@@ -241,5 +250,6 @@ pub fn build(ctx: &BuildContext, id: u32, parts: Prebuilt, doorbell: &EventFd) -
         ready: false,
         sys,
         ram,
+        kvm_stats,
     })
 }
