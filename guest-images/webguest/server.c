@@ -38,7 +38,8 @@ struct conn {
 };
 
 static struct conn conns[DV_MAX_SLOTS];
-static uint8_t rx_buffers[DV_MAX_SLOTS][DV_RX_WINDOW] __attribute__((aligned(4096)));
+/* Last in bss (link.ld): a request touches only its own slot's buffer. */
+uint8_t rx_buffers[DV_MAX_SLOTS][DV_RX_WINDOW] __attribute__((aligned(4096), section(".bss.rx")));
 
 static uint32_t round8(uint32_t n) { return (n + 7u) & ~7u; }
 static uint32_t load_acquire(volatile uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }

@@ -63,15 +63,19 @@ pub const MAX_SLOTS: usize = 64;
 /// Request bytes a slot may have outstanding in the guest.
 pub const RX_WINDOW: u32 = 8192;
 /// Response bytes a slot may have unacknowledged by the host.
+#[cfg(test)]
 pub const TX_WINDOW: u32 = 262_144;
 /// Stack at the top of RAM.
 pub const STACK_BYTES: u64 = 0x8000;
 
 /// Size of the object at `/`.
+#[cfg(test)]
 pub const SMALL_BYTES: u32 = 2258;
 /// Size of the object at `/large`.
+#[cfg(test)]
 pub const LARGE_BYTES: u32 = 134_007;
 /// Period of the object byte pattern.
+#[cfg(test)]
 pub const PATTERN_PERIOD: u32 = 4096;
 
 /// Connection bytes (both directions).
@@ -88,6 +92,7 @@ pub const REC_PAD: u8 = 0xff;
 pub const RECORD_HEADER: u32 = 8;
 
 /// Guest state: booting.
+#[cfg(test)]
 pub const STATE_BOOTING: u32 = 0;
 /// Guest state: serving.
 pub const STATE_READY: u32 = 1;

@@ -25,14 +25,16 @@ pub struct RamLayout {
     pub ws_offset: u64,
     /// Size of the working set.
     pub ws_bytes: u64,
+    /// RAM offset of the connection buffers (end of per-request bss).
+    pub rx_buffers: u64,
 }
 
 impl RamLayout {
     /// Lays out RAM: bss, then the working set, stack at the top. Returns
     /// `None` when they do not fit.
-    pub fn new(ram_bytes: u64, bss_end: u64, ws_bytes: u64) -> Option<Self> {
+    pub fn new(ram_bytes: u64, bss_end: u64, rx_buffers: u64, ws_bytes: u64) -> Option<Self> {
         let ws_offset = bss_end.next_multiple_of(PAGE);
-        (ws_offset + ws_bytes + abi::STACK_BYTES <= ram_bytes).then_some(RamLayout { ram_bytes, ws_offset, ws_bytes })
+        (ws_offset + ws_bytes + abi::STACK_BYTES <= ram_bytes).then_some(RamLayout { ram_bytes, ws_offset, ws_bytes, rx_buffers })
     }
 
     /// The smallest RAM that holds the layout.
@@ -40,10 +42,20 @@ impl RamLayout {
         bss_end.next_multiple_of(PAGE) + ws_bytes + abi::STACK_BYTES
     }
 
-    /// RAM ranges (offset, length) every request touches: the working set,
-    /// the stack, and the head of bss (connection state).
+    /// RAM ranges (offset, length) a request on the first connection slot
+    /// touches: per-request bss, the slot's buffer, the working set, the stack.
     pub fn request_ranges(&self) -> Vec<(u64, u64)> {
-        vec![(self.ws_offset, self.ws_bytes), (self.ram_bytes - abi::STACK_BYTES, abi::STACK_BYTES)]
+        vec![
+            (0, self.rx_buffers),
+            (self.rx_buffers, abi::RX_WINDOW as u64),
+            (self.ws_offset, self.ws_bytes),
+            (self.ram_bytes - abi::STACK_BYTES, abi::STACK_BYTES),
+        ]
+    }
+
+    /// Bytes a request touches.
+    pub fn request_footprint(&self) -> u64 {
+        self.request_ranges().iter().map(|(_, len)| len).sum()
     }
 }
 
@@ -84,10 +96,11 @@ mod tests {
 
     #[test]
     fn layout_puts_the_working_set_after_bss_and_leaves_the_stack() {
-        let layout = RamLayout::new(4 << 20, 0x86e08, 896 << 10).unwrap();
+        let layout = RamLayout::new(4 << 20, 0x86e08, 0x7000, 896 << 10).unwrap();
         assert_eq!(layout.ws_offset, 0x87000);
         assert!(layout.ws_offset + layout.ws_bytes <= layout.ram_bytes - abi::STACK_BYTES);
-        assert!(RamLayout::new(1 << 20, 0x86e08, 896 << 10).is_none());
+        assert!(RamLayout::new(1 << 20, 0x86e08, 0x7000, 896 << 10).is_none());
+        assert_eq!(layout.request_footprint(), 0x7000 + 8192 + (896 << 10) + abi::STACK_BYTES);
         assert_eq!(RamLayout::min_ram_bytes(0x86e08, 896 << 10), 0x87000 + (896 << 10) + abi::STACK_BYTES);
     }
 

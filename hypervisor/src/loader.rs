@@ -16,8 +16,8 @@ pub enum LoadError {
         /// The I/O error.
         source: std::io::Error,
     },
-    /// Not an x86-64 ELF executable.
-    #[error("guest image {0} is not an x86-64 ELF executable")]
+    /// Not an x86-64 ELF executable with the webguest symbols.
+    #[error("guest image {0} is not a webguest x86-64 ELF executable")]
     NotElf(PathBuf),
     /// A segment lies outside the regions the ABI allows.
     #[error("guest image {path}: segment at {vaddr:#x} (+{memsz:#x}) is outside the image and RAM regions, or initialises RAM")]
@@ -45,6 +45,9 @@ pub struct GuestImage {
     pub entry: u64,
     /// RAM offset where the guest's bss ends.
     pub bss_end: u64,
+    /// RAM offset of the connection buffers, which end bss; everything
+    /// before them is state every request touches.
+    pub rx_buffers: u64,
 }
 
 /// Loads the ELF at `path`.
@@ -72,9 +75,17 @@ pub fn load(path: &Path) -> Result<GuestImage, LoadError> {
             return Err(bad());
         }
     }
+    let rx_buffers = elf
+        .syms
+        .iter()
+        .find(|sym| elf.strtab.get_at(sym.st_name) == Some("rx_buffers"))
+        .map(|sym| sym.st_value)
+        .filter(|addr| *addr >= RAM_GPA && *addr - RAM_GPA < bss_end)
+        .ok_or_else(|| LoadError::NotElf(path.into()))?
+        - RAM_GPA;
     let entry = elf.entry;
     if entry < IMAGE_GPA || entry >= IMAGE_GPA + image_end {
         return Err(LoadError::NotElf(path.into()));
     }
-    Ok(GuestImage { mapping, mapped_bytes: image_end.next_multiple_of(4096), entry, bss_end })
+    Ok(GuestImage { mapping, mapped_bytes: image_end.next_multiple_of(4096), entry, bss_end, rx_buffers })
 }

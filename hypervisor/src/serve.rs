@@ -3,6 +3,8 @@
 
 use crate::boot::RamLayout;
 use crate::loader;
+use paging_policy::trace::{TraceHeader, TraceWriter};
+use paging_policy::{parse_size, Pager, PagerConfig};
 use crate::memory::Arena;
 use crate::monitor::{Exit, Monitor, MonitorSetup};
 use crate::platform;
@@ -59,6 +61,30 @@ pub struct ServeArgs {
     /// Give up if the VMs are not all up after this many seconds.
     #[arg(long, default_value_t = 120)]
     pub boot_timeout: u64,
+    /// Memory budget for all guest RAM together.
+    #[arg(long, default_value = "1G")]
+    pub mem: String,
+    /// Paging block size: the unit of fault-in and eviction (4k..256k, a power of two).
+    #[arg(long, default_value = "32k")]
+    pub block: String,
+    /// Paging policy: demand, wsswap, or the path of a policy plugin (.so).
+    #[arg(long, default_value = "demand")]
+    pub policy: String,
+    /// Swap file or block device [default: densevm-swap-<pid>.img in the current directory].
+    #[arg(long)]
+    pub swap: Option<PathBuf>,
+    /// Keep the swap file at exit.
+    #[arg(long)]
+    pub keep_swap: bool,
+    /// Size of the swap device [default: room for every VM's RAM].
+    #[arg(long)]
+    pub swap_size: Option<String>,
+    /// Disk model added to the swap I/O: none, hdd, hdd15k, ssd, array:N, raid5:N, with overrides (hdd,seek_ms=9).
+    #[arg(long, default_value = "none")]
+    pub disk: String,
+    /// Record the VM of every served request, for pagesim.
+    #[arg(long)]
+    pub record_trace: Option<PathBuf>,
     /// Report KVM's per-vCPU counters in the stats (one more fd per VM).
     #[arg(long)]
     pub vcpu_stats: bool,
@@ -70,21 +96,6 @@ pub struct ServeArgs {
 /// A configuration or set-up error: one line, exit code 2.
 #[derive(Debug)]
 struct ConfigError(String);
-
-/// Parses sizes like 4096, 32k, 896K, 4M, 1G (binary units).
-pub fn parse_size(text: &str) -> Result<u64, String> {
-    let t = text.trim();
-    let (digits, unit) = t.split_at(t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len()));
-    let base: u64 = digits.parse().map_err(|_| format!("'{text}' is not a size (e.g. 32k, 4M, 1G)"))?;
-    let shift = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kb" | "kib" => 10,
-        "m" | "mb" | "mib" => 20,
-        "g" | "gb" | "gib" => 30,
-        _ => return Err(format!("'{text}' has an unknown unit (use k, M or G)")),
-    };
-    base.checked_mul(1 << shift).ok_or_else(|| format!("'{text}' is too large"))
-}
 
 fn default_guest() -> PathBuf {
     std::env::current_exe()
@@ -119,6 +130,8 @@ struct Prepared {
     api_path: PathBuf,
     crashed: Arc<Mutex<Vec<u32>>>,
     waker_slot: Arc<Mutex<Option<Arc<mio::Waker>>>>,
+    pager: Arc<Pager>,
+    trace: Option<TraceWriter>,
 }
 
 fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
@@ -128,8 +141,9 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
     if args.ws_write_stride == 0 {
         return Err(ConfigError("--ws-write-stride must be at least 1".into()));
     }
-    let ws = parse_size(&args.ws).map_err(|e| ConfigError(format!("--ws: {e}")))?;
-    let guest_mem = parse_size(&args.guest_mem).map_err(|e| ConfigError(format!("--guest-mem: {e}")))?;
+    let size = |flag: &str, text: &str| parse_size(text).map_err(|e| ConfigError(format!("{flag}: {e}")));
+    let ws = size("--ws", &args.ws)?;
+    let guest_mem = size("--guest-mem", &args.guest_mem)?;
     if ws % 4096 != 0 || guest_mem % 4096 != 0 {
         return Err(ConfigError("--ws and --guest-mem must be multiples of 4 KiB".into()));
     }
@@ -145,7 +159,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
 
     let guest = args.guest.clone().unwrap_or_else(default_guest);
     let image = loader::load(&guest).map_err(|e| ConfigError(e.to_string()))?;
-    let layout = RamLayout::new(guest_mem, image.bss_end, ws).ok_or_else(|| {
+    let layout = RamLayout::new(guest_mem, image.bss_end, image.rx_buffers, ws).ok_or_else(|| {
         ConfigError(format!(
             "--guest-mem {} cannot hold the guest ({} KiB of bss), a {} KiB working set and its stack: needs at least {} KiB",
             args.guest_mem,
@@ -154,6 +168,29 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
             RamLayout::min_ram_bytes(image.bss_end, ws) / 1024
         ))
     })?;
+
+    let pager_config = PagerConfig {
+        budget_bytes: size("--mem", &args.mem)?,
+        block_bytes: size("--block", &args.block)?,
+        policy: args.policy.clone(),
+        swap_path: args.swap.clone(),
+        keep_swap: args.keep_swap,
+        disk: args.disk.clone(),
+        swap_bytes: args.swap_size.as_deref().map(|s| size("--swap-size", s)).transpose()?,
+    };
+    pager_config.validate(layout.ram_bytes, layout.request_footprint()).map_err(|e| ConfigError(e.to_string()))?;
+    let trace = match &args.record_trace {
+        Some(path) => {
+            let header = TraceHeader {
+                block_bytes: pager_config.block_bytes,
+                vm_ram_bytes: layout.ram_bytes,
+                vms: args.vms,
+                request_ranges: layout.request_ranges(),
+            };
+            Some(TraceWriter::create(path, &header).map_err(|e| ConfigError(format!("--record-trace: {e}")))?)
+        }
+        None => None,
+    };
 
     let kvm = Kvm::new().map_err(|e| ConfigError(format!("cannot open /dev/kvm: {e}")))?;
     let caps = VmCaps::probe(&kvm).map_err(ConfigError)?;
@@ -167,6 +204,9 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
         }
         let _ = std::fs::remove_file(&api_path);
     }
+    // Room in the swap for VMs created later through the API, too.
+    let max_vms = args.vms.saturating_mul(2).max(args.vms + 64);
+    let pager = Pager::new(pager_config, max_vms, layout.ram_bytes).map_err(|e| ConfigError(e.to_string()))?;
     let api = std::os::unix::net::UnixListener::bind(&api_path)
         .map_err(|e| ConfigError(format!("cannot bind control socket {}: {e}", api_path.display())))?;
     api.set_nonblocking(true).map_err(|e| ConfigError(format!("control socket: {e}")))?;
@@ -196,14 +236,20 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
         port: args.port,
         halt_poll_ns: args.halt_poll_ns,
         on_exit,
-        register_ram: Box::new(|_, _| Ok(())),
-        unregister_ram: Box::new(|_| {}),
+        register_ram: {
+            let pager = Arc::clone(&pager);
+            Box::new(move |vm, ram| pager.register_vm(vm, ram.as_ptr(), ram.len()).map_err(|e| e.to_string()))
+        },
+        unregister_ram: {
+            let pager = Arc::clone(&pager);
+            Box::new(move |vm| pager.unregister_vm(vm))
+        },
         sys_arena: Arena::new(crate::abi::SYS_BYTES as usize, vm::ARENA_CHUNK_VMS),
         ram_arena: Arena::new(layout.ram_bytes as usize, vm::ARENA_CHUNK_VMS),
         stack_arena: Arena::new(crate::vstate::vcpu::VCPU_STACK_BYTES, vm::ARENA_CHUNK_VMS),
         vcpu_stats: args.vcpu_stats,
     };
-    Ok(Prepared { ctx, api, api_path, crashed, waker_slot })
+    Ok(Prepared { ctx, api, api_path, crashed, waker_slot, pager, trace })
 }
 
 /// Builds VMs `0..count` on `threads` threads, in index order.
@@ -245,6 +291,47 @@ fn build_all(ctx: &BuildContext, doorbells: &[EventFd], count: u32, threads: u32
     Ok(built.into_inner().expect("built").into_iter().map(|vm| vm.expect("every VM built")).collect())
 }
 
+/// Connects the monitor to the pager: reference bits and the request trace
+/// as guests serve, the pager's stats in every stats reply, and its fatal
+/// errors ending the run.
+fn attach_pager(monitor: &mut Monitor, pager: &Arc<Pager>, mut trace: Option<TraceWriter>) {
+    let noted = Arc::clone(pager);
+    monitor.on_requests(Box::new(move |vm, requests| {
+        noted.note_access(vm);
+        if let Some(writer) = trace.as_mut() {
+            for _ in 0..requests {
+                if let Err(e) = writer.record(vm) {
+                    eprintln!("densevm: error: trace: {e}; recording stops");
+                    trace = None;
+                    break;
+                }
+            }
+        }
+    }));
+    let failed = Arc::clone(pager);
+    monitor.fatal_check(Box::new(move || failed.fatal_error().map(|e| format!("pager: {e}"))));
+    let stats = Arc::clone(pager);
+    monitor.extra_stats(Box::new(move |reply| {
+        let paging = stats.stats();
+        if let (Some(totals), Some(ours)) = (paging.get("totals").and_then(|t| t.as_object()), reply.get_mut("totals")) {
+            for (key, value) in totals {
+                ours[key] = value.clone();
+            }
+        }
+        if let (Some(per_vm), Some(vms)) = (paging.get("vms"), reply.get_mut("vms").and_then(|v| v.as_array_mut())) {
+            for vm in vms {
+                let id = vm["id"].to_string();
+                if let Some(theirs) = per_vm.get(&id).and_then(|v| v.as_object()) {
+                    for (key, value) in theirs {
+                        vm[key] = value.clone();
+                    }
+                }
+            }
+        }
+        reply["pager"] = paging.get("config").cloned().unwrap_or(paging["totals"].clone());
+    }));
+}
+
 /// Runs `densevm serve`; returns the exit code.
 pub fn run(args: ServeArgs) -> i32 {
     let prepared = match prepare(&args) {
@@ -254,25 +341,23 @@ pub fn run(args: ServeArgs) -> i32 {
             return 2;
         }
     };
-    let Prepared { ctx, api, api_path, crashed, waker_slot } = prepared;
+    let Prepared { ctx, api, api_path, crashed, waker_slot, pager, trace } = prepared;
+    let fail = |message: String| {
+        eprintln!("densevm: error: {message}");
+        let _ = std::fs::remove_file(&api_path);
+        pager.shutdown();
+        1
+    };
     let boot_started = Instant::now();
     let groups = args.vms.div_ceil(DOORBELL_GROUP);
     let doorbells: Result<Vec<EventFd>, _> = (0..groups).map(|_| EventFd::new(EFD_NONBLOCK)).collect();
     let doorbells = match doorbells {
         Ok(d) => d,
-        Err(e) => {
-            eprintln!("densevm: error: doorbell eventfds: {e}");
-            let _ = std::fs::remove_file(&api_path);
-            return 1;
-        }
+        Err(e) => return fail(format!("doorbell eventfds: {e}")),
     };
     let vms = match build_all(&ctx, &doorbells, args.vms, args.boot_threads) {
         Ok(vms) => vms,
-        Err(e) => {
-            eprintln!("densevm: error: {e}");
-            let _ = std::fs::remove_file(&api_path);
-            return 1;
-        }
+        Err(e) => return fail(e),
     };
     let ready_line = json!({
         "api": api_path.display().to_string(),
@@ -295,17 +380,15 @@ pub fn run(args: ServeArgs) -> i32 {
     };
     let (mut monitor, waker) = match Monitor::new(setup) {
         Ok(m) => m,
-        Err(e) => {
-            eprintln!("densevm: error: event loop: {e}");
-            let _ = std::fs::remove_file(&api_path);
-            return 1;
-        }
+        Err(e) => return fail(format!("event loop: {e}")),
     };
+    attach_pager(&mut monitor, &pager, trace);
     *waker_slot.lock().expect("waker") = Some(waker);
     // A crash reported before the waker existed is still in the queue.
     let _ = waker_slot.lock().expect("waker").as_ref().map(|w| w.wake());
     let outcome = monitor.run();
     monitor.shutdown();
+    pager.shutdown();
     match outcome {
         Ok(Exit::Signal(signal)) => {
             println!("{}", json!({ "event": "exit", "reason": "signal", "signal": signal }));
@@ -316,22 +399,5 @@ pub fn run(args: ServeArgs) -> i32 {
             println!("{}", json!({ "event": "exit", "reason": "error", "error": message }));
             1
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::parse_size;
-
-    #[test]
-    fn sizes_parse_with_binary_units() {
-        assert_eq!(parse_size("4096"), Ok(4096));
-        assert_eq!(parse_size("32k"), Ok(32 << 10));
-        assert_eq!(parse_size("896K"), Ok(896 << 10));
-        assert_eq!(parse_size("4M"), Ok(4 << 20));
-        assert_eq!(parse_size("1G"), Ok(1 << 30));
-        assert!(parse_size("12q").is_err());
-        assert!(parse_size("k").is_err());
-        assert!(parse_size("99999999999999G").is_err());
     }
 }
