@@ -24,6 +24,8 @@ const FDS_PER_VM: u64 = 4;
 /// Descriptors kept free for connections, the API and the pager.
 const FD_HEADROOM: u64 = 1024;
 const KVM_MAX_CPUID_ENTRIES: usize = 256;
+/// Longest orderly teardown before the process just exits.
+const TEARDOWN_GRACE: Duration = Duration::from_secs(30);
 
 /// Flags of `densevm serve`.
 #[derive(Args, Debug)]
@@ -387,6 +389,13 @@ pub fn run(args: ServeArgs) -> i32 {
     // A crash reported before the waker existed is still in the queue.
     let _ = waker_slot.lock().expect("waker").as_ref().map(|w| w.wake());
     let outcome = monitor.run();
+    // A vCPU blocked in a fault the pager can no longer serve would hold the
+    // teardown forever; exiting the process releases everything anyway.
+    std::thread::spawn(|| {
+        std::thread::sleep(TEARDOWN_GRACE);
+        eprintln!("densevm: teardown took over {} s; exiting with VMs still held", TEARDOWN_GRACE.as_secs());
+        std::process::exit(1);
+    });
     monitor.shutdown();
     pager.shutdown();
     match outcome {

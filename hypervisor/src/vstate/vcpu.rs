@@ -190,6 +190,9 @@ impl VcpuHandle {
         let thread = spawn_on_stack(
             &stack,
             Box::new(move || {
+                let name = std::ffi::CString::new(format!("vcpu{vm}")).expect("no NUL in a thread name");
+                // SAFETY: names the calling thread; the name is under 16 bytes.
+                unsafe { libc::pthread_setname_np(libc::pthread_self(), name.as_ptr()) };
                 let Ok(mut vcpu) = parked.recv() else { return };
                 let (state, reason) = run_loop(&mut vcpu, &thread_shared);
                 thread_shared.finish(state, reason);
