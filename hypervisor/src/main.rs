@@ -29,7 +29,21 @@ enum Command {
     Serve(serve::ServeArgs),
 }
 
+/// Keeps the allocator from changing memory protections.
+///
+/// glibc grows a thread's malloc arena with mprotect; once thousands of VMs
+/// have MMU notifiers on this process, every mprotect visits all of them.
+/// One brk-grown arena that is never trimmed avoids that.
+fn tame_allocator() {
+    // SAFETY: mallopt only tunes the allocator; called before other threads exist.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+    }
+}
+
 fn main() {
+    tame_allocator();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
