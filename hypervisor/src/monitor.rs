@@ -715,29 +715,23 @@ impl Monitor {
 
     /// Stops every vCPU and destroys every VM; removes the API socket.
     ///
-    /// Destroying a KVM VM waits for an SRCU grace period; doing it from
-    /// several threads lets thousands of those waits overlap.
+    /// Memory is released only after every KVM VM is gone: before that,
+    /// each release would visit all remaining VMs' MMU notifiers. VMs are
+    /// destroyed from several threads so their SRCU grace periods overlap.
+    /// The pager's registrations go with the pager.
     pub fn shutdown(&mut self) {
         let _ = std::fs::remove_file(&self.api_path);
         let mut live: Vec<Box<MicroVm>> = Vec::new();
-        for entry in &mut self.vms {
-            if let VmEntry::Live(vm) = entry {
-                vm.vcpu.request_stop();
-            }
-        }
         for entry in self.vms.drain(..) {
-            if let VmEntry::Live(vm) = entry {
+            if let VmEntry::Live(mut vm) = entry {
+                vm.vcpu.request_stop();
                 live.push(vm);
             }
         }
-        for vm in &live {
-            (self.ctx.unregister_ram)(vm.id);
-        }
         let per_thread = live.len().div_ceil(TEARDOWN_THREADS).max(1);
         std::thread::scope(|scope| {
-            while !live.is_empty() {
-                let chunk: Vec<Box<MicroVm>> = live.drain(..per_thread.min(live.len())).collect();
-                scope.spawn(move || drop(chunk));
+            for chunk in live.chunks_mut(per_thread) {
+                scope.spawn(move || chunk.iter_mut().for_each(|vm| vm.release_kvm()));
             }
         });
     }

@@ -126,7 +126,8 @@ impl BuildContext {
 pub struct MicroVm {
     /// The vCPU thread; first so it stops before anything else goes.
     pub vcpu: VcpuHandle,
-    _kvm: VmFd,
+    /// The KVM VM; `None` once released by [`MicroVm::release_kvm`].
+    kvm: Option<VmFd>,
     /// Index of the VM.
     pub id: u32,
     /// Where it listens.
@@ -167,6 +168,13 @@ impl MicroVm {
     /// The vCPU's shared state.
     pub fn vcpu_state(&self) -> &Arc<VcpuShared> {
         self.vcpu.shared()
+    }
+
+    /// Stops the vCPU and destroys the KVM VM, keeping the memory. Once no
+    /// KVM VM is left, releasing memory no longer visits MMU notifiers.
+    pub fn release_kvm(&mut self) {
+        self.vcpu.stop();
+        self.kvm.take();
     }
 }
 
@@ -238,7 +246,7 @@ pub fn build(ctx: &BuildContext, id: u32, parts: Prebuilt, doorbell: &EventFd) -
     vcpu.start(vcpu_fd);
     Ok(MicroVm {
         vcpu,
-        _kvm: kvm,
+        kvm: Some(kvm),
         id,
         addr,
         listener: mio::net::TcpListener::from_std(listener),
