@@ -248,7 +248,7 @@ def test_sigterm_tears_everything_down(tmp_path):
         (["--vms", "2", "--guest-mem", "1M"], "cannot hold the guest"),
         (["--vms", "2", "--addr-base", "10.0.0.1"], "127.0.0.0/8"),
         (["--vms", "2", "--guest", "/nonexistent/webguest.elf"], "cannot read guest image"),
-        (["--vms", "2", "--ws", "lots"], "not a size"),
+        (["--vms", "2", "--ws", "lots"], "invalid size"),
         (["--vms", "100000"], "file descriptors"),
         (["--vms", "2", "--bogus-flag"], "--bogus-flag"),
     ],

@@ -1,0 +1,200 @@
+"""The database guest under real libvirt/QEMU: a short TPC-C-like run traced from the host, and failures.
+
+Needs root, libvirtd, qemu-system-x86_64, debootstrap and the Debian mirror
+(for the first image build, a few minutes; cached afterwards). Skips, saying
+why, only when one of those is truly absent.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "controller"))
+
+from scalebench.db import cli  # noqa: E402
+from scalebench.db.errors import DbTraceError  # noqa: E402
+
+REQUIRED_TOOLS = ("libvirtd", "qemu-system-x86_64", "qemu-img", "debootstrap", "mkfs.ext4", "chroot")
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (libvirtd, debootstrap, chroot)")
+
+
+def _require_deps() -> None:
+    """Tools from packages.apt and Python packages are installed by `make deps`: their absence is a failure."""
+    for tool in REQUIRED_TOOLS:
+        if shutil.which(tool) is None:
+            pytest.fail(f"{tool} is not installed: run `make deps` first")
+    for module in ("libvirt", "pg8000"):
+        if importlib.util.find_spec(module) is None:
+            pytest.fail(f"Python package {module} is not installed (pip install libvirt-python pg8000)")
+
+
+@pytest.fixture(scope="module")
+def image():  # type: ignore[no-untyped-def]
+    from scalebench.db.image import ensure_image
+
+    _require_deps()
+    return ensure_image()
+
+
+@pytest.fixture(scope="module")
+def libvirt_conn():  # type: ignore[no-untyped-def]
+    from scalebench.db.daemon import Libvirt
+
+    with Libvirt() as lv:
+        yield lv.conn
+
+
+def _base_state(path: str) -> tuple[int, float, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime, st.st_mode
+
+
+def _domain_names(conn) -> list[str]:  # type: ignore[no-untyped-def]
+    return [d.name() for d in conn.listAllDomains()]
+
+
+@needs_root
+def test_short_tpcc_run_traces_reads_and_writes_inside_the_disk(image, libvirt_conn, tmp_path: Path) -> None:
+    from scalebench.db.guest import DbGuest, GuestConfig
+    from scalebench.db.run import RunOptions, run_on_guest
+
+    before = _base_state(image.rootfs)
+    opts = RunOptions(workload="tpcc", mix="standard", clients=2, duration_s=15, disk="ssd", out_dir=tmp_path)
+    with DbGuest(GuestConfig(image=image, run_dir=tmp_path, disk="ssd"), libvirt_conn) as guest:
+        name = guest.name
+        assert name in _domain_names(libvirt_conn)
+        result = run_on_guest(guest, opts, tmp_path)
+    assert name not in _domain_names(libvirt_conn)
+    assert result.throughput.completed > 0
+    assert set(result.throughput.by_interaction) <= {"new_order", "payment", "order_status", "delivery",
+                                                      "stock_level"}
+    m = result.metrics
+    assert m is not None and m.reads > 0 and m.writes > 0
+    assert m.sectors_read > 0 and m.sectors_written > 0
+    assert result.lba_in_range
+    rows = Path(result.trace_csv).read_text().splitlines()
+    assert rows[0] == "t_s,op,lba,sectors,latency_ms"
+    disk_sectors = os.stat(image.rootfs).st_size // 512
+    for row in rows[1:]:
+        _t, op, lba, sectors, _lat = row.split(",")
+        assert op in ("R", "W", "F")
+        assert 0 <= int(lba) and int(lba) + int(sectors) <= disk_sectors
+    assert Path(result.lba_plot).stat().st_size > 0
+    assert _base_state(image.rootfs) == before
+    assert not list(tmp_path.glob("*.overlay"))
+
+
+@needs_root
+def test_boot_timeout_destroys_the_domain_and_keeps_the_base_image(image, libvirt_conn, tmp_path: Path) -> None:
+    from scalebench.db.guest import DbGuest, GuestConfig
+
+    before = _base_state(image.rootfs)
+    guest = DbGuest(GuestConfig(image=image, run_dir=tmp_path, disk="none", boot_timeout_s=2.0), libvirt_conn)
+    with pytest.raises(DbTraceError, match="did not come up within 2 s"):
+        with guest:
+            pass
+    assert guest.name not in _domain_names(libvirt_conn)
+    assert not list(tmp_path.glob("*.overlay")) and not list(tmp_path.glob("*.sock"))
+    assert _base_state(image.rootfs) == before
+
+
+@needs_root
+def test_tracer_or_qemu_dying_mid_run_is_a_clear_error(image, libvirt_conn, tmp_path: Path) -> None:
+    from scalebench.db.guest import DbGuest, GuestConfig
+
+    with DbGuest(GuestConfig(image=image, run_dir=tmp_path, disk="none"), libvirt_conn) as guest:
+        guest.server.stop()  # the tracer dies under a running guest
+        with pytest.raises(DbTraceError, match="block tracer stopped"):
+            guest.check_alive()
+        guest.server = None
+        guest.domain.destroy()  # QEMU dies
+        with pytest.raises(DbTraceError, match="QEMU is gone"):
+            guest.check_alive()
+        name = guest.name
+    assert name not in _domain_names(libvirt_conn)
+
+
+@needs_root
+def test_db_guests_alongside_run_in_background_and_report(image, libvirt_conn, tmp_path: Path) -> None:
+    import time
+
+    from scalebench.db.alongside import db_guests
+
+    with db_guests(1, "rubis", None, tmp_path) as dbs:
+        names = [g.name for g in dbs._guests]
+        assert names and names[0] in _domain_names(libvirt_conn)
+        time.sleep(8)  # stands for the microVM run
+    assert names[0] not in _domain_names(libvirt_conn)
+    (result,) = dbs.results
+    assert result["error"] is None, result["error"]
+    assert (result["workload"], result["mix"]) == ("rubis", "browsing")
+    assert result["throughput"] > 0 and result["metrics"]["reads"] >= 0
+
+
+def test_libvirtd_not_startable_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stand-in ``libvirtd`` that exits at once (a fake of libvirtd, inside this test of the daemon manager)."""
+    pytest.importorskip("libvirt")
+    from scalebench.db import daemon
+
+    fake = tmp_path / "libvirtd"
+    fake.write_text("#!/bin/sh\necho 'libvirtd: cannot start (test stand-in)' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setattr(daemon, "prepare_host", lambda: None)
+    manager = daemon.Libvirt(uri=f"qemu+unix:///system?socket={tmp_path}/absent.sock", start_timeout_s=10,
+                             log_path=tmp_path / "libvirtd.log")
+    with pytest.raises(DbTraceError, match="libvirtd exited at start-up .*cannot start"):
+        with manager:
+            pass
+    assert manager.started is None
+
+
+def test_libvirtd_missing_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from scalebench.db import daemon
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(DbTraceError, match="libvirtd is not installed"):
+        daemon.prepare_host()
+
+
+def test_image_build_failure_is_a_clear_error(tmp_path: Path) -> None:
+    from scalebench.db.image import ensure_image
+
+    broken = tmp_path / "build.py"
+    broken.write_text("import sys\nprint('build.py: error: image build failed at debootstrap (exit 1)', "
+                      "file=sys.stderr)\nsys.exit(1)\n")
+    with pytest.raises(DbTraceError, match="image build failed at debootstrap"):
+        ensure_image(cache=tmp_path / "cache", builder=broken)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["dbtrace", "--workload", "oracle", "--mix", "x"], "invalid choice: 'oracle'"),
+    (["dbtrace", "--workload", "tpcc", "--mix", "browsing"], "tpcc has no mix 'browsing'"),
+    (["dbtrace", "--workload", "tpcw", "--mix", "browsing", "--clients", "0"], "--clients must be at least 1"),
+    (["dbtrace", "--workload", "rubis", "--mix", "bidding", "--duration", "-5"], "--duration must be positive"),
+    (["dbtrace", "--workload", "tpcc", "--mix", "standard", "--disk", "floppy"], "invalid choice: 'floppy'"),
+    (["dbtrace", "--clients", "many"], "invalid int value"),
+    (["dbtrace", "--mix", "standard"], "--workload and --mix are required"),
+])
+def test_bad_flags_exit_2_with_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        code = cli.main(argv)
+    except SystemExit as stop:
+        code = int(stop.code or 0)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and message in err
+
+
+def test_python_m_entry_point_reports_bad_input() -> None:
+    proc = subprocess.run([sys.executable, "-m", "scalebench.db", "dbtrace", "--workload", "tpcc"],
+                          capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent / "controller")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "scalebench dbtrace: error: --workload and --mix are required (or use --compare)"

@@ -1,0 +1,114 @@
+"""The performance model: Che's approximation, miss costs and the throughput prediction."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+
+from scalebench.disks import HDD, disk_model
+from scalebench.model import ModelInput, che_hit_ratio, estimate_footprint, predict, zipf_popularity
+from scalebench.units import KIB, GIB
+
+
+def simulated_lru_hit_ratio(n: int, k: int, alpha: float, requests: int, seed: int = 7) -> float:
+    """Brute force: an LRU cache of k items fed independent Zipf(alpha) requests."""
+    rng = np.random.default_rng(seed)
+    stream = rng.choice(n, size=requests, p=zipf_popularity(n, alpha))
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = 0
+    warm = requests // 10  # skip the cold start: Che's approximation is for the steady state
+    for i, item in enumerate(stream):
+        if item in cache:
+            cache.move_to_end(item)
+            hits += i >= warm
+        else:
+            cache[item] = None
+            if len(cache) > k:
+                cache.popitem(last=False)
+    return hits / (requests - warm)
+
+
+@pytest.mark.parametrize("n,k,alpha", [(100, 10, 0.8), (200, 50, 1.0), (100, 30, 0.0), (300, 60, 1.5)])
+def test_che_matches_brute_force_lru(n, k, alpha):
+    simulated = simulated_lru_hit_ratio(n, k, alpha, 200_000)
+    assert che_hit_ratio(n, k, alpha) == pytest.approx(simulated, abs=0.015)
+
+
+def test_che_limits():
+    assert che_hit_ratio(100, 100, 1.0) == 1.0
+    assert che_hit_ratio(100, 0, 1.0) == 0.0
+    assert che_hit_ratio(1000, 250, 0.0) == pytest.approx(0.25, abs=1e-6)  # uniform: k/n
+
+
+def hdd_input(**changes) -> ModelInput:
+    block = changes.pop("block_bytes", 32 * KIB)
+    values = dict(vms=4000, alpha=1.0, block_bytes=block, budget_bytes=GIB,
+                  footprint_bytes=estimate_footprint(896 * KIB, block), policy="demand",
+                  disk=disk_model("hdd"), cpu_s=100e-6, bench=None)
+    values.update(changes)
+    return ModelInput(**values)
+
+
+def test_throughput_rises_with_alpha():
+    rps = [predict(hdd_input(alpha=a)).model_rps for a in (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)]
+    assert all(b > a for a, b in zip(rps, rps[1:])), rps
+
+
+def test_throughput_rises_with_block_size():
+    blocks = [4 * KIB, 8 * KIB, 16 * KIB, 32 * KIB, 64 * KIB, 128 * KIB]
+    rps = [predict(hdd_input(block_bytes=b)).model_rps for b in blocks]
+    assert all(b > a for a, b in zip(rps, rps[1:])), rps
+
+
+def test_in_core_until_the_budget_is_full_then_disk_bound():
+    fp = estimate_footprint(896 * KIB, 32 * KIB)
+    cliff = GIB // fp
+    below = predict(hdd_input(vms=cliff))
+    above = predict(hdd_input(vms=int(cliff * 1.2)))
+    assert below.regime == "in-core" and below.model_rps == pytest.approx(10_000)
+    assert above.regime == "disk-bound" and above.model_rps < below.model_rps / 2
+    assert below.cache_vms == cliff and cliff < below.cliff_vms < 1.2 * cliff
+
+
+def test_miss_cost_is_denalis_random_reads_plus_one_sequential_write():
+    p = predict(hdd_input())
+    fp = p.footprint_bytes
+    random_read = (HDD.overhead_ms + HDD.seek_ms) / 1e3 + 30 / HDD.rpm + 32 * KIB / (HDD.mb_s * 1e6)
+    assert p.miss_read_s == pytest.approx(fp // (32 * KIB) * random_read)
+    assert p.miss_write_s == pytest.approx(random_read - 32 * KIB / 40e6 + fp / 40e6)
+
+
+def test_wsswap_beats_demand_out_of_core():
+    assert predict(hdd_input(policy="wsswap")).model_rps > 2 * predict(hdd_input()).model_rps
+
+
+def test_arrays_serve_in_parallel():
+    one, three = predict(hdd_input()), predict(hdd_input(disk=disk_model("array:3")))
+    assert three.model_rps == pytest.approx(3 * one.model_rps, rel=0.1)
+
+
+def test_disk_names():
+    assert disk_model("raid5:4").data_drives == 3
+    for bad in ("floppy", "raid5:2", "array:0", "hdd,seek_ms=3"):
+        with pytest.raises(ValueError):
+            disk_model(bad)
+
+
+def test_smaller_blocks_fit_more_vms():
+    footprints = [estimate_footprint(896 * KIB, b * KIB) for b in (4, 8, 16, 32, 64, 128, 256)]
+    assert footprints == sorted(footprints) and footprints[0] < footprints[-1]
+    # 4k: 224 working-set pages + 2 of connection state + 8 of stack.
+    assert footprints[0] == (224 + 2 + 8) * 4 * KIB
+    # 32k: the working set starts mid-block (0x87000) and so spans 29 blocks, + bss head + stack.
+    assert footprints[3] == 31 * 32 * KIB
+
+
+def test_disk_model_difference_report():
+    from scalebench.disks import differences
+    # The pager's {"cmd":"pager"} reply for --disk hdd, as densevm reports it.
+    pager_hdd = {"drives": 1, "kind": "rotating", "lat_ms": 0.0, "mb_s": 40.0, "model": "hdd", "overhead_ms": 0.1,
+                 "rpm": 7200.0, "seek_ms": 8.9, "span_bytes": 0, "stripe_bytes": 65536, "track_ms": 1.0}
+    assert differences(disk_model("hdd"), pager_hdd) == []
+    assert differences(disk_model("hdd"), {**pager_hdd, "seek_ms": 9.5}) == ["seek_ms 9.5 vs 8.9"]
+    assert differences(disk_model("none"), {**pager_hdd, "model": "none", "drives": 0}) == []

@@ -1,0 +1,265 @@
+"""The run orchestration: phases, result document, failures and teardown.
+
+densevm and zipfperf are replaced here by small FAKE Python programs that keep
+their contract (INTERFACES.md: ready/exit events, control socket, zipfperf's
+JSON document), because these tests are about the controller's orchestration,
+not about the binaries; the real ones are exercised by test_scalebench_e2e.py.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from scalebench.config import RunConfig
+from scalebench.runner import Binaries, classify, hot_footprint, resident_window, run
+
+FAKE_DENSEVM = textwrap.dedent('''\
+    #!{python}
+    # FAKE densevm for orchestration tests: keeps the stdout/API contract; each "VM" is a
+    # listener that answers any request with a fixed 200 reply.
+    import ipaddress, json, os, signal, socket, sys, threading, time
+    argv = sys.argv[1:]
+    opt = lambda name: argv[argv.index(name) + 1]
+    vms, api = int(opt("--vms")), opt("--api")
+    die_after = float(os.environ.get("FAKE_DENSEVM_DIE_AFTER", "0"))
+    with open(os.environ["FAKE_PIDS"], "a") as f:
+        f.write(f"densevm {{os.getpid()}}\\n")
+    with open(os.environ["FAKE_PIDS"] + ".cgroup", "w") as f:
+        f.write(open("/proc/self/cgroup").read())
+    t0 = time.monotonic()
+    def stats():
+        t = time.monotonic() - t0
+        per = [{{"id": i, "addr": "", "state": "running", "requests": int(t * 100) if i < 10 else 0,
+                 "resident_bytes": 1 << 20 if i < 10 else 4096, "faults": 0,
+                 "swap_read_bytes": 0, "swap_write_bytes": 0}} for i in range(vms)]
+        return {{"ok": True, "totals": {{"vms": vms, "running": vms, "stopped": 0, "requests": int(t * 1000),
+                 "resident_bytes": 512 << 20, "budget_bytes": 1 << 30, "block_bytes": 32768,
+                 "faults": int(t * 100), "blocks_in": 0, "blocks_out": 0,
+                 "swap_read_bytes": int(t * 100) * 32768, "swap_write_bytes": 0, "io_seconds": t * 0.1,
+                 "fault_latency_us": {{"p50": 100, "p90": 200, "p99": 300, "max": 400, "count": 1}},
+                 "selfcheck_errors": 0}}, "vms": per}}
+    def serve():
+        srv = socket.socket(socket.AF_UNIX); srv.bind(api); srv.listen(16)
+        while True:
+            c, _ = srv.accept()
+            req = json.loads(c.makefile().readline())
+            reply = stats() if req["cmd"] == "stats" else {{"ok": True, "block": 32768}}
+            c.sendall(json.dumps(reply).encode() + b"\\n"); c.close()
+    threading.Thread(target=serve, daemon=True).start()
+    def vm(addr):
+        srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind((addr, int(opt("--port")))); srv.listen(64)
+        while True:
+            c, _ = srv.accept(); c.recv(4096)
+            c.sendall(b"HTTP/1.0 200 OK\\r\\nContent-Length: 2\\r\\n\\r\\nok"); c.close()
+    for i in range(vms):
+        addr = str(ipaddress.IPv4Address(opt("--addr-base")) + i)
+        threading.Thread(target=vm, args=(addr,), daemon=True).start()
+    def bye(*_):
+        print(json.dumps({{"event": "exit", "reason": "signal"}}), flush=True); os._exit(0)
+    signal.signal(signal.SIGTERM, bye)
+    time.sleep(0.3)
+    print(json.dumps({{"event": "ready", "vms": vms, "boot_seconds": 0.3, "api": api, "pvm": True}}), flush=True)
+    while True:
+        time.sleep(0.1)
+        if die_after and time.monotonic() - t0 > die_after:
+            print("densevm: error: simulated pager failure", file=sys.stderr); sys.exit(1)
+    ''')
+
+FAKE_ZIPFPERF = textwrap.dedent('''\
+    #!{python}
+    # FAKE zipfperf for orchestration tests: sleeps --duration, writes a zipfperf/1 document.
+    import json, os, sys, time
+    argv = sys.argv[1:]
+    opt = lambda name: argv[argv.index(name) + 1]
+    with open(os.environ["FAKE_PIDS"], "a") as f:
+        f.write(f"zipfperf {{os.getpid()}}\\n")
+    if os.environ.get("FAKE_ZIPFPERF_FAIL"):
+        print("zipfperf: error: simulated failure", file=sys.stderr); sys.exit(1)
+    d = float(opt("--duration")); time.sleep(d)
+    doc = {{"schema": "zipfperf/1", "config": {{"argv": argv}}, "duration_s": d,
+           "connections": {{"total": 1000, "rate": 1000 / d}}, "requests": {{"total": 1000, "rate": 1000 / d}},
+           "replies": {{"total": 1000, "rate": 1000 / d, "status": {{"2xx": 1000}}}},
+           "latency_ms": {{"mean": 1.0, "p50": 0.9, "p90": 1.5, "p99": 3.0, "p999": 5.0, "max": 9.0}},
+           "errors": {{"total": 0}}, "bytes": {{"sent": 0, "received": 0}}, "per_target": []}}
+    open(opt("--json"), "w").write(json.dumps(doc))
+    ''')
+
+
+@pytest.fixture
+def fakes(tmp_path, monkeypatch) -> Path:
+    """A bin directory holding the FAKE densevm and zipfperf; their pids go to tmp/pids."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for name, text in (("densevm", FAKE_DENSEVM), ("zipfperf", FAKE_ZIPFPERF)):
+        path = bindir / name
+        path.write_text(text.format(python=sys.executable))
+        path.chmod(0o755)
+    monkeypatch.setenv("SCALEBENCH_BIN_DIR", str(bindir))
+    monkeypatch.setenv("FAKE_PIDS", str(tmp_path / "pids"))
+    monkeypatch.setenv("SCALEBENCH_CALIBRATION", str(tmp_path / "calibration.json"))
+    return tmp_path
+
+
+def started_pids(tmp: Path) -> list[int]:
+    pids = tmp / "pids"
+    return [int(line.split()[1]) for line in pids.read_text().splitlines()] if pids.exists() else []
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def small_config(tmp: Path, **changes) -> RunConfig:
+    settings = {"vms": 20, "duration": 1.5, "warmup": 1.0, "out": str(tmp / "run"), "addr_base": "127.43.0.0",
+                **changes}
+    return RunConfig(**settings)
+
+
+def test_run_completes_and_records_everything(fakes):
+    result = run(small_config(fakes), bins=Binaries.find())
+    assert result.status == "ok", result.error
+    doc = json.loads((fakes / "run" / "result.json").read_text())
+    assert doc["schema"] == "scalebench.result/1"
+    for key in ("throughput_rps", "model_rps", "regime", "errors", "boot_seconds", "resident_bytes",
+                "swap_read_bytes", "swap_write_bytes"):
+        assert doc[key] is not None, key
+    assert doc["latency_ms"]["p50"] == 0.9 and doc["latency_ms"]["p99"] == 3.0
+    assert doc["config"]["vms"] == 20 and doc["config"]["block"] == "32k"
+    assert doc["boot_seconds"] == 0.3
+    # The fake serves 1000 requests/s and 100 faults/s with swap reads: disk-bound by definition.
+    assert doc["regime"] == "disk-bound"
+    assert doc["footprint_bytes"] == 1 << 20
+    assert doc["calibration"]["source"].startswith("calibration phase")
+    assert doc["measured_over_model"] == pytest.approx(doc["throughput_rps"] / doc["model_rps"])
+    assert [s["phase"] for s in doc["timeseries"]].count("measure") >= 2
+    assert "touch" in [s["phase"] for s in doc["timeseries"]] and doc["warnings"] == []
+    assert (fakes / "run" / "run.png").stat().st_size > 0
+    # Containment: densevm was started inside the run's memory group, which is gone now.
+    group = doc["containment"]["memory_group"]
+    if group:
+        rel = group.split("/sys/fs/cgroup/memory", 1)[1]
+        assert f"memory:{rel}" in (fakes / "pids.cgroup").read_text()
+        assert not Path(group).exists()
+    assert not (fakes / "run" / "swap.img").exists()
+    assert started_pids(fakes) and not any(alive(p) for p in started_pids(fakes))
+
+
+def test_densevm_dying_mid_run_gives_failed_partial_result(fakes, monkeypatch):
+    monkeypatch.setenv("FAKE_DENSEVM_DIE_AFTER", "1.2")
+    result = run(small_config(fakes, duration=5), bins=Binaries.find())
+    assert result.status == "failed"
+    assert "simulated pager failure" in result.error
+    assert result.boot_seconds == 0.3  # what was measured before the failure is kept
+    doc = json.loads((fakes / "run" / "result.json").read_text())
+    assert doc["status"] == "failed" and doc["error"] == result.error
+    assert not any(alive(p) for p in started_pids(fakes))
+
+
+def test_zipfperf_failure_ends_the_run_cleanly(fakes, monkeypatch):
+    monkeypatch.setenv("FAKE_ZIPFPERF_FAIL", "1")
+    result = run(small_config(fakes), bins=Binaries.find())
+    assert result.status == "failed" and "zipfperf (warmup) exited with status 1" in result.error
+    assert "simulated failure" in result.error
+    assert not any(alive(p) for p in started_pids(fakes))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_scalebench_tears_everything_down(fakes, sig):
+    proc = subprocess.Popen([sys.executable, "-m", "scalebench.cli", "--vms", "20", "--duration", "30",
+                             "--warmup", "30", "-q", "--out", str(fakes / "run"), "--addr-base", "127.43.0.0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while len(started_pids(fakes)) < 2 and time.monotonic() < deadline:  # densevm and warm-up zipfperf
+        time.sleep(0.1)
+    assert len(started_pids(fakes)) >= 2
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    doc = json.loads((fakes / "run" / "result.json").read_text())
+    assert doc["status"] == "failed" and doc["error"] == f"interrupted by {sig.name}"
+    assert not any(alive(p) for p in started_pids(fakes))
+
+
+def test_cli_reports_failure_with_exit_1(fakes, monkeypatch):
+    monkeypatch.setenv("FAKE_ZIPFPERF_FAIL", "1")
+    proc = subprocess.run([sys.executable, "-m", "scalebench.cli", "--vms", "5", "--duration", "1", "-q",
+                           "--out", str(fakes / "run"), "--json", str(fakes / "copy.json"),
+                           "--addr-base", "127.43.0.0"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith("scalebench: error: zipfperf")
+    assert json.loads((fakes / "copy.json").read_text())["status"] == "failed"
+
+
+def test_regime_definition():
+    assert classify(faults=0, requests=10_000, swap_read_bytes=0) == "in-core"
+    assert classify(faults=400, requests=10_000, swap_read_bytes=0) == "in-core"  # zero-fill only
+    assert classify(faults=400, requests=10_000, swap_read_bytes=1) == "in-core"
+    assert classify(faults=500, requests=10_000, swap_read_bytes=1) == "disk-bound"
+
+
+def test_footprint_and_calibration_window_helpers():
+    vms = [{"id": i, "requests": 100 - i, "resident_bytes": (1 << 20) if i < 30 else 0} for i in range(100)]
+    assert hot_footprint(vms) == 1 << 20
+    # Out of core (as densevm reported for 40 VMs in 16M): evicted VMs keep 2 blocks, resident ones 31-33.
+    blocks = [2] * 13 + [31] * 3 + [32] * 3 + [9, 4, 4, 15, 8, 29, 24, 1, 27, 33, 10, 14, 23, 30, 17, 3]
+    out_of_core = [{"id": i, "requests": 7, "resident_bytes": 32768 * b} for i, b in enumerate(blocks)]
+    assert hot_footprint(out_of_core) == 31 * 32768
+    assert hot_footprint([{"id": 0, "requests": 0, "resident_bytes": 5}]) is None
+    assert resident_window(vms, 10) == 0
+    shifted = [{"id": i, "resident_bytes": 1 if 50 <= i < 60 else 0} for i in range(100)]
+    assert resident_window(shifted, 10) == 50
+
+
+def test_touch_reports_vms_that_do_not_answer():
+    from scalebench.touch import touch_all
+    import socket
+    import threading
+    srv = socket.socket()
+    srv.bind(("127.43.200.1", 0))
+    srv.listen(4)
+    port = srv.getsockname()[1]
+
+    def answer_once() -> None:
+        c, _ = srv.accept()
+        c.recv(4096)
+        c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+        c.close()
+    threading.Thread(target=answer_once, daemon=True).start()
+    done = []
+    # VM 1 (127.43.200.1) answers; VMs 0 and 2 have nothing listening.
+    assert touch_all("127.43.200.0", port, 3, 2, 5.0, done.append) == [0, 2]
+    assert done == [1, 2, 3]
+    srv.close()
+
+
+def test_nightly_updates_then_matches_its_baseline(fakes):
+    from scalebench.config import ConfigError
+    from scalebench.nightly import nightly
+    from scalebench.progress import Reporter
+    experiment = fakes / "nightly.toml"
+    experiment.write_text('name = "n"\n[base]\nduration = 1\nwarmup = 0\ntouch = false\ncpu_us = 50\n'
+                          'addr_base = "127.43.0.0"\n[grid]\nvms = [2, 4]\n')
+    baseline = fakes / "baseline.json"
+    with pytest.raises(ConfigError, match="no baseline"):
+        nightly(fakes / "n0", False, 7.0, Reporter(), experiment, baseline)
+    assert nightly(fakes / "n1", True, 7.0, Reporter(), experiment, baseline) == 0
+    assert set(json.loads(baseline.read_text())["points"]) == {"vms=2", "vms=4"}
+    # The FAKE zipfperf reports the same throughput every time: an unchanged rerun.
+    assert nightly(fakes / "n2", False, 7.0, Reporter(), experiment, baseline) == 0
+    doc = json.loads(baseline.read_text())
+    doc["points"]["vms=4"]["throughput_rps"] *= 1.2  # the new run is now 17% slower than this baseline
+    baseline.write_text(json.dumps(doc))
+    assert nightly(fakes / "n3", False, 7.0, Reporter(), experiment, baseline) == 1
