@@ -39,7 +39,7 @@ guest:
 	$(MAKE) -s -C guest-images/webguest OUT=$(CURDIR)/$(RELEASE)
 
 run: deps build
-	scalebench
+	$(PYTHON) -m scalebench
 
 test: deps build
 	$(CARGO) test --release --workspace --quiet
