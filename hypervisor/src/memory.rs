@@ -85,7 +85,7 @@ impl Mapping {
 
     /// A 32-bit word shared with the guest, at a 4-byte aligned `offset`.
     pub fn atomic_u32(&self, offset: u64) -> &AtomicU32 {
-        assert!(offset as usize + 4 <= self.len && offset % 4 == 0);
+        assert!(offset as usize + 4 <= self.len && offset.is_multiple_of(4));
         // SAFETY: in bounds, aligned, and the mapping outlives the reference.
         unsafe { AtomicU32::from_ptr(self.at(offset).cast::<u32>()) }
     }

@@ -47,6 +47,9 @@ pub enum VmEntry {
     Dead(DeadVm),
 }
 
+/// Adds another component's figures to a stats reply.
+pub type StatsHook = Box<dyn Fn(&mut Value)>;
+
 /// What the stats report about a VM that no longer runs.
 #[derive(Debug, Clone)]
 pub struct DeadVm {
@@ -115,7 +118,7 @@ pub struct Monitor {
     on_requests: Option<Box<dyn FnMut(u32, u64)>>,
     /// Fatal error raised by a component (the pager) that must end the run.
     fatal: Option<Box<dyn Fn() -> Option<String>>>,
-    extra_stats: Option<Box<dyn Fn(&mut Value)>>,
+    extra_stats: Option<StatsHook>,
     seen_requests: Vec<u64>,
 }
 
@@ -191,7 +194,7 @@ impl Monitor {
     }
 
     /// Adds fields to the stats reply (pager stats).
-    pub fn extra_stats(&mut self, f: Box<dyn Fn(&mut Value)>) {
+    pub fn extra_stats(&mut self, f: StatsHook) {
         self.extra_stats = Some(f);
     }
 
@@ -483,13 +486,14 @@ impl Monitor {
         let Some(VmEntry::Live(vm)) = self.vms.get_mut(id) else { return };
         loop {
             let credit = vm.stream.rx_credit(&vm.sys, slot).min(READ_CHUNK);
-            let Some(buf) = (credit > 0).then(|| vm.stream.rx_reserve(&vm.sys, credit)).flatten() else {
+            let Some(space) = (credit > 0).then(|| vm.stream.rx_reserve(&vm.sys, credit)).flatten() else {
                 if !vm.waiting.contains(&key) {
                     vm.waiting.push(key);
                 }
                 return;
             };
-            match conn.stream.read(buf) {
+            // SAFETY: the space is filled before the record is committed.
+            match conn.stream.read(unsafe { space.as_mut_slice() }) {
                 Ok(0) => break,
                 Ok(n) => vm.stream.rx_commit(&vm.sys, slot, abi::REC_DATA, n as u32),
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
@@ -647,7 +651,7 @@ impl Monitor {
     fn handle(&mut self, request: Request) -> Value {
         match request {
             Request::Stats => self.stats(),
-            Request::List => json!({ "ok": true, "vms": self.vms.iter().map(|e| stats::vm_summary(e)).collect::<Vec<_>>() }),
+            Request::List => json!({ "ok": true, "vms": self.vms.iter().map(stats::vm_summary).collect::<Vec<_>>() }),
             Request::Create { count } => self.create(count),
             Request::Destroy { vm } => match self.live(vm as usize) {
                 Some(_) => {

@@ -75,6 +75,9 @@ pub enum BuildError {
     },
 }
 
+/// Hands a VM's RAM to the pager.
+pub type RegisterRam = Box<dyn Fn(u32, &Mapping) -> Result<(), String> + Send + Sync>;
+
 /// Everything shared by the VMs a monitor builds.
 pub struct BuildContext {
     /// /dev/kvm.
@@ -102,7 +105,7 @@ pub struct BuildContext {
     /// Called from a vCPU thread whose guest died.
     pub on_exit: Arc<dyn Fn(u32) + Send + Sync>,
     /// Registers a VM's RAM with the pager.
-    pub register_ram: Box<dyn Fn(u32, &Mapping) -> Result<(), String> + Send + Sync>,
+    pub register_ram: RegisterRam,
     /// Releases a destroyed VM's RAM from the pager.
     pub unregister_ram: Box<dyn Fn(u32) + Send + Sync>,
     /// System pages of every VM.

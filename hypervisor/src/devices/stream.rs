@@ -23,6 +23,25 @@ fn round8(n: u32) -> u32 {
 #[error("guest broke the stream protocol: {0}")]
 pub struct ProtocolViolation(pub String);
 
+/// Free payload space of a reserved rx record, inside guest memory.
+#[derive(Debug)]
+pub struct RingSpace {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl RingSpace {
+    /// The space as a byte slice to fill.
+    ///
+    /// # Safety
+    /// Only until the record is committed: the guest does not read
+    /// unpublished ring space, and nothing else writes it meanwhile.
+    pub unsafe fn as_mut_slice<'a>(&self) -> &'a mut [u8] {
+        // SAFETY: rx_reserve checked the extent lies inside the rx ring.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
 /// A record the guest sent.
 #[derive(Debug, Clone, Copy)]
 pub enum TxRecord {
@@ -70,9 +89,9 @@ impl StreamDevice {
     }
 
     /// Reserves an rx record for up to `want` payload bytes (`want` may be
-    /// 0 for OPEN and FIN); returns the payload's host slice, or `None` when
+    /// 0 for OPEN and FIN); returns where its payload goes, or `None` when
     /// the ring has no room now.
-    pub fn rx_reserve<'a>(&mut self, sys: &'a Mapping, want: u32) -> Option<&'a mut [u8]> {
+    pub fn rx_reserve(&mut self, sys: &Mapping, want: u32) -> Option<RingSpace> {
         for _ in 0..2 {
             let free = RX_SIZE - self.rx_prod.wrapping_sub(Self::rx_cons(sys));
             let pos = self.rx_prod % RX_SIZE;
@@ -81,10 +100,7 @@ impl StreamDevice {
             let needed = HEADER + round8(want.min(MIN_CHUNK));
             if room >= needed {
                 let len = (room - HEADER).min(want);
-                let at = sys.at(abi::RX_RING_GPA + (pos + HEADER) as u64);
-                // SAFETY: [pos + HEADER, pos + HEADER + len) lies inside the
-                // rx ring, which the guest does not touch until we publish.
-                return Some(unsafe { std::slice::from_raw_parts_mut(at, len as usize) });
+                return Some(RingSpace { ptr: sys.at(abi::RX_RING_GPA + (pos + HEADER) as u64), len: len as usize });
             }
             if contig >= free {
                 return None;
@@ -133,7 +149,7 @@ impl StreamDevice {
             if pending == 0 {
                 return Ok(None);
             }
-            if pending > TX_SIZE || pending % 8 != 0 {
+            if pending > TX_SIZE || !pending.is_multiple_of(8) {
                 return Err(ProtocolViolation(format!("tx producer index moved by {pending} bytes")));
             }
             let pos = self.tx_cons % TX_SIZE;
@@ -218,16 +234,16 @@ mod tests {
         let sys = sys();
         let mut dev = StreamDevice::default();
         let mut total = 0u32;
-        while let Some(buf) = dev.rx_reserve(&sys, 5000) {
-            let n = buf.len() as u32;
+        while let Some(space) = dev.rx_reserve(&sys, 5000) {
+            let n = space.len as u32;
             dev.rx_commit(&sys, 1, abi::REC_DATA, n);
             total += n;
         }
         assert!(total <= RX_SIZE && total > RX_SIZE - 2 * MIN_CHUNK - 64, "filled {total}");
         // The guest consumes everything: the next record must pad and wrap.
         sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::RX_CONS).store(dev.rx_prod, Ordering::Release);
-        let buf = dev.rx_reserve(&sys, 5000).expect("room after consumption");
-        assert_eq!(buf.len(), 5000);
+        let space = dev.rx_reserve(&sys, 5000).expect("room after consumption");
+        assert_eq!(space.len, 5000);
     }
 
     #[test]
