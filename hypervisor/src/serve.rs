@@ -388,25 +388,28 @@ pub fn run(args: ServeArgs) -> i32 {
     *waker_slot.lock().expect("waker") = Some(waker);
     // A crash reported before the waker existed is still in the queue.
     let _ = waker_slot.lock().expect("waker").as_ref().map(|w| w.wake());
-    let outcome = monitor.run();
-    // A vCPU blocked in a fault the pager can no longer serve would hold the
-    // teardown forever; exiting the process releases everything anyway.
-    std::thread::spawn(|| {
-        std::thread::sleep(TEARDOWN_GRACE);
-        eprintln!("densevm: teardown took over {} s; exiting with VMs still held", TEARDOWN_GRACE.as_secs());
-        std::process::exit(1);
-    });
-    monitor.shutdown();
-    pager.shutdown();
-    match outcome {
+    match monitor.run() {
         Ok(Exit::Signal(signal)) => {
+            // A vCPU blocked in a fault the pager can no longer serve would
+            // hold the teardown forever; exiting releases everything anyway.
+            std::thread::spawn(|| {
+                std::thread::sleep(TEARDOWN_GRACE);
+                eprintln!("densevm: teardown took over {} s; exiting with VMs still held", TEARDOWN_GRACE.as_secs());
+                std::process::exit(1);
+            });
+            monitor.shutdown();
+            pager.shutdown();
             println!("{}", json!({ "event": "exit", "reason": "signal", "signal": signal }));
             0
         }
         Err(message) => {
+            // The run is broken (the pager failed, say): report first, then
+            // leave without waiting for vCPUs that may never return.
             eprintln!("densevm: error: {message}");
             println!("{}", json!({ "event": "exit", "reason": "error", "error": message }));
-            1
+            let _ = std::fs::remove_file(&api_path);
+            pager.shutdown();
+            std::process::exit(1);
         }
     }
 }
