@@ -23,6 +23,8 @@ from scalebench.db.errors import DbTraceError  # noqa: E402
 REQUIRED_TOOLS = ("libvirtd", "qemu-system-x86_64", "qemu-img", "debootstrap", "mkfs.ext4", "chroot")
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (libvirtd, debootstrap, chroot)")
+# The first test to run may build the image (a few minutes on a fresh machine, cached afterwards).
+guest_timeout = pytest.mark.timeout(1500)
 
 
 def _require_deps() -> None:
@@ -61,6 +63,7 @@ def _domain_names(conn) -> list[str]:  # type: ignore[no-untyped-def]
 
 
 @needs_root
+@guest_timeout
 def test_short_tpcc_run_traces_reads_and_writes_inside_the_disk(image, libvirt_conn, tmp_path: Path) -> None:
     from scalebench.db.guest import DbGuest, GuestConfig
     from scalebench.db.run import RunOptions, run_on_guest
@@ -92,6 +95,7 @@ def test_short_tpcc_run_traces_reads_and_writes_inside_the_disk(image, libvirt_c
 
 
 @needs_root
+@guest_timeout
 def test_boot_timeout_destroys_the_domain_and_keeps_the_base_image(image, libvirt_conn, tmp_path: Path) -> None:
     from scalebench.db.guest import DbGuest, GuestConfig
 
@@ -106,6 +110,7 @@ def test_boot_timeout_destroys_the_domain_and_keeps_the_base_image(image, libvir
 
 
 @needs_root
+@guest_timeout
 def test_tracer_or_qemu_dying_mid_run_is_a_clear_error(image, libvirt_conn, tmp_path: Path) -> None:
     from scalebench.db.guest import DbGuest, GuestConfig
 
@@ -122,6 +127,7 @@ def test_tracer_or_qemu_dying_mid_run_is_a_clear_error(image, libvirt_conn, tmp_
 
 
 @needs_root
+@guest_timeout
 def test_db_guests_alongside_run_in_background_and_report(image, libvirt_conn, tmp_path: Path) -> None:
     import time
 

@@ -76,10 +76,11 @@ def test_wsswap_reads_working_sets_sequentially():
               "--requests", "200000", "--warmup", "100000"]
     demand = sim_json(*common, "--policy", "demand")
     wsswap = sim_json(*common, "--policy", "wsswap")
-    # The same clock decides who is resident; wsswap needs one fault per
-    # swapped-in VM instead of one per block.
+    # The same clock decides who is resident; wsswap needs three faults per
+    # swapped-in VM (the third brings the rest of the set) instead of one
+    # per block.
     assert abs(demand["request_hit_ratio"] - wsswap["request_hit_ratio"]) < 0.02
-    assert wsswap["faults"] * 10 < demand["faults"]
+    assert wsswap["faults"] * 5 < demand["faults"]
     assert wsswap["predicted_rps"] >= 3 * demand["predicted_rps"], (demand, wsswap)
 
 

@@ -63,7 +63,7 @@ def test_short_in_core_run(tmp_path):
     assert r["calibration"]["source"] == "warm-up"
     assert r["latency_ms"]["p50"] <= r["latency_ms"]["p99"]
     # One connection per request, each to a Zipf-drawn VM (zipfperf --num-calls 1 in the closed loop).
-    assert r["phases"]["measure"]["connections"]["total"] >= 0.9 * r["replies"], r["warnings"]
+    assert r["phases"]["load"]["connections"]["total"] >= 0.9 * r["replies"], r["warnings"]
     assert r["warnings"] == []
     assert "requests/s" in proc.stdout and "regime:      in-core" in proc.stdout
     assert (tmp_path / "run" / "run.png").exists()
@@ -85,7 +85,7 @@ def test_densevm_killed_mid_run(tmp_path):
     def kill_densevm(out: Path) -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            if (out / "zipfperf-measure.log").exists() or (out / "zipfperf-warmup.log").exists():
+            if (out / "zipfperf-load.log").exists():
                 for pid in processes_mentioning(str(out / "densevm.sock")):
                     os.kill(pid, signal.SIGKILL)
                 return

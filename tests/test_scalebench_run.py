@@ -170,7 +170,7 @@ def test_densevm_dying_mid_run_gives_failed_partial_result(fakes, monkeypatch):
 def test_zipfperf_failure_ends_the_run_cleanly(fakes, monkeypatch):
     monkeypatch.setenv("FAKE_ZIPFPERF_FAIL", "1")
     result = run(small_config(fakes), bins=Binaries.find())
-    assert result.status == "failed" and "zipfperf (warmup) exited with status 1" in result.error
+    assert result.status == "failed" and "zipfperf (load) exited with status 1" in result.error
     assert "simulated failure" in result.error
     assert not any(alive(p) for p in started_pids(fakes))
 
@@ -240,7 +240,7 @@ def test_touch_reports_vms_that_do_not_answer():
     threading.Thread(target=answer_once, daemon=True).start()
     done = []
     # VM 1 (127.43.200.1) answers; VMs 0 and 2 have nothing listening.
-    assert touch_all("127.43.200.0", port, 3, 2, 5.0, done.append) == [0, 2]
+    assert touch_all("127.43.200.0", port, [2, 1, 0], 2, 5.0, done.append) == [0, 2]
     assert done == [1, 2, 3]
     srv.close()
 
@@ -254,12 +254,43 @@ def test_nightly_updates_then_matches_its_baseline(fakes):
                           'addr_base = "127.43.0.0"\n[grid]\nvms = [2, 4]\n')
     baseline = fakes / "baseline.json"
     with pytest.raises(ConfigError, match="no baseline"):
-        nightly(fakes / "n0", False, 7.0, Reporter(), experiment, baseline)
-    assert nightly(fakes / "n1", True, 7.0, Reporter(), experiment, baseline) == 0
+        nightly(fakes / "n0", False, 7.0, Reporter(), experiment, baseline, 1)
+    assert nightly(fakes / "n1", True, 7.0, Reporter(), experiment, baseline, 2) == 0
     assert set(json.loads(baseline.read_text())["points"]) == {"vms=2", "vms=4"}
+    assert json.loads(baseline.read_text())["repeats"] == 2 and (fakes / "n1" / "run2" / "sweep.json").exists()
     # The FAKE zipfperf reports the same throughput every time: an unchanged rerun.
-    assert nightly(fakes / "n2", False, 7.0, Reporter(), experiment, baseline) == 0
+    assert nightly(fakes / "n2", False, 7.0, Reporter(), experiment, baseline, 1) == 0
     doc = json.loads(baseline.read_text())
     doc["points"]["vms=4"]["throughput_rps"] *= 1.2  # the new run is now 17% slower than this baseline
     baseline.write_text(json.dumps(doc))
-    assert nightly(fakes / "n3", False, 7.0, Reporter(), experiment, baseline) == 1
+    assert nightly(fakes / "n3", False, 7.0, Reporter(), experiment, baseline, 1) == 1
+
+
+def test_touch_order_leaves_an_lru_steady_state():
+    from scalebench.model import che_hit_ratio, zipf_popularity
+    from scalebench.touch import lru_order
+    n, k, alpha = 400, 100, 1.0
+    order = lru_order(n, alpha, seed=3)
+    assert sorted(order) == list(range(n))
+    # The k VMs touched last are what an LRU cache holds: their request share is its hit ratio.
+    resident = order[-k:]
+    share = float(zipf_popularity(n, alpha)[resident].sum())
+    assert share == pytest.approx(che_hit_ratio(n, k, alpha), abs=0.04)
+    assert 0 in resident  # the most popular VM
+
+
+def test_nightly_takes_each_points_best_run():
+    from scalebench.nightly import best_of
+    runs = [{"points": {"a": {"status": "ok", "throughput_rps": 90.0}, "b": {"status": "failed"}}},
+            {"points": {"a": {"status": "ok", "throughput_rps": 100.0}, "b": {"status": "ok", "throughput_rps": 5.0}}},
+            {"points": {"a": {"status": "failed"}, "b": {"status": "ok", "throughput_rps": 4.0}}}]
+    best = best_of(runs)
+    assert best["points"]["a"]["throughput_rps"] == 100.0 and best["points"]["b"]["throughput_rps"] == 5.0
+    assert best["repeats"] == 3
+
+
+def test_resident_mass():
+    from scalebench.runner import resident_mass
+    vms = [{"id": i, "resident_bytes": (1 << 20) if i in (0, 2) else 65536} for i in range(3)]
+    # Zipf(1) over 3 VMs: 1, 1/2, 1/3 over 11/6.
+    assert resident_mass(vms, 1 << 20, 1.0) == pytest.approx((1 + 1 / 3) / (11 / 6))

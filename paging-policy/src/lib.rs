@@ -1,1 +1,29 @@
-//! The densevm pager.
+//! The densevm pager and its simulator.
+//!
+//! * [`Pager`]: serves userfaultfd faults of every VM's RAM within a global
+//!   memory budget, evicting by a [`policy::Policy`] to a swap device, with
+//!   an optional [`disk`] model.
+//! * [`sim`]: the trace-driven simulator behind the `pagesim` binary; it
+//!   drives the same ledger and policies without real memory.
+//!
+//! Modules, one concern each: [`uffd`] (userfaultfd), [`ledger`] (budget and
+//! block accounting), [`policy`] (trait, built-ins, plugin loader),
+//! [`space`] (swap layouts), [`swap`] (the O_DIRECT device), [`disk`] (disk
+//! models), [`stats`], [`trace`], [`config`], [`error`].
+
+pub mod config;
+pub mod disk;
+pub mod error;
+pub mod ledger;
+pub mod pager;
+pub mod policy;
+pub mod sim;
+pub mod space;
+pub mod stats;
+pub mod swap;
+pub mod trace;
+pub mod uffd;
+
+pub use config::{parse_size, PagerConfig};
+pub use error::PagerError;
+pub use pager::Pager;

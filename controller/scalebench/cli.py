@@ -1,0 +1,252 @@
+"""The scalebench command line: a thin layer over the library.
+
+`scalebench [run flags]` (or `scalebench run ...`) runs the main job; the
+subcommands are model, sweep, report, compare, nightly and dbtrace. Every bad
+input is one line `scalebench: error: ...` on stderr and exit status 2, before
+anything is started.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from .config import ConfigError, RunConfig, check_addresses_free, validate
+
+SUBCOMMANDS = ("run", "model", "sweep", "report", "compare", "nightly", "dbtrace")
+_DEFAULTS = RunConfig()
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with its errors as a single line (no usage dump), exit 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        fail(message)
+
+
+def fail(message: str) -> NoReturn:
+    sys.stderr.write(f"scalebench: error: {message}\n")
+    sys.exit(2)
+
+
+def _workload_flags(p: argparse.ArgumentParser) -> None:
+    """Flags the main job and the model share."""
+    d = _DEFAULTS
+    p.add_argument("--vms", type=int, default=d.vms, help=f"number of VMs (default {d.vms})")
+    p.add_argument("--alpha", type=float, default=d.alpha, help=f"Zipf popularity parameter (default {d.alpha})")
+    p.add_argument("--block", default=d.block, help=f"paging block size, 4k..256k (default {d.block})")
+    p.add_argument("--mem", default=d.mem, help=f"memory budget of all guests (default {d.mem})")
+    p.add_argument("--policy", default=d.policy, help="demand, wsswap or PATH.so (default demand)")
+    p.add_argument("--disk", default=d.disk, help="disk model: none, hdd, hdd15k, ssd, array:N, raid5:N")
+    p.add_argument("--ws", default=d.ws, help=f"per-request working set of a VM (default {d.ws})")
+    p.add_argument("--object", choices=("small", "large"), default=d.object, help="2,258 or 134,007 bytes")
+    p.add_argument("--cpu-us", type=float, default=None,
+                   help="in-core CPU microseconds per request for the model (default: calibrated)")
+    p.add_argument("--fault-us", type=float, default=d.fault_us,
+                   help=f"the model's pager CPU microseconds per fault (default {d.fault_us:g})")
+
+
+def run_parser() -> Parser:
+    d = _DEFAULTS
+    p = Parser(prog="scalebench", description="Run densevm VMs under Zipf load and report throughput, "
+               "paging and the model's prediction. Subcommands: " + ", ".join(SUBCOMMANDS[1:]) + ".")
+    _workload_flags(p)
+    p.add_argument("--duration", type=float, default=d.duration, help="measurement seconds (default 60)")
+    p.add_argument("--warmup", type=float, default=d.warmup, help=f"warm-up seconds (default {d.warmup:g})")
+    p.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight (default 64)")
+    p.add_argument("--calls-per-conn", type=int, default=d.calls_per_conn,
+                   help="requests per connection (default 1: a new connection to a Zipf-drawn VM each)")
+    p.add_argument("--timeout", type=float, default=d.timeout,
+                   help=f"zipfperf timeout in seconds (default {d.timeout:g}: a cold VM on a modeled disk is slow)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--no-touch", dest="touch", action="store_false",
+                   help="skip the touch phase (one request per VM so every working set exists before the warm-up)")
+    p.add_argument("--addr-base", default=d.addr_base)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--json", default=None, help="also write the result JSON here")
+    p.add_argument("--out", default=None, help="run directory (default runs/<run-id>)")
+    p.add_argument("--db-guests", type=int, default=0, help="database guests to run alongside")
+    p.add_argument("--db-workload", default=None, help="their workload (see scalebench dbtrace)")
+    p.add_argument("--db-mix", default=None, help="their workload mix")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def config_from(args: argparse.Namespace) -> RunConfig:
+    known = RunConfig.field_names()
+    return RunConfig(**{k: v for k, v in vars(args).items() if k in known})
+
+
+def cmd_run(argv: list[str]) -> int:
+    from .procs import Terminated, install_signal_handlers
+    from .progress import ConsoleReporter, Reporter
+    from .runner import Binaries, run
+    from .summary import summary
+    args = run_parser().parse_args(argv)
+    cfg = validate(config_from(args))
+    bins = Binaries.find()
+    check_addresses_free(cfg)
+    install_signal_handlers()
+    try:
+        result = run(cfg, Reporter() if args.quiet else ConsoleReporter(), bins)
+    except (KeyboardInterrupt, Terminated):
+        sys.stderr.write("scalebench: interrupted; everything stopped, partial result written\n")
+        return 130
+    print(summary(result))
+    if result.status != "ok":
+        sys.stderr.write(f"scalebench: error: {result.error}\n")
+        return 1
+    return 0
+
+
+def cmd_model(argv: list[str]) -> int:
+    from . import calibration, diskbench
+    from .disks import disk_model
+    from .model import ModelInput, estimate_footprint, predict
+    from .units import parse_size
+    p = Parser(prog="scalebench model", description="Predict throughput with Denali's model.")
+    _workload_flags(p)
+    p.add_argument("--footprint", default=None, help="per-VM resident footprint (default: estimated)")
+    p.add_argument("--bench-dir", default=None,
+                   help="directory on the swap device to microbenchmark (default runs/; 'none' to skip)")
+    p.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    args = p.parse_args(argv)
+    cfg = validate(config_from(args))
+    if cfg.policy not in ("demand", "wsswap"):
+        raise ConfigError(f"the model knows demand and wsswap, not {cfg.policy}")
+    try:
+        footprint = parse_size(args.footprint) if args.footprint else estimate_footprint(cfg.ws_bytes, cfg.block_bytes)
+    except ValueError as e:
+        raise ConfigError(f"--footprint: {e}") from None
+    cpu_us, source = cfg.cpu_us, "flag"
+    if cpu_us is None:
+        cpu_us, source = calibration.load_cpu_us(cfg.object), "stored calibration"
+    if cpu_us is None:
+        raise ConfigError("no in-core CPU cost: pass --cpu-us or do one in-core run first (it stores a calibration)")
+    bench = None
+    if args.bench_dir != "none":
+        try:
+            bench = diskbench.measure(Path(args.bench_dir or Path.cwd() / "runs"), cfg.block_bytes, footprint)
+        except OSError as e:
+            raise ConfigError(f"--bench-dir: {e}") from None
+    pred = predict(ModelInput(cfg.vms, cfg.alpha, cfg.block_bytes, cfg.mem_bytes, footprint, cfg.policy,
+                              disk_model(cfg.disk), cpu_us * 1e-6, bench, cfg.fault_us * 1e-6))
+    if args.json:
+        print(json.dumps({"prediction": pred.as_dict(), "cpu_source": source,
+                          "diskbench": bench.as_dict() if bench else None}, indent=2))
+        return 0
+    print(f"model: {cfg.vms} VMs, alpha {cfg.alpha}, block {cfg.block}, mem {cfg.mem}, {cfg.policy}, disk {cfg.disk}")
+    print(f"  footprint {footprint / 2**20:.2f} MiB per VM -> {pred.cache_vms} VMs fit; "
+          f"throughput halves at {pred.cliff_vms} VMs (the cliff)")
+    print(f"  hit ratio {pred.hit_ratio:.4f} (Che's approximation of LRU under Zipf)")
+    print(f"  miss: read {pred.miss_read_s * 1e3:.2f} ms + write {pred.miss_write_s * 1e3:.2f} ms"
+          + (f" (device: {bench.random_read_s * 1e6:.0f} us per random {cfg.block} read)" if bench else ""))
+    print(f"  cpu {cpu_us:.1f} us/request ({source}) + {cfg.fault_us:g} us per fault "
+          f"-> CPU bound {pred.cpu_rps:,.0f} requests/s, swap I/O bound {pred.disk_rps:,.0f} requests/s")
+    print(f"  predicted {pred.model_rps:,.1f} requests/s, {pred.regime}")
+    return 0
+
+
+def cmd_sweep(argv: list[str]) -> int:
+    from .procs import Terminated, install_signal_handlers
+    from .progress import ConsoleReporter
+    from .runner import Binaries, run
+    from .sweep import load_experiment, run_sweep
+    p = Parser(prog="scalebench sweep", description="Run an experiment file's grid (resumable).")
+    p.add_argument("experiment", help="experiments/FILE.toml")
+    p.add_argument("--out", default=None, help="sweep directory (default runs/sweep-<name>; reused to resume)")
+    args = p.parse_args(argv)
+    exp = load_experiment(Path(args.experiment))
+    bins = Binaries.find()
+    check_addresses_free(max((cfg for _, cfg in exp.points()), key=lambda cfg: cfg.vms))
+    out = Path(args.out) if args.out else Path.cwd() / "runs" / f"sweep-{exp.name}"
+    install_signal_handlers()
+    reporter = ConsoleReporter()
+    try:
+        doc = run_sweep(exp, out, lambda cfg: run(cfg, reporter, bins), reporter)
+    except (KeyboardInterrupt, Terminated):
+        sys.stderr.write(f"scalebench: interrupted; run the same command again to resume ({out})\n")
+        return 130
+    failed = [k for k, d in doc["points"].items() if d.get("status") != "ok"]
+    print(f"sweep {exp.name}: {len(doc['points']) - len(failed)} point(s) ok, {len(failed)} failed; "
+          f"results in {out} (scalebench report {out})")
+    return 1 if failed else 0
+
+
+def cmd_report(argv: list[str]) -> int:
+    from .report import render
+    p = Parser(prog="scalebench report", description="Render DIR/report.html for a sweep directory.")
+    p.add_argument("dir")
+    args = p.parse_args(argv)
+    if not Path(args.dir).is_dir():
+        raise ConfigError(f"{args.dir} is not a directory")
+    print(render(Path(args.dir)))
+    return 0
+
+
+def cmd_compare(argv: list[str]) -> int:
+    from . import compare
+    p = Parser(prog="scalebench compare", description="Compare two results; exit 1 on a regression.")
+    p.add_argument("base")
+    p.add_argument("new")
+    p.add_argument("--tolerance", type=float, default=compare.DEFAULT_TOLERANCE_PCT, metavar="PCT",
+                   help=f"allowed change in percent (default {compare.DEFAULT_TOLERANCE_PCT:g})")
+    args = p.parse_args(argv)
+    if args.tolerance < 0:
+        raise ConfigError("--tolerance must be >= 0")
+    try:
+        base, new = compare.load(Path(args.base)), compare.load(Path(args.new))
+    except (OSError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    rows = compare.compare(base, new, args.tolerance)
+    compare.print_table(rows, args.tolerance)
+    return 1 if compare.regressed(rows) else 0
+
+
+def cmd_nightly(argv: list[str]) -> int:
+    from .compare import DEFAULT_TOLERANCE_PCT
+    from .nightly import nightly
+    from .procs import install_signal_handlers
+    from .progress import ConsoleReporter
+    from .runner import Binaries
+    p = Parser(prog="scalebench nightly", description="Small fixed sweep (best of 3 runs per point) "
+               "compared with the stored baseline.")
+    p.add_argument("--update-baseline", action="store_true", help="store this run as the new baseline")
+    p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE_PCT, metavar="PCT")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    Binaries.find()
+    install_signal_handlers()
+    return nightly(Path(args.out) if args.out else None, args.update_baseline, args.tolerance, ConsoleReporter())
+
+
+def cmd_dbtrace(argv: list[str]) -> int:
+    try:
+        from .db import cli as db_cli  # another developer's; may need libvirt
+    except ImportError as e:
+        raise ConfigError(f"dbtrace is unavailable: {e}") from None
+    p = Parser(prog="scalebench")
+    db_cli.add_parser(p.add_subparsers(dest="command", required=True))
+    return db_cli.run(p.parse_args(["dbtrace", *argv]))
+
+
+COMMANDS = {"run": cmd_run, "model": cmd_model, "sweep": cmd_sweep, "report": cmd_report,
+            "compare": cmd_compare, "nightly": cmd_nightly, "dbtrace": cmd_dbtrace}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in COMMANDS:
+        command, rest = COMMANDS[argv[0]], argv[1:]
+    else:
+        command, rest = cmd_run, argv
+    try:
+        return command(rest)
+    except ConfigError as e:
+        fail(str(e))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""One run's configuration, its defaults and its validation.
+
+Validation happens before anything is started; every problem is a ConfigError
+whose message is one line (the CLI prints it as `scalebench: error: ...`, exit 2).
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import resource
+import socket
+from dataclasses import dataclass, asdict, field, fields, replace
+from pathlib import Path
+
+from .disks import disk_model
+from .model import DEFAULT_FAULT_US
+from .units import KIB, is_power_of_two, parse_size
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MIN_BLOCK, MAX_BLOCK = 4 * KIB, 256 * KIB
+FDS_PER_VM = 4          # densevm: per VM a KVM VM fd, a vCPU fd, a listener and an eventfd
+FDS_SPARE = 256         # densevm's own files, the API socket, connections in flight
+OBJECTS = ("small", "large")
+
+
+class ConfigError(ValueError):
+    """Bad input: reported as one line, exit status 2, nothing started."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Every knob of one run. Sizes are kept as written ("32k") and validated into bytes."""
+
+    vms: int = 4000
+    alpha: float = 1.0
+    block: str = "32k"
+    mem: str = "1G"
+    policy: str = "demand"
+    disk: str = "none"
+    duration: float = 60.0
+    warmup: float = 10.0
+    object: str = "small"
+    ws: str = "896K"
+    concurrency: int = 64
+    calls_per_conn: int = 1
+    seed: int = 1
+    touch: bool = True              # one request per VM before the warm-up (touch.py)
+    timeout: float = 60.0           # zipfperf --timeout: a cold VM on a modeled disk takes seconds
+    cpu_us: float | None = None
+    fault_us: float = DEFAULT_FAULT_US  # the model's pager CPU per fault
+    addr_base: str = "127.1.0.0"
+    port: int = 8080
+    out: str | None = None          # run directory; default runs/<run-id>
+    json: str | None = None         # extra copy of the result JSON
+    db_guests: int = 0
+    db_workload: str | None = None
+    db_mix: str | None = None
+    labels: dict = field(default_factory=dict)  # sweep point key etc., carried into the result
+
+    @property
+    def block_bytes(self) -> int:
+        return parse_size(self.block)
+
+    @property
+    def mem_bytes(self) -> int:
+        return parse_size(self.mem)
+
+    @property
+    def ws_bytes(self) -> int:
+        return parse_size(self.ws)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(block_bytes=self.block_bytes, mem_bytes=self.mem_bytes, ws_bytes=self.ws_bytes)
+        return d
+
+    def with_(self, **changes) -> "RunConfig":
+        return replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+
+def host_memory_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise ConfigError("cannot read MemTotal from /proc/meminfo")
+
+
+def _size(name: str, text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise ConfigError(f"--{name}: {e}") from None
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Raise ConfigError for the first problem found; return cfg unchanged otherwise."""
+    if cfg.vms < 1:
+        raise ConfigError(f"--vms must be at least 1 (got {cfg.vms})")
+    if cfg.alpha < 0:
+        raise ConfigError(f"--alpha must be >= 0 (got {cfg.alpha})")
+    block = _size("block", cfg.block)
+    if not is_power_of_two(block) or not MIN_BLOCK <= block <= MAX_BLOCK:
+        raise ConfigError(f"--block must be a power of two from 4k to 256k (got {cfg.block})")
+    mem = _size("mem", cfg.mem)
+    host = host_memory_bytes()
+    if mem <= 0 or mem > host:
+        raise ConfigError(f"--mem {cfg.mem} is not within this host's memory ({host // 2**20} MiB)")
+    if _size("ws", cfg.ws) <= 0:
+        raise ConfigError(f"--ws must be positive (got {cfg.ws})")
+    if cfg.policy not in ("demand", "wsswap") and not (cfg.policy.endswith(".so") and os.path.isfile(cfg.policy)):
+        raise ConfigError(f"--policy must be demand, wsswap or an existing PATH.so (got {cfg.policy})")
+    try:
+        disk_model(cfg.disk)
+    except ValueError as e:
+        raise ConfigError(f"--disk: {e}") from None
+    if cfg.duration <= 0 or cfg.warmup < 0:
+        raise ConfigError("--duration must be > 0 and --warmup >= 0")
+    if cfg.concurrency < 1 or cfg.calls_per_conn < 1:
+        raise ConfigError("--concurrency and --calls-per-conn must be at least 1")
+    if cfg.object not in OBJECTS:
+        raise ConfigError(f"--object must be small or large (got {cfg.object})")
+    if cfg.timeout <= 0:
+        raise ConfigError(f"--timeout must be positive (got {cfg.timeout})")
+    if cfg.fault_us < 0:
+        raise ConfigError(f"--fault-us must be >= 0 (got {cfg.fault_us})")
+    if cfg.cpu_us is not None and cfg.cpu_us <= 0:
+        raise ConfigError(f"--cpu-us must be positive (got {cfg.cpu_us})")
+    try:
+        first = ipaddress.IPv4Address(cfg.addr_base)
+    except ValueError:
+        raise ConfigError(f"--addr-base is not an IPv4 address: {cfg.addr_base}") from None
+    if first not in ipaddress.IPv4Network("127.0.0.0/8") or int(first) + cfg.vms - 1 > int(ipaddress.IPv4Address("127.255.255.254")):
+        raise ConfigError(f"--vms {cfg.vms} from {cfg.addr_base} does not fit in 127.0.0.0/8")
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    need = cfg.vms * FDS_PER_VM + FDS_SPARE
+    if hard != resource.RLIM_INFINITY and need > hard:
+        raise ConfigError(f"--vms {cfg.vms} needs about {need} file descriptors; the hard limit is {hard}")
+    if cfg.db_guests < 0 or (cfg.db_guests > 0 and not cfg.db_workload):
+        raise ConfigError("--db-guests K needs K >= 0 and --db-workload NAME")
+    return cfg
+
+
+def check_addresses_free(cfg: RunConfig) -> None:
+    """ConfigError if the first, middle or last VM's address is already taken on this host.
+
+    The loopback network is shared by everything on the host (another densevm,
+    a test's nginx): finding that out before starting gives one clear line
+    instead of a densevm that fails half-way through its boot.
+    """
+    base = ipaddress.IPv4Address(cfg.addr_base)
+    for i in sorted({0, cfg.vms // 2, cfg.vms - 1}):
+        addr = str(base + i)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((addr, cfg.port))
+            except OSError as e:
+                raise ConfigError(f"{addr}:{cfg.port} is not free ({e.strerror}): another densevm? "
+                                  "choose other addresses with --addr-base") from None
+
+
+def bin_dir() -> Path:
+    """Where densevm and zipfperf are: $SCALEBENCH_BIN_DIR, else the repo's target/release."""
+    return Path(os.environ.get("SCALEBENCH_BIN_DIR") or REPO_ROOT / "target" / "release")
+
+
+def binary(name: str) -> Path:
+    """Path of a required binary; ConfigError (nothing started yet) when it is missing."""
+    path = bin_dir() / name
+    if not os.access(path, os.X_OK):
+        raise ConfigError(f"{path} is missing or not executable: run `make build` (or set SCALEBENCH_BIN_DIR)")
+    return path

@@ -1,0 +1,210 @@
+"""One database guest's life: overlay, tracer, domain, readiness, teardown.
+
+The guest's disk is either our NBD server (copy-on-write over the base image,
+traced, disk model applied) or, with tracing off and no disk model, a qcow2
+overlay QEMU opens itself. Any failure destroys the domain, stops the server
+and removes the overlay; the base image is only ever opened read-only.
+"""
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+from .diskmodel import Dilated, make_model
+from .domain import DomainSpec, pick_domain_type
+from .errors import DbTraceError
+from .image import GuestImage
+from .nbd import NbdServer, TraceRecord
+
+READY_MARK = "SCALEBENCH-DB-READY"
+FAILED_MARK = "SCALEBENCH-DB-FAILED"
+
+
+def free_port() -> int:
+    """A currently free TCP port on 127.0.0.1."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class GuestConfig:
+    """What one guest needs; ``trace=False`` with ``disk='none'`` bypasses our NBD server."""
+
+    image: GuestImage
+    run_dir: Path
+    disk: str = "hdd15k"
+    trace: bool = True
+    memory_mib: int = 256
+    boot_timeout_s: float = 240.0
+    dilate: bool = False   # slow the disk model down by the guest's measured CPU slowdown (see diskmodel.Dilated)
+    domain_type: str = field(default_factory=pick_domain_type)
+
+
+@dataclass
+class DbGuest:
+    """Context manager: a running database guest reachable at 127.0.0.1:``port``."""
+
+    config: GuestConfig
+    conn: object  # a libvirt.virConnect
+    name: str = field(default_factory=lambda: f"scalebench-db-{uuid.uuid4().hex[:8]}")
+    port: int = 0
+    server: NbdServer | None = None
+    domain: object = None
+    boot_seconds: float = 0.0
+    cpu_slowdown: float = 0.0
+    dilation: float = 1.0
+
+    @property
+    def console_log(self) -> Path:
+        return self.config.run_dir / f"{self.name}.console.log"
+
+    def __enter__(self) -> DbGuest:
+        try:
+            self.start()
+            self.wait_ready()
+            self.quiesce()
+            if self.config.dilate:
+                self.apply_dilation()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def _overlay(self) -> Path:
+        return self.config.run_dir / f"{self.name}.overlay"
+
+    def start(self) -> None:
+        """Prepare the disk path and start the (transient) domain."""
+        import libvirt
+
+        cfg = self.config
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        nbd_socket = qcow2 = None
+        if cfg.trace or cfg.disk != "none":
+            nbd_socket = cfg.run_dir / f"{self.name}.nbd.sock"
+            self.server = NbdServer(nbd_socket, Path(cfg.image.rootfs), self._overlay(), make_model(cfg.disk),
+                                    record=cfg.trace, real_flush=cfg.disk == "none")
+        else:
+            qcow2 = self._overlay()
+            proc = subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", cfg.image.rootfs,
+                                   str(qcow2)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise DbTraceError(f"qemu-img could not create the overlay: {proc.stderr.strip()}")
+        spec = DomainSpec(name=self.name, domain_type=cfg.domain_type, memory_mib=cfg.memory_mib,
+                          kernel=Path(cfg.image.kernel), initrd=Path(cfg.image.initrd), console_log=self.console_log,
+                          host_port=self.port, nbd_socket=nbd_socket, qcow2_overlay=qcow2)
+        try:
+            self.domain = self.conn.createXML(spec.to_xml(), 0)  # type: ignore[attr-defined]
+        except libvirt.libvirtError as err:
+            raise DbTraceError(f"libvirt could not start the guest: {err}") from err
+
+    def check_alive(self) -> None:
+        """Raise if QEMU or the tracer has died."""
+        import libvirt
+
+        try:
+            active = self.domain is not None and self.domain.isActive()  # type: ignore[attr-defined]
+        except libvirt.libvirtError:
+            active = False
+        if not active:
+            raise DbTraceError(f"the guest's QEMU is gone (see {self.console_log})")
+        if self.server is not None and not self.server.alive():
+            raise DbTraceError(f"the block tracer stopped: {self.server.error or 'connection closed'}")
+
+    def wait_ready(self) -> None:
+        """Wait for the guest's PostgreSQL to accept connections through the port forward."""
+        from .sql import connect
+
+        started = time.monotonic()
+        deadline = started + self.config.boot_timeout_s
+        while True:
+            self.check_alive()
+            text = self.console_log.read_text(errors="replace") if self.console_log.exists() else ""
+            if FAILED_MARK in text:
+                raise DbTraceError(f"PostgreSQL did not start in the guest (see {self.console_log})")
+            if READY_MARK in text:
+                try:
+                    connect(self.port, "postgres", timeout=10).close()
+                    break
+                except Exception:
+                    pass
+            if time.monotonic() > deadline:
+                raise DbTraceError(f"the guest did not come up within {self.config.boot_timeout_s:.0f} s "
+                                   f"(see {self.console_log})")
+            time.sleep(0.5)
+        self.boot_seconds = time.monotonic() - started
+
+    def quiesce(self) -> None:
+        """Write out what booting dirtied (a checkpoint, then the guest kernel's ``sync``).
+
+        Otherwise the kernel's delayed write-back of start-up files lands ~30 s
+        after boot, inside the measured interval of a short run.
+        """
+        from .sql import connect
+
+        conn = connect(self.port, "postgres", timeout=120)
+        try:
+            conn.run("CHECKPOINT")
+            conn.run("COPY (SELECT 1) TO PROGRAM 'sync'")
+        finally:
+            conn.close()
+
+    def measure_cpu_slowdown(self) -> float:
+        """The guest's time for the image's CPU probe over the native time measured at build time."""
+        from .sql import connect
+
+        image = self.config.image
+        conn = connect(self.port, "postgres", timeout=120)
+        try:
+            guest_s = min(float(conn.run(f"SELECT scalebench_cpu_probe({image.cpu_probe_n})")[0][0])
+                          for _ in range(3))
+        finally:
+            conn.close()
+        self.cpu_slowdown = guest_s / image.cpu_probe_native_s
+        return self.cpu_slowdown
+
+    def apply_dilation(self) -> None:
+        """Run the disk model in time dilated by the measured CPU slowdown (at least 1)."""
+        if self.server is None:
+            raise DbTraceError("time dilation needs a disk model on the traced path")
+        self.dilation = max(1.0, self.measure_cpu_slowdown())
+        self.server.model = Dilated(make_model(self.config.disk), self.dilation)
+
+    def trace_clock(self) -> float:
+        """The tracer's clock (seconds), to mark the measurement window."""
+        return self.server.now() if self.server is not None else time.monotonic()
+
+    def records(self, start: float, end: float) -> list[TraceRecord]:
+        """Trace records that arrived within [start, end) on the tracer's clock."""
+        if self.server is None:
+            return []
+        return [r for r in list(self.server.records) if start <= r.t < end]
+
+    @property
+    def disk_sectors(self) -> int:
+        return Path(self.config.image.rootfs).stat().st_size // 512
+
+    def stop(self) -> None:
+        """Destroy the domain, stop the tracer, remove the overlay; safe to call twice."""
+        import libvirt
+
+        if self.domain is not None:
+            try:
+                self.domain.destroy()  # type: ignore[attr-defined]
+            except libvirt.libvirtError:
+                pass
+            self.domain = None
+        if self.server is not None:
+            self.server.stop()
+        self._overlay().unlink(missing_ok=True)

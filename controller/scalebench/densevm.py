@@ -1,0 +1,150 @@
+"""densevm as the controller drives it: start, wait until ready, query, stop.
+
+The contract is INTERFACES.md: JSON events on stdout (`ready`, `exit`), one-line
+errors on stderr, and a Unix-socket control API with newline-delimited JSON.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .procs import Child
+
+
+class DenseVMError(RuntimeError):
+    """densevm failed: it exited, refused a request or did not become ready."""
+
+
+@dataclass(frozen=True)
+class DenseVMArgs:
+    """The densevm flags a run sets (INTERFACES.md `densevm serve`)."""
+
+    vms: int
+    addr_base: str
+    port: int
+    ws: str
+    mem: str
+    block: str
+    policy: str
+    disk: str
+    swap: Path
+    api: Path
+
+    def argv(self, binary: Path) -> list[str]:
+        return [str(binary), "serve", "--vms", str(self.vms), "--addr-base", self.addr_base,
+                "--port", str(self.port), "--ws", self.ws, "--mem", self.mem, "--block", self.block,
+                "--policy", self.policy, "--disk", self.disk, "--swap", str(self.swap),
+                "--api", str(self.api)]
+
+
+def control(api: Path, request: dict, timeout_s: float = 30.0) -> dict:
+    """One control-API request; DenseVMError for an error reply or a broken socket."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout_s)
+            s.connect(str(api))
+            s.sendall(json.dumps(request).encode() + b"\n")
+            chunks = []
+            while not chunks or not chunks[-1].endswith(b"\n"):
+                data = s.recv(1 << 20)
+                if not data:
+                    break
+                chunks.append(data)
+    except OSError as e:
+        raise DenseVMError(f"control API {api}: {e}") from e
+    try:
+        reply = json.loads(b"".join(chunks))
+    except ValueError as e:
+        raise DenseVMError(f"control API {api}: unreadable reply to {request['cmd']}") from e
+    if not reply.get("ok"):
+        raise DenseVMError(f"control API {request['cmd']}: {reply.get('error', 'no ok in reply')}")
+    return reply
+
+
+class DenseVM:
+    """A running densevm; whoever starts it must call stop() on every path."""
+
+    def __init__(self, binary: Path, args: DenseVMArgs, log_path: Path, wrap=lambda argv: argv) -> None:
+        self.args = args
+        self.log_path = log_path
+        self.events: "queue.Queue[dict]" = queue.Queue()
+        self.exit_event: dict | None = None
+        self._log = open(log_path, "wb")
+        self.child = Child(wrap(args.argv(binary)), stdout=subprocess.PIPE, stderr=self._log)
+        self._reader = threading.Thread(target=self._read_events, daemon=True)
+        self._reader.start()
+
+    def _read_events(self) -> None:
+        for line in self.child.popen.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue  # not an event: densevm may print other lines
+            if event.get("event") == "exit":
+                self.exit_event = event
+            self.events.put(event)
+
+    def stop(self) -> int | None:
+        # Destroying thousands of VMs takes seconds; only then is SIGKILL the answer.
+        code = self.child.stop(grace_s=30.0)
+        self._reader.join(timeout=5)
+        self._log.close()
+        return code
+
+    def failure(self) -> str | None:
+        """Why densevm is gone, or None while it runs."""
+        code = self.child.poll()
+        if code is None:
+            return None
+        return f"densevm exited with status {code}: {self.last_error()}"
+
+    def last_error(self) -> str:
+        """densevm's `densevm: error: ...` line, else the last line of its stderr."""
+        try:
+            lines = self.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return "(no log)"
+        errors = [x for x in lines if "error" in x]
+        return (errors or lines or ["(empty log)"])[-1].strip()
+
+    def wait_ready(self, timeout_s: float, on_progress=lambda running: None) -> dict:
+        """Block until the `ready` event; reports booted VMs through on_progress meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                event = self.events.get(timeout=0.5)
+                if event.get("event") == "ready":
+                    return event
+            except queue.Empty:
+                pass
+            why = self.failure()
+            if why:
+                raise DenseVMError(why)
+            if self.args.api.exists():
+                try:
+                    on_progress(self.stats()["totals"].get("running", 0))
+                except DenseVMError:
+                    pass  # the API may not answer until the monitor is set up
+        raise DenseVMError(f"densevm did not report ready within {timeout_s:.0f} s")
+
+    def request(self, request: dict) -> dict:
+        """A control-API request; if densevm has died, the error says how instead of "connection refused"."""
+        try:
+            return control(self.args.api, request)
+        except DenseVMError:
+            why = self.failure()
+            if why:
+                raise DenseVMError(why) from None
+            raise
+
+    def stats(self) -> dict:
+        return self.request({"cmd": "stats"})
+
+    def pager(self) -> dict:
+        return self.request({"cmd": "pager"})

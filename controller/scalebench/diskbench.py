@@ -1,0 +1,89 @@
+"""Microbenchmark of the swap device: what one VM's miss costs on the real disk.
+
+Denali's model charges each miss the VM's working set read with random reads of
+the block size and written out with one sequential write. This measures both on
+the file system (or block device) that holds densevm's swap, with O_DIRECT as
+the pager uses, so the page cache does not hide the device.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass, asdict
+from pathlib import Path
+
+from .units import MIB, round_up
+
+# Big enough that random reads do not all land in the device's cache line,
+# small enough to write in a fraction of a second on the SSDs this runs on.
+BENCH_FILE_BYTES = 64 * MIB
+RANDOM_READS = 200
+SEQUENTIAL_WRITES = 5
+_ALIGN = 4096
+
+
+@dataclass(frozen=True)
+class DiskBench:
+    """Measured cost of the two I/O patterns of a miss on the real device."""
+
+    path: str
+    block_bytes: int
+    random_read_s: float       # median of one O_DIRECT random read of block_bytes
+    write_bytes: int
+    sequential_write_s: float  # median of one O_DIRECT sequential write of write_bytes
+    sequential_read_s: float   # median of one O_DIRECT sequential read of write_bytes
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _aligned_buffer(size: int) -> mmap.mmap:
+    """Anonymous mmap: page aligned, as O_DIRECT requires."""
+    buf = mmap.mmap(-1, round_up(size, _ALIGN))
+    buf.write(os.urandom(len(buf)))  # incompressible, in case the device compresses
+    return buf
+
+
+def measure(directory: Path, block_bytes: int, write_bytes: int, seed: int = 1) -> DiskBench:
+    """Benchmark the device under `directory` with a scratch file that is removed afterwards."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f".scalebench-diskbench-{os.getpid()}"
+    write_bytes = round_up(write_bytes, _ALIGN)
+    chunk = _aligned_buffer(max(MIB, write_bytes))
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot open a file with O_DIRECT in {directory} (tmpfs?), "
+                               f"as the pager's swap needs: {e.strerror}") from None
+    try:
+        # Fill the file so the reads hit allocated blocks, one MiB at a time.
+        for off in range(0, BENCH_FILE_BYTES, MIB):
+            os.pwrite(fd, memoryview(chunk)[:MIB], off)
+        os.fsync(fd)
+        writes, seqreads = [], []
+        for i in range(SEQUENTIAL_WRITES):
+            off = (i * write_bytes) % (BENCH_FILE_BYTES - write_bytes)
+            off -= off % _ALIGN
+            t0 = time.perf_counter()
+            os.pwrite(fd, memoryview(chunk)[:write_bytes], off)
+            t1 = time.perf_counter()
+            os.preadv(fd, [memoryview(chunk)[:write_bytes]], off)
+            seqreads.append(time.perf_counter() - t1)
+            writes.append(t1 - t0)
+        rng = random.Random(seed)
+        readbuf = _aligned_buffer(block_bytes)
+        slots = BENCH_FILE_BYTES // block_bytes
+        reads = []
+        for _ in range(RANDOM_READS):
+            off = rng.randrange(slots) * block_bytes
+            t0 = time.perf_counter()
+            os.preadv(fd, [memoryview(readbuf)[:block_bytes]], off)
+            reads.append(time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    return DiskBench(str(directory), block_bytes, statistics.median(reads), write_bytes,
+                     statistics.median(writes), statistics.median(seqreads))

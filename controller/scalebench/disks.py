@@ -1,0 +1,106 @@
+"""Disk models: the one place the controller keeps their parameters.
+
+densevm's pager (`--disk MODEL`, paging-policy/src/disk.rs) adds a modeled
+service time to each real swap I/O, so that results of Denali's era (7,200 RPM
+IDE disks) are reproducible on a fast SSD. The performance model must charge
+the same times, so the drive parameters below are the pager's (DriveParams::
+hdd/hdd15k/ssd, stripe unit 64 KiB); when the pager changes them, change them
+here.
+
+The pager's service time of a non-sequential request on a rotating drive is
+command overhead + seek + rotational latency (uniform over one revolution) +
+transfer; a random request's seek averages `seek_ms`, so its expected time is
+overhead + seek + half a revolution + transfer. Flash: latency + transfer.
+Each drive is a FIFO queue, so independent requests proceed in parallel on as
+many drives as the layout has; one request is split in stripe units over the
+data drives, which transfer their parts at the same time.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .units import KIB
+
+STRIPE_BYTES = 64 * KIB  # the pager's default stripe unit for arrays
+
+
+@dataclass(frozen=True)
+class Drive:
+    """One drive's parameters, as the pager's DriveParams."""
+
+    seek_ms: float
+    rpm: float
+    mb_s: float          # media rate, 10^6 bytes/s
+    overhead_ms: float   # per-command controller overhead
+    lat_ms: float        # flash access latency (0 for rotating drives)
+
+    @property
+    def positioning_s(self) -> float:
+        """Expected time before a random request's transfer starts."""
+        half_revolution = 30.0 / self.rpm if self.rpm else 0.0
+        return (self.overhead_ms + self.seek_ms + self.lat_ms) / 1e3 + half_revolution
+
+
+HDD = Drive(seek_ms=8.9, rpm=7200, mb_s=40.0, overhead_ms=0.1, lat_ms=0.0)
+HDD15K = Drive(seek_ms=3.5, rpm=15000, mb_s=90.0, overhead_ms=0.05, lat_ms=0.0)
+SSD = Drive(seek_ms=0.0, rpm=0, mb_s=500.0, overhead_ms=0.0, lat_ms=0.1)
+
+
+@dataclass(frozen=True)
+class DiskModel:
+    """A named disk configuration as `--disk` spells it ("hdd", "array:3", "none")."""
+
+    name: str
+    drive: Drive | None   # None: no modeled time, the real device only
+    drives: int = 1       # drives in the layout
+    data_drives: int = 1  # drives a request's stripe units spread over (raid5: drives - 1)
+
+    @property
+    def parallelism(self) -> int:
+        """Independent requests served at once: one per drive queue."""
+        return self.drives
+
+    def request_s(self, size: int) -> float:
+        """Expected modeled time of one random request of `size` bytes (read, or a full-stripe write)."""
+        if self.drive is None:
+            return 0.0
+        spread = max(1, min(self.data_drives, -(-size // STRIPE_BYTES)))
+        return self.drive.positioning_s + size / (self.drive.mb_s * 1e6 * spread)
+
+
+def differences(model: DiskModel, pager: dict) -> list[str]:
+    """Where the pager's reported disk model (`{"cmd":"pager"}` -> pager.disk) differs from ours.
+
+    An empty list means the model charges what the pager adds; anything else
+    means this module has fallen behind paging-policy/src/disk.rs.
+    """
+    if model.drive is None:
+        return [] if pager.get("model", "none") == "none" else [f"model {pager.get('model')} vs none"]
+    ours = {"seek_ms": model.drive.seek_ms, "rpm": model.drive.rpm, "mb_s": model.drive.mb_s,
+            "overhead_ms": model.drive.overhead_ms, "lat_ms": model.drive.lat_ms, "drives": model.drives,
+            "stripe_bytes": STRIPE_BYTES}
+    return [f"{k} {pager[k]} vs {v}" for k, v in ours.items() if k in pager and float(pager[k]) != float(v)]
+
+
+_DRIVES = {"hdd": HDD, "hdd15k": HDD15K, "ssd": SSD}
+_ARRAY = re.compile(r"^(array|raid5):(\d+)$")
+
+
+def disk_model(name: str) -> DiskModel:
+    """The model `--disk NAME` selects; ValueError for an unknown name.
+
+    The pager also accepts `,key=value` overrides; the model does not, so they are refused here.
+    """
+    if name in ("none", ""):
+        return DiskModel("none", None)
+    if name in _DRIVES:
+        return DiskModel(name, _DRIVES[name])
+    m = _ARRAY.match(name)
+    if m and 1 <= int(m.group(2)) <= 64:
+        kind, n = m.group(1), int(m.group(2))
+        if kind == "array":
+            return DiskModel(name, HDD, drives=n, data_drives=n)
+        if n >= 3:
+            return DiskModel(name, HDD, drives=n, data_drives=n - 1)
+    raise ValueError(f"unknown disk model {name!r} (none, hdd, hdd15k, ssd, array:N, raid5:N with 3 <= N <= 64)")

@@ -1,0 +1,227 @@
+"""Denali's performance model of web-server VMs under memory overcommit.
+
+The memory budget holds k = floor(budget / footprint) VMs, where a VM's
+footprint is its working set rounded up to the paging block (internal
+fragmentation). Requests pick VMs by Zipf(alpha); the pager keeps recently used
+VMs resident, which we approximate as an LRU cache of k out of N items and
+estimate its hit ratio with Che's approximation (H. Che, Y. Tung, Z. Wang,
+"Hierarchical Web caching systems: modeling, design and experimental results",
+IEEE JSAC 20(7), 2002; C. Fricker, P. Robert, J. Roberts, "A versatile and
+accurate approximation for LRU cache performance", ITC 24, 2012):
+
+    characteristic time T solves  sum_i (1 - exp(-p_i T)) = k
+    hit ratio                h = sum_i p_i (1 - exp(-p_i T))
+
+A miss costs what Denali's model charged: the working set read back with
+random reads of the block size (footprint / block of them) and the evicted VM
+written out with one sequential write. `wsswap` reads the working set back with
+one sequential read instead. Each I/O costs what the swap device measured
+(diskbench) plus the service time of the modeled disk (disks.py), exactly as the
+pager adds it.
+
+Throughput is bounded by the CPU (the in-core cost per request, calibrated,
+plus for misses the pager's CPU work per fault: one per block for demand, one
+per miss for wsswap) and by the swap I/O (as many requests in flight as
+drives, up to the pager's service threads):
+
+    X = min(1 / (cpu_s + (1 - h) * faults_per_miss * fault_s),
+            min(drives, threads) / ((1 - h) * miss_s))
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, asdict, replace
+
+import numpy as np
+
+from .diskbench import DiskBench
+from .disks import DiskModel
+from .units import KIB, MIB
+
+# The webguest's paged RAM as densevm lays it out (hypervisor/src/boot.rs,
+# RamLayout): connection state at the head of bss (RAM offset 0), the working
+# set right after bss (page aligned, not block aligned), the stack at the top.
+# A request touches all three, so the footprint is every block they overlap:
+# internal fragmentation grows with the block, which is why small blocks delay
+# the cliff. Only an estimate for `scalebench model`: runs measure the footprint.
+GUEST_RAM_BYTES = 4 * MIB
+GUEST_WS_OFFSET = 0x87000
+GUEST_BSS_HEAD_BYTES = 8 * KIB
+GUEST_STACK_BYTES = 32 * KIB
+
+POLICIES = ("demand", "wsswap")
+# Where "the cliff" is: throughput below half the in-core throughput. The sweep
+# locates the measured cliff with the same fraction (tables.cliff_rows).
+CLIFF_FRACTION = 0.5
+# The model's regime is in-core while paging costs less than this share of throughput.
+IN_CORE_LOSS = 0.05
+# The pager serves faults on this many threads (paging-policy/src/pager.rs,
+# SERVICE_THREADS): at most that many swap I/Os are in flight, whatever the drives.
+PAGER_SERVICE_THREADS = 8
+# Pager CPU time per fault served, aggregate over the host: a fault resolved
+# with one 32 KiB UFFDIO_COPY takes 84-131 us here (host-notes.md), about the
+# 3,000-10,000 faults/s the pager sustains on these 2 cores. Overridable with --fault-us.
+DEFAULT_FAULT_US = 100.0
+
+
+def zipf_popularity(n: int, alpha: float) -> np.ndarray:
+    """Request probability of ranks 1..n under Zipf(alpha) (alpha 0: uniform)."""
+    weights = np.arange(1, n + 1, dtype=float) ** -alpha
+    return weights / weights.sum()
+
+
+def che_hit_ratio(n: int, k: float, alpha: float) -> float:
+    """LRU hit ratio of a cache holding k of n items under Zipf(alpha), Che's approximation."""
+    if k >= n:
+        return 1.0
+    if k <= 0:
+        return 0.0
+    p = zipf_popularity(n, alpha)
+
+    def occupancy(t: float) -> float:
+        return float(np.sum(-np.expm1(-p * t)))
+
+    # occupancy(T) rises from 0 to n: bracket k, then bisect on log T.
+    lo, hi = 1.0, 2.0
+    while occupancy(hi) < k:
+        lo, hi = hi, hi * 2.0
+    while occupancy(lo) > k:
+        lo /= 2.0
+    for _ in range(100):
+        mid = math.sqrt(lo * hi)
+        if occupancy(mid) < k:
+            lo = mid
+        else:
+            hi = mid
+        if hi / lo < 1 + 1e-10:
+            break
+    t = math.sqrt(lo * hi)
+    return float(np.sum(p * -np.expm1(-p * t)))
+
+
+def estimate_footprint(ws_bytes: int, block_bytes: int, ram_bytes: int = GUEST_RAM_BYTES) -> int:
+    """Resident bytes of one VM that has served requests: the blocks its requests touch."""
+    regions = ((0, GUEST_BSS_HEAD_BYTES), (GUEST_WS_OFFSET, ws_bytes),
+               (ram_bytes - GUEST_STACK_BYTES, GUEST_STACK_BYTES))
+    blocks: set[int] = set()
+    for offset, length in regions:
+        blocks.update(range(offset // block_bytes, (offset + length - 1) // block_bytes + 1))
+    return len(blocks) * block_bytes
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """Everything the prediction depends on."""
+
+    vms: int
+    alpha: float
+    block_bytes: int
+    budget_bytes: int
+    footprint_bytes: int
+    policy: str
+    disk: DiskModel
+    cpu_s: float              # in-core aggregate CPU time per request (1 / in-core throughput)
+    bench: DiskBench | None   # None: the real device's time is left out (modeled time only)
+    fault_s: float = DEFAULT_FAULT_US * 1e-6  # pager CPU per fault served (aggregate)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The model's figures; JSON-ready through as_dict()."""
+
+    footprint_bytes: int
+    cache_vms: int          # k: VMs the budget holds (working sets exceed memory beyond it)
+    cliff_vms: int          # the fewest VMs at which throughput falls below CLIFF_FRACTION of in-core
+    hit_ratio: float
+    miss_read_s: float
+    miss_write_s: float
+    miss_s: float
+    cpu_rps: float          # CPU bound: requests plus the pager's work for the misses
+    disk_rps: float         # swap I/O bound; inf when every request hits
+    model_rps: float
+    regime: str             # "in-core" unless paging costs more than IN_CORE_LOSS of in-core throughput
+    cpu_us: float
+    fault_us: float
+    disk: str
+    policy: str
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        if math.isinf(d["disk_rps"]):
+            d["disk_rps"] = None  # JSON has no infinity
+        return d
+
+
+def miss_cost(inp: ModelInput) -> tuple[float, float]:
+    """(read, write) I/O seconds one miss costs: bring the VM in, write the victim out."""
+    fp, block, disk, bench = inp.footprint_bytes, inp.block_bytes, inp.disk, inp.bench
+    write = disk.request_s(fp) + (bench.sequential_write_s if bench else 0.0)
+    if inp.policy == "wsswap":
+        read = disk.request_s(fp) + (bench.sequential_read_s if bench else 0.0)
+    else:
+        read = (fp // block) * (disk.request_s(block) + (bench.random_read_s if bench else 0.0))
+    return read, write
+
+
+@dataclass(frozen=True)
+class _Bounds:
+    """The two resources' limits for one input."""
+
+    k: int
+    hit: float
+    read_s: float
+    write_s: float
+    cpu_rps: float   # CPU: requests and, for misses, the pager's work per fault
+    disk_rps: float  # swap I/O over the drives the pager's threads keep busy (inf: no misses)
+
+    @property
+    def rps(self) -> float:
+        return min(self.cpu_rps, self.disk_rps)
+
+
+def _bounds(inp: ModelInput) -> _Bounds:
+    k = inp.budget_bytes // inp.footprint_bytes
+    hit = che_hit_ratio(inp.vms, k, inp.alpha)
+    read, write = miss_cost(inp)
+    misses = 1.0 - hit
+    # demand takes a fault per block; wsswap one per miss (the rest arrives by prefetch).
+    faults_per_miss = 1 if inp.policy == "wsswap" else inp.footprint_bytes // inp.block_bytes
+    cpu_per_request = inp.cpu_s + misses * faults_per_miss * inp.fault_s
+    io_per_request = misses * (read + write)
+    parallel = min(inp.disk.parallelism, PAGER_SERVICE_THREADS)
+    return _Bounds(k, hit, read, write, 1.0 / cpu_per_request,
+                   parallel / io_per_request if io_per_request > 0 else math.inf)
+
+
+def cliff_vms(inp: ModelInput) -> int:
+    """The fewest VMs for which the predicted throughput is below CLIFF_FRACTION of in-core.
+
+    Throughput falls monotonically with the number of VMs, so bisect between k
+    (all fit) and a bound that is doubled until it is past the cliff.
+    """
+    def past(n: int) -> bool:
+        return _bounds(replace(inp, vms=n)).rps < CLIFF_FRACTION / inp.cpu_s
+    lo = max(1, inp.budget_bytes // inp.footprint_bytes)  # not past: everything fits
+    hi = 2 * lo
+    while not past(hi):
+        lo, hi = hi, 2 * hi
+        if hi > 1 << 24:  # never falls (a disk far faster than the CPU)
+            return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if not past(mid) else (lo, mid)
+    return hi
+
+
+def predict(inp: ModelInput) -> Prediction:
+    """Predicted throughput and its parts for one configuration."""
+    if inp.policy not in POLICIES:
+        raise ValueError(f"the model knows the policies {', '.join(POLICIES)}, not {inp.policy!r}")
+    b = _bounds(inp)
+    # In core while paging costs under IN_CORE_LOSS of the in-core throughput.
+    in_core = b.rps >= (1.0 - IN_CORE_LOSS) / inp.cpu_s
+    return Prediction(
+        footprint_bytes=inp.footprint_bytes, cache_vms=int(b.k), cliff_vms=cliff_vms(inp), hit_ratio=b.hit,
+        miss_read_s=b.read_s, miss_write_s=b.write_s, miss_s=b.read_s + b.write_s, cpu_rps=b.cpu_rps,
+        disk_rps=b.disk_rps, model_rps=b.rps, regime="in-core" if in_core else "disk-bound",
+        cpu_us=inp.cpu_s * 1e6, fault_us=inp.fault_s * 1e6, disk=inp.disk.name, policy=inp.policy)

@@ -1,0 +1,76 @@
+"""Child processes that are always torn down: each leads its own process group.
+
+A process group lets teardown reach everything a child started (a wrapper
+shell, helper threads' processes) with one signal, and keeps a terminal's
+Ctrl-C from reaching the children before scalebench has decided the order of
+teardown. SIGTERM to scalebench is turned into an exception (`Terminated`) so
+that the same `finally` blocks run as for Ctrl-C.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from typing import IO
+
+
+class Terminated(BaseException):
+    """scalebench received SIGTERM or SIGHUP; raised like KeyboardInterrupt."""
+
+
+def _raise_terminated(signum: int, _frame: object) -> None:
+    raise Terminated(signal.Signals(signum).name)
+
+
+def install_signal_handlers() -> None:
+    """Make SIGTERM/SIGHUP/SIGINT unwind the stack (and so tear children down).
+
+    SIGINT gets Python's KeyboardInterrupt even when it was inherited as ignored
+    (a background job of a non-interactive shell): whoever sends it to a
+    scalebench wants that run stopped.
+    """
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_terminated)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+class Child:
+    """A started child process in its own process group."""
+
+    def __init__(self, argv: list[str], stdout: IO | int | None, stderr: IO | int | None) -> None:
+        self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+                                      process_group=0)
+        self.pid = self.popen.pid
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM the group, wait up to grace_s, then SIGKILL it; returns the exit status."""
+        self._signal_group(signal.SIGTERM)
+        try:
+            code = self.popen.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self._signal_group(signal.SIGKILL)
+            code = self.popen.wait()
+        # The leader is gone; anything else left in its group goes too.
+        self._signal_group(signal.SIGKILL)
+        return code
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
+    """Poll predicate until true or timeout; returns its last value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)

@@ -1,0 +1,434 @@
+"""One run, end to end: densevm contained and booted, warmed up, measured, modeled.
+
+Phases: disk microbenchmark -> cgroup -> densevm boot -> touch (one request
+per VM) -> warm-up and measurement (one zipfperf run) -> calibration if needed. Whatever happens, densevm and zipfperf are stopped,
+the cgroup is removed and the result is written: status "ok", or "failed" with
+the error and everything measured until then.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import time
+import traceback
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+from . import calibration, diskbench
+from .cgroup import Containment, memory_limit
+from .config import RunConfig, binary
+from .densevm import DenseVM, DenseVMArgs, DenseVMError
+from .disks import differences, disk_model
+from .model import ModelInput, estimate_footprint, predict, zipf_popularity
+from .procs import Terminated
+from .progress import Reporter
+from .result import RunResult, now_iso
+from .touch import lru_order, touch_all
+from .zipfperf import OBJECT_URI, LoadSpec, ZipfperfError, run_load
+
+# The regime is disk-bound when, over the measurement phase, swap reads flowed
+# and requests caused at least one block fault per 20 requests on average. At
+# 32k blocks a miss is ~28 faults, so that is one miss per ~560 requests: enough
+# that, on the modeled 7,200 RPM disk, paging time exceeds the CPU time of the
+# requests (and even on a fast SSD, a visible share of it).
+FAULTS_PER_REQUEST_DISK_BOUND = 0.05
+# Calibration phase: how many resident VMs it drives and for how long.
+CALIBRATION_MAX_VMS = 256
+CALIBRATION_SECONDS = 5.0
+SAMPLE_INTERVAL_S = 1.0
+# The stats totals the measurement is computed from (INTERFACES.md, densevm control API).
+CONTRACT_TOTALS = ("requests", "resident_bytes", "budget_bytes", "faults", "swap_read_bytes", "swap_write_bytes",
+                   "io_seconds")
+
+
+@dataclass(frozen=True)
+class Binaries:
+    densevm: Path
+    zipfperf: Path
+
+    @classmethod
+    def find(cls) -> "Binaries":
+        """Both binaries, or ConfigError before anything starts."""
+        return cls(binary("densevm"), binary("zipfperf"))
+
+
+def new_run_id(cfg: RunConfig) -> str:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    return f"{stamp}-{cfg.vms}vm-{cfg.block}-{cfg.policy}-{os.getpid()}"
+
+
+def classify(faults: int, requests: int, swap_read_bytes: int) -> str:
+    """The measured regime, defined in RESULTS.md."""
+    if swap_read_bytes > 0 and faults >= FAULTS_PER_REQUEST_DISK_BOUND * max(requests, 1):
+        return "disk-bound"
+    return "in-core"
+
+
+def hot_footprint(vms: list[dict]) -> int | None:
+    """The per-VM footprint: the median resident size of the VMs holding at least 3/4 of the largest.
+
+    The pager evicts whole VMs, so the VMs that are resident hold their whole
+    footprint (give or take a block of connection state), while evicted VMs keep
+    only the couple of blocks the monitor touches when a connection arrives
+    (ring and stack) and some are caught part way through paging in: the top
+    quarter of the size range is the resident VMs. (The busiest VMs are no
+    guide out of core: they too are evicted and paged back in.)
+    """
+    sizes = [v["resident_bytes"] for v in vms if v.get("requests", 0) > 0 and v.get("resident_bytes")]
+    if not sizes:
+        return None
+    whole = [s for s in sizes if s >= 0.75 * max(sizes)]
+    return int(statistics.median(whole))
+
+
+def resident_mass(vms: list[dict], footprint: int, alpha: float) -> float:
+    """The share of Zipf(alpha) requests (VM i has rank i) that go to VMs wholly resident now."""
+    p = zipf_popularity(len(vms), alpha)
+    return float(sum(p[v["id"]] for v in vms if v.get("resident_bytes", 0) >= 0.75 * footprint and v["id"] < len(p)))
+
+
+def resident_window(vms: list[dict], width: int) -> int:
+    """First index of the `width` consecutive VMs holding the most resident bytes."""
+    resident = [v.get("resident_bytes", 0) for v in sorted(vms, key=lambda v: v["id"])]
+    if len(resident) <= width:
+        return 0
+    current = best = sum(resident[:width])
+    best_at = 0
+    for i in range(width, len(resident)):
+        current += resident[i] - resident[i - width]
+        if current > best:
+            best_at, best = i - width + 1, current
+    return best_at
+
+
+class Sampler:
+    """densevm totals about once a second, tagged by phase: the run's time series."""
+
+    KEYS = ("requests", "faults", "resident_bytes", "swap_read_bytes", "swap_write_bytes", "io_seconds")
+
+    def __init__(self, dvm: DenseVM, samples: list) -> None:
+        self.dvm, self.samples, self.t0, self.last = dvm, samples, time.monotonic(), -1e9
+
+    def sample(self, phase: str) -> dict:
+        asked = time.monotonic()
+        totals = self.dvm.stats()["totals"]
+        now = time.monotonic()
+        # A busy densevm can take seconds to answer: date the figures mid-call, keep the delay.
+        row = {"t": round((asked + now) / 2 - self.t0, 3), "stats_s": round(now - asked, 3), "phase": phase,
+               **{k: totals.get(k, 0) for k in self.KEYS}}
+        self.samples.append(row)
+        self.last = now
+        return row
+
+    def maybe(self, phase: str) -> None:
+        if time.monotonic() - self.last >= SAMPLE_INTERVAL_S:
+            self.sample(phase)
+
+    def late_window(self, phase: str) -> tuple[float, float] | None:
+        """(requests/s, faults per request) over the second half of a phase, or None."""
+        at = [i for i, r in enumerate(self.samples) if r["phase"] == phase]
+        if not at:
+            return None
+        # The sample that ends a phase is the next phase's first (warm-up -> measurement).
+        rows = self.samples[at[0]:at[-1] + 2]
+        while len(rows) > 1 and rows[-1]["requests"] == rows[-2]["requests"]:
+            rows.pop()  # samples after the load stopped
+        if len(rows) < 3:
+            return None
+        first, last = rows[len(rows) // 2], rows[-1]
+        dt, dreq = last["t"] - first["t"], last["requests"] - first["requests"]
+        if dt <= 0 or dreq <= 0:
+            return None
+        return dreq / dt, (last["faults"] - first["faults"]) / dreq
+
+
+def summarize_load(doc: dict) -> dict:
+    """The part of a zipfperf document worth keeping per phase."""
+    return {k: doc.get(k) for k in ("duration_s", "connections", "requests", "replies", "latency_ms", "errors")}
+
+
+class Run:
+    """One run of the main job; `execute()` returns its result (also written to disk)."""
+
+    def __init__(self, cfg: RunConfig, bins: Binaries, reporter: Reporter | None = None) -> None:
+        self.cfg, self.bins = cfg, bins
+        self.reporter = reporter or Reporter()
+        self.run_id = new_run_id(cfg)
+        self.out = Path(cfg.out) if cfg.out else Path.cwd() / "runs" / self.run_id
+        self.result = RunResult(self.run_id, cfg.as_dict())
+        self.load = LoadSpec(targets=cfg.vms, addr_base=cfg.addr_base, port=cfg.port, alpha=cfg.alpha,
+                             seed=cfg.seed, duration_s=cfg.duration, concurrency=cfg.concurrency,
+                             calls_per_conn=cfg.calls_per_conn, uri=OBJECT_URI[cfg.object],
+                             timeout_s=cfg.timeout)
+        self.dvm: DenseVM | None = None
+        self.containment: Containment | None = None
+        self.sampler: Sampler | None = None
+
+    # -- top level ---------------------------------------------------------
+
+    def execute(self) -> RunResult:
+        self.out.mkdir(parents=True, exist_ok=True)
+        r = self.result
+        try:
+            with ExitStack() as stack:
+                self._run(stack)
+            r.status = "ok"
+        except (KeyboardInterrupt, Terminated) as e:
+            r.fail(f"interrupted by {'SIGINT' if isinstance(e, KeyboardInterrupt) else e}")
+            self._finish()
+            raise
+        except (DenseVMError, ZipfperfError) as e:
+            r.fail(self._explain(str(e)))
+        except Exception as e:  # a failure of the db guests or of this code: still a failed result
+            (self.out / "scalebench-traceback.txt").write_text(traceback.format_exc())
+            r.fail(f"{type(e).__name__}: {e}")
+        self._finish()
+        return r
+
+    def _explain(self, message: str) -> str:
+        """Add the cgroup's verdict when the memory limit is what killed densevm."""
+        stats = self.result.containment.get("memory", {})
+        if stats.get("oom_kills"):
+            return f"{message} (the memory cgroup limit of {self.containment.limit_bytes} bytes was hit)"
+        return message
+
+    def _finish(self) -> None:
+        from .plots import run_plot  # matplotlib is slow to import; only needed here
+        r = self.result
+        r.finished_at = now_iso()
+        path = self.out / "result.json"
+        r.files.update(result=str(path), out=str(self.out))
+        try:
+            if r.timeseries:
+                plot = self.out / "run.png"
+                run_plot(r, plot)
+                r.files["plot"] = str(plot)
+        except Exception as e:  # a plot must not lose the result
+            r.files["plot_error"] = str(e)
+        r.write(path)
+        if self.cfg.json:
+            r.write(Path(self.cfg.json))
+
+    def _run(self, stack: ExitStack) -> None:
+        cfg, r = self.cfg, self.result
+        bench = self._start(stack)
+        if cfg.db_guests:
+            from .db.alongside import db_guests  # libvirt is only needed with --db-guests
+            guests = db_guests(cfg.db_guests, cfg.db_workload, cfg.db_mix, self.out / "db")
+            stack.callback(lambda: setattr(r, "db", list(getattr(guests, "results", []) or [])))
+            stack.enter_context(guests)
+
+        if cfg.touch:
+            self._touch()
+        # Warm-up and measurement are one zipfperf run, split by densevm's counters:
+        # restarting zipfperf would abandon the warm-up's requests stuck on cold VMs,
+        # whose paging then goes on while the new run's free slots race through hits.
+        doc = self._phase("load", replace(self.load, duration_s=cfg.warmup + cfg.duration), measure_from=cfg.warmup)
+        stats = self.dvm.stats()  # per-VM state at the end of the measurement
+        window = [row for row in r.timeseries if row["phase"] == "measure"]
+        self._record_measurement(doc, window[0], window[-1], stats)
+        cpu_us, source = self._cpu_us()
+        r.calibration = {"cpu_us": cpu_us, "source": source}
+        self._record_model(cpu_us, bench)
+
+    def _start(self, stack: ExitStack) -> diskbench.DiskBench:
+        """Disk microbenchmark, cgroup, densevm booted inside it; teardown registered on `stack`."""
+        cfg, r = self.cfg, self.result
+        _raise_fd_limit()
+        fp_est = estimate_footprint(cfg.ws_bytes, cfg.block_bytes)
+        swap = self.out / "swap.img"
+        stack.callback(swap.unlink, missing_ok=True)
+        self.reporter.note(f"run {self.run_id}: results in {self.out}")
+        bench = diskbench.measure(self.out, cfg.block_bytes, fp_est)
+        r.diskbench = bench.as_dict()
+
+        self.containment = Containment.create(self.run_id, memory_limit(cfg.mem_bytes, cfg.vms))
+        stack.callback(self._release_containment)
+        r.containment = self.containment.describe()
+        if self.containment.warning:
+            self.reporter.note(f"[yellow]warning:[/] {self.containment.warning}")
+        r.psi["before"] = self.containment.pressure()
+
+        api = self.out / "densevm.sock"
+        api.unlink(missing_ok=True)  # left by an earlier attempt at this point: densevm could not bind it
+        args = DenseVMArgs(vms=cfg.vms, addr_base=cfg.addr_base, port=cfg.port, ws=cfg.ws, mem=cfg.mem,
+                           block=cfg.block, policy=cfg.policy, disk=cfg.disk, swap=swap, api=api)
+        self.dvm = DenseVM(self.bins.densevm, args, self.out / "densevm.log", wrap=self.containment.wrap)
+        stack.callback(self.dvm.stop)
+        boot_timeout = 120 + 0.1 * cfg.vms
+        with self.reporter.phase("boot", cfg.vms, "VMs") as update:
+            ready = self.dvm.wait_ready(boot_timeout, update)
+        r.boot_seconds = ready.get("boot_seconds")
+        r.phases["boot"] = ready
+        self._check_pager()
+        self.sampler = Sampler(self.dvm, r.timeseries)
+        self.sampler.sample("boot")
+        return bench
+
+    def _check_pager(self) -> None:
+        """Record the pager's settings; warn if its disk model is not the one the model charges."""
+        r = self.result
+        try:
+            r.pager = self.dvm.pager()
+        except DenseVMError as e:  # informational: a monitor without the request can still be measured
+            self._alive()
+            r.pager = {"error": str(e)}
+        pager_disk = (r.pager.get("pager") or {}).get("disk")
+        diff = differences(disk_model(self.cfg.disk), pager_disk) if pager_disk else []
+        if diff:
+            r.warnings.append(f"the pager's disk model differs from the performance model's "
+                              f"(disks.py): {'; '.join(diff)}")
+
+    # -- phases --------------------------------------------------------------
+
+    def _alive(self) -> None:
+        why = self.dvm.failure()
+        if why:
+            raise DenseVMError(why)
+
+    def _phase(self, name: str, spec: LoadSpec, measure_from: float | None = None) -> dict:
+        """One zipfperf run, with densevm sampled at its start, about every second, and its end.
+
+        With measure_from, the samples are tagged "warmup" until that many seconds
+        into the run and "measure" from then on (a sample is taken at the switch).
+        """
+        tag = name if measure_from is None else "warmup"
+        self.sampler.sample(tag)
+        with self.reporter.phase(name, spec.duration_s, "s") as update:
+            def tick(elapsed: float) -> None:
+                nonlocal tag
+                update(elapsed)
+                if tag == "warmup" and elapsed >= measure_from:
+                    tag = "measure"
+                    self.sampler.sample(tag)
+                self.sampler.maybe(tag)
+            doc = run_load(self.bins.zipfperf, spec, self.out, name, tick=tick, alive=self._alive)
+        self.sampler.sample(tag)
+        self.result.phases[name] = summarize_load(doc)
+        return doc
+
+    def _touch(self) -> None:
+        """One request to every VM (see touch.py), with progress and densevm watched."""
+        cfg = self.cfg
+        self.sampler.sample("touch")
+        with self.reporter.phase("touch", cfg.vms, "VMs") as update:
+            def progress(done: int) -> None:
+                update(done)
+                self._alive()
+                self.sampler.maybe("touch")
+            order = lru_order(cfg.vms, cfg.alpha, cfg.seed)
+            failed = touch_all(cfg.addr_base, cfg.port, order, min(cfg.concurrency, 64), cfg.timeout, progress)
+        self.sampler.sample("touch")
+        self._alive()
+        if failed:
+            self.result.warnings.append(f"{len(failed)} VM(s) did not answer the touch request "
+                                        f"(first: {', '.join(map(str, failed[:5]))})")
+
+    def _cpu_us(self) -> tuple[float, str]:
+        """In-core CPU microseconds per request: --cpu-us, an in-core warm-up, the stored
+        calibration, or a calibration phase on a window of resident VMs, in that order."""
+        cfg = self.cfg
+        if cfg.cpu_us is not None:
+            return cfg.cpu_us, "flag"
+        window = self.sampler.late_window("warmup")
+        if window and window[1] < FAULTS_PER_REQUEST_DISK_BOUND:
+            cpu_us = 1e6 / window[0]
+            calibration.store_cpu_us(cfg.object, cpu_us, cfg.vms, "warm-up")
+            return cpu_us, "warm-up"
+        stored = calibration.load_cpu_us(cfg.object)
+        if stored is not None:
+            return stored, "stored"
+        vms = self.dvm.stats().get("vms", [])
+        width = max(1, min(cfg.vms, CALIBRATION_MAX_VMS,
+                           cfg.mem_bytes // estimate_footprint(cfg.ws_bytes, cfg.block_bytes) // 4))
+        first = resident_window(vms, width)
+        self._phase("calibrate", self.load.window(first, width, 0.0, CALIBRATION_SECONDS))
+        window = self.sampler.late_window("calibrate")
+        if window is None:
+            raise DenseVMError("the calibration phase served no requests")
+        cpu_us = 1e6 / window[0]
+        calibration.store_cpu_us(cfg.object, cpu_us, width, "calibration phase")
+        return cpu_us, f"calibration phase ({width} VMs from {first})"
+
+    # -- results ---------------------------------------------------------------
+
+    def _record_measurement(self, doc: dict, before: dict, after: dict, stats: dict) -> None:
+        """Throughput and paging from densevm's counters over the measurement window;
+        latency and errors from zipfperf (its whole run, warm-up included)."""
+        r, totals = self.result, stats["totals"]
+        wall = after["t"] - before["t"]
+        missing = [k for k in CONTRACT_TOTALS if k not in totals]
+        if missing:
+            r.warnings.append(f"densevm's stats lack {', '.join(missing)} (INTERFACES.md): "
+                              "paging figures are zero and the regime is unreliable")
+        d = {k: after[k] - before[k] for k in Sampler.KEYS if k != "resident_bytes"}
+        replies = doc.get("replies", {})
+        r.throughput_rps = d["requests"] / wall if wall > 0 else None
+        r.client_rps = replies.get("rate")
+        r.replies = replies.get("total")
+        r.duration_s = wall
+        r.latency_ms = doc.get("latency_ms", {})
+        r.error_detail = doc.get("errors", {})
+        r.errors = r.error_detail.get("total")
+        r.resident_bytes = totals.get("resident_bytes")
+        r.budget_bytes = totals.get("budget_bytes")
+        r.faults = d["faults"]
+        r.faults_per_s = d["faults"] / wall
+        r.swap_read_bytes, r.swap_write_bytes = d["swap_read_bytes"], d["swap_write_bytes"]
+        r.swap_read_mbps = d["swap_read_bytes"] / wall / 1e6
+        r.swap_write_mbps = d["swap_write_bytes"] / wall / 1e6
+        r.disk_busy = d["io_seconds"] / wall
+        r.fault_latency_us = totals.get("fault_latency_us", {})
+        r.footprint_bytes = hot_footprint(stats.get("vms", []))
+        if r.footprint_bytes and d["requests"] > 0:
+            # Each miss reads the whole footprint back (demand block by block, wsswap at once).
+            r.hit_ratio = max(0.0, 1.0 - d["swap_read_bytes"] / r.footprint_bytes / d["requests"])
+            r.resident_mass = resident_mass(stats.get("vms", []), r.footprint_bytes, self.cfg.alpha)
+        r.regime = classify(d["faults"], d["requests"], d["swap_read_bytes"])
+        connections = (doc.get("connections") or {}).get("total") or 0
+        if self.cfg.calls_per_conn == 1 and r.replies and connections < 0.9 * r.replies:
+            # Each connection is bound to one VM: Zipf then chose VMs per connection, not per request.
+            r.warnings.append(f"zipfperf reused connections ({connections} connections for {r.replies} replies): "
+                              "VMs were drawn per connection, not per request")
+        r.phases["measure"] = {"from_s": before["t"], "to_s": after["t"], "requests": d["requests"]}
+
+    def _record_model(self, cpu_us: float, bench: diskbench.DiskBench) -> None:
+        cfg, r = self.cfg, self.result
+        footprint = r.footprint_bytes or estimate_footprint(cfg.ws_bytes, cfg.block_bytes)
+        if cfg.policy not in ("demand", "wsswap"):
+            r.model = {"error": f"no model for policy {cfg.policy}"}
+            return
+        p = predict(ModelInput(vms=cfg.vms, alpha=cfg.alpha, block_bytes=cfg.block_bytes,
+                               budget_bytes=cfg.mem_bytes, footprint_bytes=footprint, policy=cfg.policy,
+                               disk=disk_model(cfg.disk), cpu_s=cpu_us * 1e-6, bench=bench,
+                               fault_s=cfg.fault_us * 1e-6))
+        r.model = p.as_dict()
+        r.model["footprint_source"] = "measured" if r.footprint_bytes else "estimated"
+        r.model_rps = p.model_rps
+        if r.throughput_rps is not None and p.model_rps > 0:
+            r.measured_over_model = r.throughput_rps / p.model_rps
+
+    def _release_containment(self) -> None:
+        """Record PSI and the memory group's counters, then remove the groups (densevm is gone)."""
+        c, r = self.containment, self.result
+        r.psi["after"] = c.pressure()
+        if r.psi.get("before") and r.psi.get("after"):
+            r.psi["delta_total_us"] = {kind: r.psi["after"][kind]["total"] - r.psi["before"][kind]["total"]
+                                       for kind in r.psi["after"]}
+        r.containment["memory"] = c.memory_stats()
+        c.remove()
+
+
+def _raise_fd_limit() -> None:
+    """densevm needs 4 descriptors per VM: give children the hard limit as their soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def run(cfg: RunConfig, reporter: Reporter | None = None, bins: Binaries | None = None) -> RunResult:
+    """Library entry: one validated configuration, one result."""
+    return Run(cfg, bins or Binaries.find(), reporter).execute()

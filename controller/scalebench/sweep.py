@@ -1,0 +1,200 @@
+"""Sweeps: a grid of runs from an experiment file, resumable, with CSV and plots.
+
+An experiment file (TOML, see controller/RESULTS.md) has `name`, `title`, a
+`[base]` table of run settings, a `[grid]` table of lists whose product gives
+the points, and `[[plot]]` tables. Each point's result is stored as
+DIR/points/<key>/result.json as soon as it finishes; a sweep started again on
+the same DIR skips every point whose stored result has status "ok", so an
+interrupted sweep continues where it stopped.
+"""
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .checks import KINDS as CHECK_KINDS, CheckSpec, run_checks
+from .config import ConfigError, RunConfig, validate
+from .progress import Reporter
+from .result import RunResult, now_iso
+from .tables import cliff_rows
+
+SWEEP_SCHEMA = "scalebench.sweep/1"
+PLOT_KINDS = ("line", "cliff")
+PER_RUN_ONLY = {"out", "json", "labels"}  # set by the sweep itself, not by experiment files
+CSV_METRICS = ("status", "throughput_rps", "model_rps", "measured_over_model", "regime", "model_regime",
+               "latency_p50_ms", "latency_p99_ms", "errors", "boot_seconds", "resident_bytes", "budget_bytes",
+               "footprint_bytes", "faults_per_s", "swap_read_mbps", "swap_write_mbps", "hit_ratio",
+               "cliff_vms", "model_cpu_us", "error")
+
+
+@dataclass(frozen=True)
+class PlotSpec:
+    name: str
+    x: str
+    y: list[str] = field(default_factory=list)  # not used by "cliff" plots
+    series: list[str] = field(default_factory=list)
+    kind: str = "line"        # "line": y against x; "cliff": cliff position (over vms) against x
+    logx: bool = False
+    logy: bool = False
+    title: str = ""
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    title: str
+    base: RunConfig
+    grid: dict[str, list]
+    plots: list[PlotSpec]
+    checks: list[CheckSpec] = field(default_factory=list)
+
+    def points(self) -> list[tuple[str, RunConfig]]:
+        """(key, config) for every combination of the grid, in file order."""
+        names = list(self.grid)
+        out = []
+        for values in itertools.product(*(self.grid[n] for n in names)):
+            changes = dict(zip(names, values))
+            key = ",".join(f"{n}={v}" for n, v in changes.items()) or "base"
+            out.append((key, self.base.with_(**changes, labels={"point": key, "experiment": self.name})))
+        return out
+
+
+def load_experiment(path: Path) -> Experiment:
+    """Parse and validate an experiment file; ConfigError (one line) for any problem."""
+    try:
+        doc = tomllib.loads(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read experiment file {path}: {e.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"experiment file {path} is not valid TOML: {e}") from None
+    allowed = RunConfig.field_names() - PER_RUN_ONLY
+    base, grid = doc.get("base", {}), doc.get("grid", {})
+    for table, keys in (("base", base), ("grid", grid)):
+        unknown = set(keys) - allowed
+        if unknown:
+            raise ConfigError(f"{path}: unknown setting(s) in [{table}]: {', '.join(sorted(unknown))}")
+    bad = [k for k, v in grid.items() if not isinstance(v, list) or not v]
+    if bad:
+        raise ConfigError(f"{path}: [grid] values must be non-empty lists: {', '.join(bad)}")
+    try:
+        plots = [PlotSpec(**p) for p in doc.get("plot", [])]
+        checks = [CheckSpec(**c) for c in doc.get("check", [])]
+        exp = Experiment(doc.get("name", Path(path).stem), doc.get("title", ""), RunConfig(**base), grid, plots,
+                         checks)
+    except TypeError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    for what, kinds, known in (("plot", {p.kind for p in plots}, PLOT_KINDS),
+                               ("check", {c.kind for c in checks}, CHECK_KINDS)):
+        if kinds - set(known):
+            raise ConfigError(f"{path}: unknown {what} kind(s) {', '.join(sorted(kinds - set(known)))} "
+                              f"(known: {', '.join(known)})")
+    for key, cfg in exp.points():
+        try:
+            validate(cfg)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: point {key}: {e}") from None
+    return exp
+
+
+def slug(key: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", key.replace(",", "__"))
+
+
+def csv_row(key: str, doc: dict) -> dict:
+    """One sweep point flattened for CSV: its configuration and its figures."""
+    model = doc.get("model") or {}
+    lat = doc.get("latency_ms") or {}
+    row = {"point": key, **{k: v for k, v in doc["config"].items() if k not in ("labels",)}}
+    row.update({m: doc.get(m) for m in CSV_METRICS})
+    row.update(latency_p50_ms=lat.get("p50"), latency_p99_ms=lat.get("p99"), model_regime=model.get("regime"),
+               hit_ratio=model.get("hit_ratio"), cliff_vms=model.get("cliff_vms"), model_cpu_us=model.get("cpu_us"))
+    return row
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    if not rows:
+        return
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, columns)
+        w.writeheader()
+        # Six significant digits: more is float noise (99.99999999999999 for 100).
+        w.writerows({k: f"{v:.6g}" if isinstance(v, float) else v for k, v in r.items()} for r in rows)
+
+
+PointRunner = Callable[[RunConfig], RunResult]
+
+
+def run_sweep(exp: Experiment, out_dir: Path, point_runner: PointRunner, reporter: Reporter | None = None) -> dict:
+    """Run every point not already done, then write results.csv, plots and sweep.json.
+
+    Returns the sweep document (schema scalebench.sweep/1).
+    """
+    reporter = reporter or Reporter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "experiment.json").write_text(json.dumps(
+        {"name": exp.name, "title": exp.title, "grid": exp.grid, "base": exp.base.as_dict()}, indent=2, default=str))
+    points = exp.points()
+    todo = [(i, key, cfg) for i, (key, cfg) in enumerate(points)
+            if _status(out_dir / "points" / slug(key) / "result.json") != "ok"]
+    if len(todo) < len(points):
+        reporter.note(f"{len(points) - len(todo)} of {len(points)} point(s) already done: kept")
+    # One line per point rather than a bar: each run shows its own phase bars.
+    for i, key, cfg in todo:
+        reporter.note(f"[bold]point {i + 1}/{len(points)}[/]: {key}")
+        record = out_dir / "points" / slug(key) / "result.json"
+        result = point_runner(cfg.with_(out=str(record.parent)))
+        result.write(record)
+        reporter.note(point_line(result))
+    return finish_sweep(exp, out_dir)
+
+
+def point_line(r: RunResult) -> str:
+    """One line per finished point: its throughput against the model, or why it failed."""
+    if r.status != "ok":
+        return f"  failed: {r.error}"
+    ratio = f", measured/model {r.measured_over_model:.2f}" if r.measured_over_model else ""
+    return f"  {r.throughput_rps or 0:,.0f} requests/s, {r.regime}{ratio}"
+
+
+def _status(record: Path) -> str | None:
+    try:
+        return json.loads(record.read_text()).get("status")
+    except (OSError, ValueError):
+        return None
+
+
+def finish_sweep(exp: Experiment, out_dir: Path) -> dict:
+    """results.csv, the plots, checks.csv and sweep.json from the stored point results."""
+    from .plots import line_plot  # matplotlib is slow to import
+    docs: dict[str, dict] = {}
+    for key, _ in exp.points():
+        record = out_dir / "points" / slug(key) / "result.json"
+        if record.exists():
+            doc = json.loads(record.read_text())
+            doc.pop("timeseries", None)  # kept in the point's own file; too big for the sweep document
+            docs[key] = doc
+    rows = [csv_row(k, d) for k, d in docs.items()]
+    write_csv(rows, out_dir / "results.csv")
+    for spec in exp.plots:
+        title = spec.title or exp.title or exp.name
+        if spec.kind == "cliff":
+            table = cliff_rows(rows, [spec.x, *spec.series])
+            write_csv(table, out_dir / f"{spec.name}.csv")
+            line_plot(table, spec.x, ["measured_cliff_vms", "model_cliff_vms"], spec.series,
+                      out_dir / f"{spec.name}.png", title, spec.logx, spec.logy, "cliff position (VMs)")
+        else:
+            line_plot([r for r in rows if r.get("status") == "ok"], spec.x, spec.y, spec.series,
+                      out_dir / f"{spec.name}.png", title, spec.logx, spec.logy)
+    if exp.checks:
+        write_csv(run_checks(exp.checks, rows), out_dir / "checks.csv")
+    doc = {"schema": SWEEP_SCHEMA, "name": exp.name, "title": exp.title, "written_at": now_iso(),
+           "grid": exp.grid, "points": docs}
+    (out_dir / "sweep.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    return doc

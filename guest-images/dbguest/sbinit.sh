@@ -1,0 +1,39 @@
+#!/bin/sh
+# PID 1 of the database guest: mount the kernel file systems, bring up the
+# user-mode network (QEMU slirp: 10.0.2.15/24, gateway 10.0.2.2), start
+# PostgreSQL and say so on the serial console. The host ends the guest by
+# destroying the domain; every run works on a throw-away overlay.
+export PATH=/usr/sbin:/usr/bin:/sbin:/bin
+mountpoint -q /proc || mount -t proc proc /proc
+mountpoint -q /sys || mount -t sysfs sysfs /sys
+mountpoint -q /dev || mount -t devtmpfs devtmpfs /dev
+mkdir -p /dev/shm /dev/pts
+mount -t tmpfs -o mode=1777 tmpfs /dev/shm
+mount -t devpts devpts /dev/pts
+mount -o remount,rw,noatime /
+mount -t tmpfs -o mode=755 tmpfs /run
+mount -t tmpfs -o mode=1777 tmpfs /tmp
+modprobe virtio_net
+nic=""
+for _ in $(seq 1 100); do
+    nic=$(ls /sys/class/net | grep -v '^lo$' | head -n 1)
+    [ -n "$nic" ] && break
+    sleep 0.1
+done
+echo "scalebench-dbguest: network interface '${nic}'" > /dev/console
+ip link set lo up
+ip link set "$nic" up
+ip addr add 10.0.2.15/24 dev "$nic"
+ip route add default via 10.0.2.2
+mkdir -p /run/postgresql
+chown postgres:postgres /run/postgresql
+runuser -u postgres -- /usr/lib/postgresql/15/bin/pg_ctl -D /var/lib/postgresql/15/main -w -t 600 \
+    -l /run/postgresql/server.log \
+    -o "-c config_file=/etc/postgresql/15/main/postgresql.conf" start
+if [ $? -eq 0 ]; then
+    echo "SCALEBENCH-DB-READY" > /dev/console
+else
+    echo "SCALEBENCH-DB-FAILED" > /dev/console
+    cat /run/postgresql/server.log > /dev/console
+fi
+while :; do sleep 3600; done

@@ -1,0 +1,672 @@
+//! Budget and accounting: the state of every block, the global budget, and
+//! the policy, all consulted together under one lock.
+//!
+//! The ledger performs no I/O and no system calls. The pager holds it under
+//! its bookkeeping mutex for microseconds at a time and does the I/O between
+//! calls; `pagesim` drives the very same calls synchronously. Blocks being
+//! moved are marked busy so that no two operations touch one block at once;
+//! faults that hit a busy block are deferred and woken when it settles.
+//!
+//! Budget invariant: `resident + reserved <= budget`, where `resident` counts
+//! installed blocks not yet dropped (including those being evicted) and
+//! `reserved` counts blocks being faulted in. A fault is admitted only when
+//! its blocks fit, so resident guest memory never exceeds the budget.
+
+use crate::error::PagerError;
+use crate::policy::{BlockId, Policy, SwapLayout, VmId};
+use crate::space::SwapSpace;
+use crate::stats::VmCounters;
+
+/// No swap copy.
+pub const NO_LOC: u64 = u64::MAX;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Not in memory: zero if `loc == NO_LOC`, else on swap at `loc`.
+    Absent,
+    /// In memory.
+    Resident,
+    /// Being read and installed.
+    FaultIn,
+    /// Being written out and dropped.
+    Evict,
+    /// Write protection being lifted after the first write.
+    Unprotect,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Block {
+    loc: u64,
+    state: State,
+    /// Possibly modified since its swap copy (or since installed as zero):
+    /// written, or mapped writable by someone who may write.
+    dirty: bool,
+    /// Content hash when installed (0 = unknown): lets the pager find that
+    /// a block flagged dirty still equals its swap copy.
+    sum: u64,
+    /// A fault was deferred on this busy block: wake its range when it
+    /// settles.
+    wake: bool,
+}
+
+/// Per-VM accounting.
+#[derive(Debug)]
+pub struct VmLedger {
+    blocks: Vec<Block>,
+    resident: u32,
+    busy: u32,
+    dying: bool,
+    /// Statistics of this VM.
+    pub stats: VmCounters,
+}
+
+/// What a fault on a block needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Classified {
+    /// The block is busy; the fault was deferred and will be woken.
+    Defer,
+    /// Already resolved (resident, or gone since): wake the faulting thread
+    /// so it retries.
+    Stale,
+    /// Write to a write-protected resident block: lift the protection and
+    /// call [`Ledger::end_unprotect`]. On the first write since the block
+    /// was installed (`first_write`), its memory still holds the installed
+    /// content: hash it before lifting the protection.
+    Unprotect {
+        /// The block was clean until now.
+        first_write: bool,
+    },
+    /// The block must be faulted in: call [`Ledger::plan_fault`].
+    FaultIn,
+    /// Unknown or dying VM: nothing to do.
+    Gone,
+}
+
+/// How a fault touched its block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Missing page, read.
+    Read,
+    /// Missing page, write.
+    Write,
+    /// Write to a write-protected page.
+    WriteProtect,
+}
+
+/// One block of a fault-in or eviction plan.
+#[derive(Debug, Clone, Copy)]
+pub struct PlanBlock {
+    /// VM of the block.
+    pub vm: VmId,
+    /// Block index.
+    pub block: BlockId,
+    /// Fault-in: where to read it from (`NO_LOC` = zero-fill).
+    /// Eviction: where to write it (`NO_LOC` = nothing to write).
+    pub loc: u64,
+    /// Fault-in: install writable and dirty (the faulting write, or the
+    /// simulator's written blocks). Eviction: must be written.
+    pub dirty: bool,
+    /// Eviction: the previous swap copy, released once the write is done.
+    pub old_loc: u64,
+    /// Fault-in: hash of the installed content of a block installed dirty
+    /// (0 = unknown; clean blocks are hashed at their first write).
+    /// Eviction: hash of the content when installed; the pager clears
+    /// `dirty` when memory still hashes to it (the swap copy, or zeros when
+    /// `old_loc` is `NO_LOC`, is then still valid).
+    pub sum: u64,
+}
+
+/// An admission decision.
+#[derive(Debug)]
+pub enum Admission {
+    /// The fault's blocks are reserved; go ahead.
+    Go,
+    /// Other operations in flight will make room; wait for one to finish.
+    Wait,
+    /// Evict these blocks (sorted by VM, then block), then ask again.
+    Evict(Vec<PlanBlock>),
+}
+
+/// Blocks whose ranges must be woken, as (VM, block).
+pub type Wakes = Vec<(VmId, BlockId)>;
+
+/// Groups the swap reads of a fault-in plan: `order` receives the indices of
+/// blocks with a swap copy sorted by swap offset, `runs` ranges of `order`
+/// whose copies are contiguous on swap. Each run is one read, whatever the
+/// blocks' order in RAM (a working set written back in several batches
+/// lies in several extents; adjacent ones are read together).
+pub fn read_runs(plan: &[PlanBlock], block_bytes: u64, order: &mut Vec<usize>, runs: &mut Vec<(usize, usize)>) {
+    order.clear();
+    runs.clear();
+    order.extend((0..plan.len()).filter(|&i| plan[i].loc != NO_LOC));
+    order.sort_unstable_by_key(|&i| plan[i].loc);
+    let mut start = 0;
+    for k in 1..=order.len() {
+        if k == order.len() || plan[order[k]].loc != plan[order[k - 1]].loc + block_bytes {
+            if k > start {
+                runs.push((start, k));
+            }
+            start = k;
+        }
+    }
+}
+
+/// The accounting state.
+pub struct Ledger {
+    block_bytes: u64,
+    budget_blocks: u64,
+    policy: Box<dyn Policy>,
+    space: SwapSpace,
+    vms: Vec<Option<VmLedger>>,
+    resident: u64,
+    reserved: u64,
+    evicting: u64,
+    prefetch: Vec<BlockId>,
+    victims: Vec<(VmId, BlockId)>,
+    places: Vec<u64>,
+    released: Vec<u64>,
+    /// Totals over all VMs, including destroyed ones.
+    pub totals: VmCounters,
+}
+
+impl Ledger {
+    /// A ledger with no VMs.
+    pub fn new(policy: Box<dyn Policy>, space: SwapSpace, block_bytes: u64, budget_bytes: u64) -> Ledger {
+        Ledger {
+            block_bytes,
+            budget_blocks: budget_bytes / block_bytes,
+            policy,
+            space,
+            vms: Vec::new(),
+            resident: 0,
+            reserved: 0,
+            evicting: 0,
+            prefetch: Vec::new(),
+            victims: Vec::new(),
+            places: Vec::new(),
+            released: Vec::new(),
+            totals: VmCounters::default(),
+        }
+    }
+
+    fn policy_err(&mut self) -> Result<(), PagerError> {
+        match self.policy.failure() {
+            None => Ok(()),
+            Some(reason) => Err(PagerError::PolicyFailed {
+                policy: self.policy.name().to_string(),
+                reason,
+            }),
+        }
+    }
+
+    fn nonsense(&self, reason: String) -> PagerError {
+        PagerError::PolicyFailed {
+            policy: self.policy.name().to_string(),
+            reason,
+        }
+    }
+
+    /// Policy name.
+    pub fn policy_name(&self) -> &str {
+        self.policy.name()
+    }
+
+    /// Swap layout in use.
+    pub fn layout(&self) -> SwapLayout {
+        self.space.layout()
+    }
+
+
+    /// Resident blocks (installed, not yet dropped).
+    pub fn resident_blocks(&self) -> u64 {
+        self.resident
+    }
+
+    /// Swap bytes in use.
+    pub fn swap_used_bytes(&self) -> u64 {
+        self.space.used_bytes()
+    }
+
+
+    /// A VM's accounting, if registered.
+    pub fn vm(&self, vm: VmId) -> Option<&VmLedger> {
+        self.vms.get(vm as usize).and_then(|v| v.as_ref())
+    }
+
+    fn vm_mut(&mut self, vm: VmId) -> Option<&mut VmLedger> {
+        self.vms.get_mut(vm as usize).and_then(|v| v.as_mut())
+    }
+
+    /// Ids of registered VMs.
+    pub fn vm_ids(&self) -> impl Iterator<Item = VmId> + '_ {
+        self.vms
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| v.is_some())
+            .map(|(i, _)| i as VmId)
+    }
+
+    /// Registers a VM of `blocks` blocks, none resident.
+    pub fn register(&mut self, vm: VmId, blocks: u32) -> Result<(), PagerError> {
+        if self.vm(vm).is_some() {
+            return Err(PagerError::BadVm {
+                vm,
+                reason: "already registered".into(),
+            });
+        }
+        self.space.register(vm)?;
+        let i = vm as usize;
+        if i >= self.vms.len() {
+            self.vms.resize_with(i + 1, || None);
+        }
+        self.vms[i] = Some(VmLedger {
+            blocks: vec![
+                Block {
+                    loc: NO_LOC,
+                    state: State::Absent,
+                    dirty: false,
+                    sum: 0,
+                    wake: false,
+                };
+                blocks as usize
+            ],
+            resident: 0,
+            busy: 0,
+            dying: false,
+            stats: VmCounters::default(),
+        });
+        self.policy.on_vm_registered(vm, blocks);
+        self.policy_err()
+    }
+
+    /// Stops new work on a VM: its faults are ignored and the policy forgets
+    /// it (so none of its blocks is chosen as a victim: its memory is about
+    /// to be unmapped, writing it out would be wasted). Returns how many of
+    /// its blocks are busy (the caller waits for zero before
+    /// [`Ledger::unregister`]).
+    pub fn begin_unregister(&mut self, vm: VmId) -> Result<Option<u32>, PagerError> {
+        let Some(v) = self.vms.get_mut(vm as usize).and_then(|v| v.as_mut()) else {
+            return Ok(None);
+        };
+        let busy = v.busy;
+        if !v.dying {
+            v.dying = true;
+            self.policy.on_vm_unregistered(vm);
+            self.policy_err()?;
+        }
+        Ok(Some(busy))
+    }
+
+    /// Forgets a VM with no busy blocks: frees its memory accounting and swap.
+    pub fn unregister(&mut self, vm: VmId) -> Result<(), PagerError> {
+        let Some(v) = self.vms.get_mut(vm as usize).and_then(|v| v.take()) else {
+            return Ok(());
+        };
+        debug_assert_eq!(v.busy, 0);
+        self.resident -= v.resident as u64;
+        let mut locs: Vec<u64> = v.blocks.iter().map(|b| b.loc).filter(|&l| l != NO_LOC).collect();
+        self.space.release(&mut locs);
+        self.space.unregister(vm);
+        if !v.dying {
+            self.policy.on_vm_unregistered(vm);
+        }
+        self.policy_err()
+    }
+
+    /// Reports that a VM served a request.
+    pub fn note_access(&mut self, vm: VmId) -> Result<(), PagerError> {
+        self.policy.on_access(vm);
+        self.policy_err()
+    }
+
+    /// True when the block is resident (settled).
+    pub fn is_resident(&self, vm: VmId, block: BlockId) -> bool {
+        self.vm(vm)
+            .and_then(|v| v.blocks.get(block as usize))
+            .is_some_and(|b| b.state == State::Resident)
+    }
+
+    /// Decides what a fault on `block` of `vm` needs.
+    pub fn classify(&mut self, vm: VmId, block: BlockId, access: Access) -> Classified {
+        let Some(v) = self.vm_mut(vm) else {
+            return Classified::Gone;
+        };
+        if v.dying {
+            return Classified::Gone;
+        }
+        let Some(b) = v.blocks.get_mut(block as usize) else {
+            return Classified::Gone;
+        };
+        match (b.state, access) {
+            (State::FaultIn | State::Evict | State::Unprotect, _) => {
+                b.wake = true;
+                Classified::Defer
+            }
+            (State::Resident, Access::WriteProtect) => {
+                let first_write = !b.dirty;
+                b.state = State::Unprotect;
+                b.dirty = true;
+                v.busy += 1;
+                v.stats.wp_faults += 1;
+                self.totals.wp_faults += 1;
+                Classified::Unprotect { first_write }
+            }
+            (State::Resident, _) | (State::Absent, Access::WriteProtect) => Classified::Stale,
+            (State::Absent, Access::Write) => {
+                v.stats.write_faults += 1;
+                self.totals.write_faults += 1;
+                Classified::FaultIn
+            }
+            (State::Absent, Access::Read) => Classified::FaultIn,
+        }
+    }
+
+    /// Write protection of a block is lifted; `sum` is the hash of its
+    /// content before the first write (`None`: not the first write).
+    /// Returns blocks to wake.
+    pub fn end_unprotect(&mut self, vm: VmId, block: BlockId, sum: Option<u64>, wakes: &mut Wakes) {
+        if let Some(v) = self.vm_mut(vm) {
+            let b = &mut v.blocks[block as usize];
+            b.state = State::Resident;
+            if let Some(sum) = sum {
+                b.sum = sum;
+            }
+            v.busy -= 1;
+            if std::mem::take(&mut b.wake) {
+                wakes.push((vm, block));
+            }
+        }
+    }
+
+    /// Plans the fault-in of an absent `block` of `vm`: the block plus the
+    /// policy's prefetch that is also absent, sorted by block, capped at the
+    /// budget. All are marked busy. `write` installs them writable and
+    /// (possibly) dirty: the faulting block is being written, and a KVM that
+    /// faults with write intent does so for every block it touches, so
+    /// write-protecting the prefetched ones would only cost a write-protect
+    /// fault each (the pager's content hash still spares unchanged blocks
+    /// the write-back).
+    pub fn plan_fault(&mut self, vm: VmId, block: BlockId, write: bool, plan: &mut Vec<PlanBlock>) -> Result<(), PagerError> {
+        plan.clear();
+        let mut prefetch = std::mem::take(&mut self.prefetch);
+        prefetch.clear();
+        self.policy.on_fault(vm, block, &mut prefetch);
+        let r = self.policy_err();
+        let budget = self.budget_blocks;
+        let v = self.vms[vm as usize].as_mut().expect("classified VM exists");
+        let nblocks = v.blocks.len();
+        if let Some(&bad) = prefetch.iter().find(|&&b| b as usize >= nblocks) {
+            self.prefetch = prefetch;
+            r?;
+            return Err(self.nonsense(format!("prefetch of block {bad} beyond VM {vm}'s {nblocks} blocks")));
+        }
+        r?;
+        prefetch.push(block);
+        prefetch.sort_unstable();
+        prefetch.dedup();
+        // One fault may take at most half the budget: a prefetch as large as
+        // the budget would evict every other VM, active ones included. The
+        // blocks nearest the faulting one are kept.
+        let cap = (budget / 2).max(1) as usize;
+        prefetch.retain(|&b| v.blocks[b as usize].state == State::Absent);
+        if prefetch.len() > cap {
+            prefetch.sort_unstable_by_key(|&b| b.abs_diff(block));
+            prefetch.truncate(cap);
+            prefetch.sort_unstable();
+        }
+        for &b in &prefetch {
+            let e = &mut v.blocks[b as usize];
+            if e.state != State::Absent {
+                continue;
+            }
+            e.state = State::FaultIn;
+            v.busy += 1;
+            plan.push(PlanBlock {
+                vm,
+                block: b,
+                loc: e.loc,
+                dirty: write,
+                old_loc: NO_LOC,
+                sum: 0,
+            });
+        }
+        self.prefetch = prefetch;
+        Ok(())
+    }
+
+    /// Tries to admit a fault of `n` blocks for `vm`: reserve them, or ask to
+    /// wait, or hand out victims to evict first (marked busy, swap space
+    /// placed). The policy's victims are validated here.
+    pub fn admit(&mut self, n: u64, vm: VmId) -> Result<Admission, PagerError> {
+        if self.resident + self.reserved + n <= self.budget_blocks {
+            self.reserved += n;
+            return Ok(Admission::Go);
+        }
+        let deficit = self.resident + self.reserved + n - self.budget_blocks;
+        if self.evicting >= deficit {
+            return Ok(Admission::Wait);
+        }
+        let need = (deficit - self.evicting).min(u32::MAX as u64) as u32;
+        let mut victims = std::mem::take(&mut self.victims);
+        victims.clear();
+        self.policy.choose_victims(need, vm, &mut victims);
+        if let Err(e) = self.policy_err() {
+            self.victims = victims;
+            return Err(e);
+        }
+        let checked = self.check_victims(&mut victims);
+        let plan = match checked {
+            Ok(skipped) => {
+                if victims.is_empty() {
+                    self.victims = victims;
+                    if skipped || self.evicting > 0 || self.reserved > 0 {
+                        return Ok(Admission::Wait);
+                    }
+                    return Err(self.nonsense(format!(
+                        "no victim while {need} block(s) must be freed ({} resident, budget {})",
+                        self.resident, self.budget_blocks
+                    )));
+                }
+                self.start_eviction(&victims)
+            }
+            Err(e) => Err(e),
+        };
+        self.victims = victims;
+        Ok(Admission::Evict(plan?))
+    }
+
+    /// Validates victims: known VM, block in range, no duplicates, resident.
+    /// Blocks momentarily busy lifting write protection, and blocks of VMs
+    /// being destroyed, are dropped from the list (returns true when any
+    /// was). Sorts the list by (VM, block).
+    fn check_victims(&mut self, victims: &mut Vec<(VmId, BlockId)>) -> Result<bool, PagerError> {
+        if victims.len() as u64 > self.resident {
+            return Err(self.nonsense(format!(
+                "{} victims proposed, only {} blocks resident",
+                victims.len(),
+                self.resident
+            )));
+        }
+        victims.sort_unstable();
+        if victims.windows(2).any(|w| w[0] == w[1]) {
+            return Err(self.nonsense("duplicate victims".into()));
+        }
+        let mut skipped = false;
+        let mut bad = None;
+        victims.retain(|&(vm, block)| {
+            let state = self
+                .vms
+                .get(vm as usize)
+                .and_then(|v| v.as_ref())
+                .and_then(|v| v.blocks.get(block as usize))
+                .map(|b| b.state);
+            let dying = self
+                .vms
+                .get(vm as usize)
+                .and_then(|v| v.as_ref())
+                .is_some_and(|v| v.dying);
+            match state {
+                Some(State::Resident) if !dying => true,
+                Some(State::Unprotect) | Some(State::Resident) => {
+                    skipped = true;
+                    false
+                }
+                _ => {
+                    bad.get_or_insert((vm, block, state));
+                    false
+                }
+            }
+        });
+        if let Some((vm, block, state)) = bad {
+            let what = match state {
+                None => "does not exist".to_string(),
+                Some(s) => format!("is not resident ({s:?})"),
+            };
+            return Err(self.nonsense(format!("victim VM {vm} block {block} {what}")));
+        }
+        Ok(skipped)
+    }
+
+    fn start_eviction(&mut self, victims: &[(VmId, BlockId)]) -> Result<Vec<PlanBlock>, PagerError> {
+        let mut plan = Vec::with_capacity(victims.len());
+        let mut places = std::mem::take(&mut self.places);
+        let mut i = 0;
+        let mut result = Ok(());
+        while i < victims.len() {
+            let vm = victims[i].0;
+            let mut j = i;
+            while j < victims.len() && victims[j].0 == vm {
+                j += 1;
+            }
+            // Dirty blocks of this VM, in block order, get consecutive swap
+            // places (one sequential write for the log layout).
+            let v = self.vms[vm as usize].as_mut().expect("validated");
+            let dirty: Vec<BlockId> = victims[i..j]
+                .iter()
+                .map(|&(_, b)| b)
+                .filter(|&b| v.blocks[b as usize].dirty)
+                .collect();
+            if result.is_ok() {
+                result = self.space.place(vm, &dirty, &mut places);
+            }
+            if result.is_err() {
+                places.clear();
+            }
+            let v = self.vms[vm as usize].as_mut().expect("validated");
+            let mut k = 0;
+            for &(_, b) in &victims[i..j] {
+                let e = &mut v.blocks[b as usize];
+                e.state = State::Evict;
+                v.busy += 1;
+                let (loc, dirty) = if e.dirty {
+                    let loc = places.get(k).copied().unwrap_or(NO_LOC);
+                    k += 1;
+                    (loc, true)
+                } else {
+                    (NO_LOC, false)
+                };
+                plan.push(PlanBlock {
+                    vm,
+                    block: b,
+                    loc,
+                    dirty,
+                    old_loc: e.loc,
+                    sum: e.sum,
+                });
+                self.policy.on_evicted(vm, b);
+            }
+            i = j;
+        }
+        self.places = places;
+        self.evicting += plan.len() as u64;
+        result?;
+        self.policy_err()?;
+        Ok(plan)
+    }
+
+    /// An eviction finished: the blocks are dropped from memory; those
+    /// still `dirty` in the plan were written to their planned places, the
+    /// others keep their previous copies. `io_seconds` is charged to the
+    /// victims' VMs evenly.
+    pub fn finish_eviction(&mut self, plan: &[PlanBlock], io_seconds: f64, wakes: &mut Wakes) {
+        let bs = self.block_bytes;
+        let share = io_seconds / plan.len().max(1) as f64;
+        let mut released = std::mem::take(&mut self.released);
+        released.clear();
+        for p in plan {
+            let v = self.vms[p.vm as usize].as_mut().expect("busy VM stays registered");
+            let e = &mut v.blocks[p.block as usize];
+            if p.dirty {
+                if p.old_loc != NO_LOC && p.old_loc != p.loc {
+                    released.push(p.old_loc);
+                }
+                e.loc = p.loc;
+                v.stats.swap_write_bytes += bs;
+                self.totals.swap_write_bytes += bs;
+            } else if p.loc != NO_LOC && p.loc != p.old_loc {
+                // Placed for a write that turned out unnecessary (content
+                // unchanged): the old copy stays, the new place is freed.
+                released.push(p.loc);
+            }
+            e.state = State::Absent;
+            e.dirty = false;
+            if std::mem::take(&mut e.wake) {
+                wakes.push((p.vm, p.block));
+            }
+            v.busy -= 1;
+            v.resident -= 1;
+            v.stats.blocks_out += 1;
+            v.stats.io_seconds += share;
+        }
+        self.space.release(&mut released);
+        self.released = released;
+        let n = plan.len() as u64;
+        self.totals.blocks_out += n;
+        self.totals.io_seconds += io_seconds;
+        self.resident -= n;
+        self.evicting -= n;
+    }
+
+    /// A fault-in finished: the blocks are installed (dirty ones writable).
+    /// Counts one fault for the VM with `latency_us`.
+    pub fn finish_install(&mut self, plan: &[PlanBlock], io_seconds: f64, latency_us: u64, wakes: &mut Wakes) {
+        let Some(first) = plan.first() else { return };
+        let vm = first.vm;
+        let bs = self.block_bytes;
+        let v = self.vms[vm as usize].as_mut().expect("busy VM stays registered");
+        let mut read = 0;
+        for p in plan {
+            let e = &mut v.blocks[p.block as usize];
+            e.state = State::Resident;
+            e.dirty = p.dirty;
+            e.sum = p.sum;
+            if p.loc != NO_LOC {
+                read += bs;
+            }
+            if std::mem::take(&mut e.wake) {
+                wakes.push((vm, p.block));
+            }
+            self.policy.on_installed(vm, p.block);
+        }
+        let n = plan.len() as u64;
+        v.busy -= n as u32;
+        v.resident += n as u32;
+        v.stats.record_fault(n, read, io_seconds, latency_us);
+        self.totals.record_fault(n, read, io_seconds, latency_us);
+        self.reserved -= n;
+        self.resident += n;
+    }
+
+    /// Checks the policy after `finish_install` (its `on_installed` calls).
+    pub fn check_policy(&mut self) -> Result<(), PagerError> {
+        self.policy_err()
+    }
+
+}
+
+impl VmLedger {
+    /// Resident blocks of this VM.
+    pub fn resident_blocks(&self) -> u32 {
+        self.resident
+    }
+}

@@ -1,0 +1,663 @@
+//! The fault service: one userfaultfd for all VMs, a pool of threads reading
+//! it, and the eviction / fetch I/O around the ledger.
+//!
+//! Locking: all bookkeeping (block states, budget, policy, stats) lives in
+//! one mutex that is held only between I/O steps, never across a swap read
+//! or write, a copy of guest memory, or a userfaultfd ioctl. Faults of many
+//! VMs therefore proceed concurrently; blocks in motion are marked busy in
+//! the ledger, and a fault that hits a busy block is deferred and woken when
+//! the block settles.
+//!
+//! Dirty tracking uses userfaultfd write protection: a block installed from
+//! swap (or as zeros) comes in write-protected (`UFFDIO_COPY_MODE_WP`); its
+//! first write faults, marks it dirty and lifts the protection. Clean blocks
+//! are dropped at eviction without being written again.
+//!
+//! Write protection says a block *may* have changed: KVM can map guest
+//! memory writable (a write-intent fault) when the guest only reads it, as
+//! PVM does. So a block's content hash is taken when it stops being clean
+//! (installed writable, or at its first write-protect fault, before the
+//! protection is lifted), and at eviction a block flagged dirty whose memory
+//! still hashes to it keeps its swap copy instead of being written again. The hash is keyed with random
+//! per-process keys, so a guest cannot construct a collision; an accidental
+//! one has probability 2^-64.
+//!
+//! Eviction never loses a concurrent write: the victim is write-protected
+//! before it is copied out, so a writer blocks on the protection; the block
+//! is dropped (`MADV_DONTNEED`) only after its copy is on swap, and then the
+//! blocked writer is woken, faults the block back in, and writes to the
+//! restored data.
+
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{BuildHasher, Hasher, RandomState};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Map, Value};
+
+use crate::config::{check_block, default_swap_path, PagerConfig};
+use crate::disk::DiskSpec;
+use crate::error::PagerError;
+use crate::ledger::{read_runs, Access, Admission, Classified, Ledger, PlanBlock, Wakes, NO_LOC};
+use crate::policy::{build_policy, BlockId, SwapLayout, VmId};
+use crate::space::SwapSpace;
+use crate::stats::TotalLatency;
+use crate::swap::{AlignedBuf, SwapDevice};
+use crate::uffd::{Fault, FaultKind, Uffd};
+
+/// Fault-service threads. Faults mostly wait on I/O (or on the disk
+/// model's sleep), so more threads than cores keep the swap queue busy.
+const SERVICE_THREADS: usize = 8;
+
+/// How long a fault waiting for room re-checks for a fatal error.
+const WAIT_SLICE: Duration = Duration::from_millis(50);
+
+/// Bookkeeping under the pager's mutex.
+struct State {
+    ledger: Ledger,
+    /// VM regions by base address: (VM, length).
+    regions: BTreeMap<usize, (VmId, usize)>,
+    /// Base address of each VM.
+    bases: HashMap<VmId, usize>,
+    latency: TotalLatency,
+}
+
+impl State {
+    fn lookup(&self, addr: usize) -> Option<(VmId, usize)> {
+        let (&base, &(vm, len)) = self.regions.range(..=addr).next_back()?;
+        (addr < base + len).then_some((vm, base))
+    }
+
+    fn addrs(&self, wakes: &Wakes, block: usize, out: &mut Vec<usize>) {
+        out.clear();
+        out.extend(
+            wakes
+                .iter()
+                .filter_map(|(vm, b)| self.bases.get(vm).map(|&base| base + *b as usize * block)),
+        );
+    }
+}
+
+/// Per-thread buffers, reused across faults.
+struct Scratch {
+    read: AlignedBuf,
+    write: AlignedBuf,
+    plan: Vec<PlanBlock>,
+    wakes: Wakes,
+    addrs: Vec<usize>,
+    order: Vec<usize>,
+    runs: Vec<(usize, usize)>,
+}
+
+/// The pager of one densevm process.
+pub struct Pager {
+    cfg: PagerConfig,
+    block: usize,
+    vm_ram: u64,
+    uffd: Uffd,
+    swap: SwapDevice,
+    disk: Value,
+    state: Mutex<State>,
+    room: Condvar,
+    fatal: Mutex<Option<String>>,
+    failed: AtomicBool,
+    stop: AtomicBool,
+    stop_fd: OwnedFd,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    /// Keyed hash (SipHash with per-process random keys) of block contents.
+    hasher: RandomState,
+}
+
+impl Pager {
+    /// Opens the swap device (O_DIRECT), loads the policy, creates the
+    /// process's userfaultfd and starts the fault-service threads. Every
+    /// configuration error surfaces here, before any VM exists.
+    pub fn new(cfg: PagerConfig, max_vms: u32, vm_ram_bytes: u64) -> Result<Arc<Pager>, PagerError> {
+        check_block(cfg.block_bytes)?;
+        cfg.validate(vm_ram_bytes, cfg.block_bytes)?;
+        let block = cfg.block_bytes;
+        let budget_blocks = cfg.budget_bytes / block;
+        let policy = build_policy(&cfg.policy, block, budget_blocks)?;
+        let layout = policy.layout();
+        let capacity = cfg.swap_bytes.unwrap_or_else(|| {
+            let per_vm = max_vms.max(1) as u64 * vm_ram_bytes;
+            match layout {
+                SwapLayout::PerVm => per_vm,
+                // The log needs slack to find contiguous extents.
+                SwapLayout::Log => 2 * per_vm,
+            }
+        });
+        let spec = DiskSpec::parse(&cfg.disk)?;
+        let model = spec.build(capacity);
+        let disk = model.describe(&spec);
+        let path: PathBuf = cfg.swap_path.clone().unwrap_or_else(default_swap_path);
+        let swap = SwapDevice::open(&path, capacity, cfg.keep_swap, model)?;
+        let uffd = Uffd::new()?;
+        // SAFETY: plain syscall.
+        let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if efd < 0 {
+            return Err(PagerError::Mm {
+                op: "eventfd",
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        // SAFETY: fresh descriptor we own.
+        let stop_fd = unsafe { OwnedFd::from_raw_fd(efd) };
+        let space = SwapSpace::new(layout, capacity, block, vm_ram_bytes);
+        let pager = Arc::new(Pager {
+            block: block as usize,
+            vm_ram: vm_ram_bytes,
+            uffd,
+            swap,
+            disk,
+            state: Mutex::new(State {
+                ledger: Ledger::new(policy, space, block, cfg.budget_bytes),
+                regions: BTreeMap::new(),
+                bases: HashMap::new(),
+                latency: TotalLatency::default(),
+            }),
+            room: Condvar::new(),
+            fatal: Mutex::new(None),
+            failed: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            stop_fd,
+            threads: Mutex::new(Vec::new()),
+            hasher: RandomState::new(),
+            cfg,
+        });
+        let mut threads = Vec::with_capacity(SERVICE_THREADS);
+        for i in 0..SERVICE_THREADS {
+            let p = Arc::clone(&pager);
+            let h = std::thread::Builder::new()
+                .name(format!("pager-{i}"))
+                .spawn(move || p.service_loop())
+                .map_err(|source| PagerError::Mm {
+                    op: "spawning fault-service thread",
+                    source,
+                })?;
+            threads.push(h);
+        }
+        *pager.threads.lock().unwrap_or_else(|e| e.into_inner()) = threads;
+        Ok(pager)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic under the lock is a bug; the state is still the best
+        // information there is, so keep serving (the run is stopped below).
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records the first fatal error; faults stop being served and the
+    /// threads they belong to stay blocked (their memory is never replaced
+    /// by zeros).
+    fn fail(&self, msg: String) {
+        let mut f = self.fatal.lock().unwrap_or_else(|e| e.into_inner());
+        if f.is_none() {
+            *f = Some(msg);
+        }
+        self.failed.store(true, Ordering::SeqCst);
+        self.room.notify_all();
+    }
+
+    /// The error that stopped the run (swap full, I/O error, policy failure).
+    pub fn fatal_error(&self) -> Option<String> {
+        self.fatal.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Registers a VM's RAM: `base` is a page-aligned private anonymous
+    /// mapping of `len` bytes (a multiple of the block size, at most the
+    /// `vm_ram_bytes` given to [`Pager::new`]) not touched yet.
+    pub fn register_vm(&self, vm: u32, base: *mut u8, len: usize) -> Result<(), PagerError> {
+        let addr = base as usize;
+        let bad = |reason: String| PagerError::BadVm { vm, reason };
+        if !addr.is_multiple_of(4096) || len == 0 || !len.is_multiple_of(self.block) || len as u64 > self.vm_ram {
+            return Err(bad(format!(
+                "region {addr:#x}+{len:#x} must be page-aligned, a non-zero multiple of the block size and at most {} bytes",
+                self.vm_ram
+            )));
+        }
+        if let Some(e) = self.fatal_error() {
+            return Err(PagerError::Stopped(e));
+        }
+        // SAFETY: advice on a mapping the caller owns. Huge pages would turn
+        // one block's eviction into splitting a 2 MiB page.
+        unsafe { libc::madvise(base.cast(), len, libc::MADV_NOHUGEPAGE) };
+        // The ledger knows the VM before userfaultfd does, so that no fault
+        // can arrive for an address the service threads cannot place.
+        {
+            let mut st = self.lock();
+            let overlaps = st.regions.range(..addr + len).next_back().is_some_and(|(&b, &(_, l))| b + l > addr);
+            if overlaps || st.bases.contains_key(&vm) {
+                return Err(bad("region overlaps a registered VM or id in use".into()));
+            }
+            st.ledger.register(vm, (len / self.block) as u32)?;
+            st.regions.insert(addr, (vm, len));
+            st.bases.insert(vm, addr);
+        }
+        if let Err(e) = self.uffd.register(addr, len) {
+            let mut st = self.lock();
+            st.regions.remove(&addr);
+            st.bases.remove(&vm);
+            let _ = st.ledger.unregister(vm);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Forgets a destroyed VM: waits for its in-flight operations, drops its
+    /// resident accounting and frees its swap space. Call it before unmapping
+    /// the VM's RAM: an operation in flight may still copy into it.
+    pub fn unregister_vm(&self, vm: u32) {
+        let mut st = self.lock();
+        loop {
+            match st.ledger.begin_unregister(vm) {
+                Ok(None) => return,
+                Ok(Some(0)) => break,
+                Ok(Some(_)) if !self.failed.load(Ordering::SeqCst) => {
+                    st = self.room.wait_timeout(st, WAIT_SLICE).unwrap_or_else(|e| e.into_inner()).0;
+                }
+                Ok(Some(_)) => return,
+                Err(e) => {
+                    drop(st);
+                    self.fail(e.to_string());
+                    return;
+                }
+            }
+        }
+        let base = st.bases.remove(&vm);
+        let len = base.and_then(|b| st.regions.remove(&b)).map(|(_, l)| l);
+        if let Err(e) = st.ledger.unregister(vm) {
+            drop(st);
+            self.fail(e.to_string());
+        } else {
+            drop(st);
+        }
+        self.room.notify_all();
+        if let (Some(b), Some(l)) = (base, len) {
+            // The mapping may already be gone; nothing to undo then.
+            let _ = self.uffd.unregister(b, l);
+        }
+    }
+
+    /// Tells the policy that a VM served a request (the clock's reference
+    /// bit). Cheap; densevm calls it once per request.
+    pub fn note_access(&self, vm: u32) {
+        let r = self.lock().ledger.note_access(vm);
+        if let Err(e) = r {
+            self.fail(e.to_string());
+        }
+    }
+
+    /// Stops the fault-service threads and removes the swap file unless it
+    /// is kept. Faults still pending stay unserved.
+    pub fn shutdown(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let one: u64 = 1;
+        // SAFETY: 8-byte write to our eventfd.
+        unsafe { libc::write(self.stop_fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        self.room.notify_all();
+        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
+        let me = std::thread::current().id();
+        for t in threads {
+            if t.thread().id() != me {
+                let _ = t.join();
+            }
+        }
+        self.swap.remove_if_owned();
+    }
+
+    /// Totals, per-VM stats and settings:
+    /// `{"totals":{...},"vms":{"<id>":{...}},"config":{...}}`.
+    pub fn stats(&self) -> Value {
+        let st = self.lock();
+        let l = &st.ledger;
+        let mut vms = Map::new();
+        for vm in l.vm_ids() {
+            vms.insert(vm.to_string(), self.vm_json(&st, vm));
+        }
+        let mut totals = l.totals.to_json();
+        let t = totals.as_object_mut().expect("object");
+        t.insert("resident_bytes".into(), json!(l.resident_blocks() * self.block as u64));
+        t.insert("budget_bytes".into(), json!(self.cfg.budget_bytes));
+        t.insert("block_bytes".into(), json!(self.block));
+        t.insert("fault_latency_us".into(), st.latency.to_json());
+        t.insert("vms".into(), json!(vms.len()));
+        t.insert("policy".into(), json!(l.policy_name()));
+        t.insert("disk".into(), self.disk.clone());
+        t.insert("swap_path".into(), json!(self.swap.path()));
+        t.insert("swap_capacity_bytes".into(), json!(self.swap.capacity()));
+        t.insert("swap_used_bytes".into(), json!(l.swap_used_bytes()));
+        t.insert("fatal_error".into(), json!(self.fatal_error()));
+        let config = json!({
+            "budget_bytes": self.cfg.budget_bytes,
+            "block_bytes": self.block,
+            "policy": l.policy_name(),
+            "policy_spec": self.cfg.policy,
+            "layout": match l.layout() { SwapLayout::PerVm => "per-vm", SwapLayout::Log => "log" },
+            "swap_path": self.swap.path(),
+            "swap_bytes": self.swap.capacity(),
+            "keep_swap": self.cfg.keep_swap,
+            "disk": self.disk,
+            "service_threads": SERVICE_THREADS,
+        });
+        json!({"totals": totals, "vms": vms, "config": config})
+    }
+
+    fn vm_json(&self, st: &State, vm: VmId) -> Value {
+        let Some(v) = st.ledger.vm(vm) else {
+            return Value::Null;
+        };
+        let mut j = v.stats.to_json();
+        let o = j.as_object_mut().expect("object");
+        o.insert("resident_bytes".into(), json!(v.resident_blocks() as u64 * self.block as u64));
+        o.insert("budget_bytes".into(), json!(self.cfg.budget_bytes));
+        j
+    }
+
+    /// Stats of one VM (`null` if unknown).
+    pub fn vm_stats(&self, vm: u32) -> Value {
+        let st = self.lock();
+        self.vm_json(&st, vm)
+    }
+
+    fn service_loop(self: Arc<Self>) {
+        let mut scratch = Scratch {
+            read: AlignedBuf::new(self.block),
+            write: AlignedBuf::new(self.block),
+            plan: Vec::new(),
+            wakes: Vec::new(),
+            addrs: Vec::new(),
+            order: Vec::new(),
+            runs: Vec::new(),
+        };
+        let mut fds = [
+            libc::pollfd {
+                fd: self.uffd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: self.stop_fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        while !self.stop.load(Ordering::SeqCst) {
+            // SAFETY: two valid pollfds.
+            let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+            if r < 0 || self.stop.load(Ordering::SeqCst) {
+                continue;
+            }
+            if self.failed.load(Ordering::SeqCst) {
+                // Stopped: leave faults pending (their threads stay blocked)
+                // and wait for shutdown.
+                std::thread::sleep(WAIT_SLICE);
+                continue;
+            }
+            match self.uffd.read_fault() {
+                Ok(Some(f)) => {
+                    if let Err(e) = self.handle(f, &mut scratch) {
+                        self.fail(e.to_string());
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => self.fail(e.to_string()),
+            }
+        }
+    }
+
+    fn wake(&self, addrs: &[usize]) {
+        for &a in addrs {
+            // A failed wake means the range is gone (VM destroyed).
+            let _ = self.uffd.wake(a, self.block);
+        }
+    }
+
+    fn handle(&self, f: Fault, s: &mut Scratch) -> Result<(), PagerError> {
+        let t0 = Instant::now();
+        let mut st = self.lock();
+        let Some((vm, base)) = st.lookup(f.addr) else {
+            return Ok(());
+        };
+        let block = ((f.addr - base) / self.block) as BlockId;
+        let baddr = base + block as usize * self.block;
+        let access = match f.kind {
+            FaultKind::Missing { write: false } => Access::Read,
+            FaultKind::Missing { write: true } => Access::Write,
+            FaultKind::WriteProtect => Access::WriteProtect,
+        };
+        match st.ledger.classify(vm, block, access) {
+            Classified::Gone | Classified::Defer => Ok(()),
+            Classified::Stale => {
+                drop(st);
+                self.wake(&[baddr]);
+                Ok(())
+            }
+            Classified::Unprotect { first_write } => {
+                drop(st);
+                // Still protected, so still the installed content.
+                let sum = first_write.then(|| {
+                    // SAFETY: resident block (busy in the ledger), read only.
+                    self.content_sum(unsafe { std::slice::from_raw_parts(baddr as *const u8, self.block) })
+                });
+                self.uffd.write_protect(baddr, self.block, false)?;
+                let mut st = self.lock();
+                s.wakes.clear();
+                st.ledger.end_unprotect(vm, block, sum, &mut s.wakes);
+                st.addrs(&s.wakes, self.block, &mut s.addrs);
+                drop(st);
+                self.room.notify_all();
+                self.wake(&s.addrs);
+                Ok(())
+            }
+            Classified::FaultIn => self.fault_in(st, vm, base, block, access == Access::Write, t0, s),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn fault_in<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        vm: VmId,
+        base: usize,
+        block: BlockId,
+        write: bool,
+        t0: Instant,
+        s: &mut Scratch,
+    ) -> Result<(), PagerError> {
+        let mut plan = std::mem::take(&mut s.plan);
+        st.ledger.plan_fault(vm, block, write, &mut plan)?;
+        let n = plan.len() as u64;
+        loop {
+            if self.failed.load(Ordering::SeqCst) {
+                return Ok(());
+            }
+            match st.ledger.admit(n, vm)? {
+                Admission::Go => break,
+                Admission::Wait => {
+                    st = self.room.wait_timeout(st, WAIT_SLICE).unwrap_or_else(|e| e.into_inner()).0;
+                }
+                Admission::Evict(mut victims) => {
+                    let bases: Vec<usize> = victims.iter().map(|p| st.bases[&p.vm]).collect();
+                    drop(st);
+                    let io = self.evict(&mut victims, &bases, s)?;
+                    st = self.lock();
+                    s.wakes.clear();
+                    st.ledger.finish_eviction(&victims, io, &mut s.wakes);
+                    st.addrs(&s.wakes, self.block, &mut s.addrs);
+                    drop(st);
+                    self.room.notify_all();
+                    self.wake(&s.addrs);
+                    st = self.lock();
+                }
+            }
+        }
+        drop(st);
+        let io = self.read_plan(&plan, s)?;
+        let bs = self.block;
+        // Blocks installed writable are hashed now; write-protected ones at
+        // their first write, if any (most blocks of a read-mostly working
+        // set never pay for a hash).
+        for (i, p) in plan.iter_mut().enumerate() {
+            if p.dirty {
+                p.sum = self.content_sum(&s.read.as_slice()[i * bs..(i + 1) * bs]);
+            }
+        }
+        self.install(&plan, base, s)?;
+        let latency = t0.elapsed().as_micros() as u64;
+        let mut st = self.lock();
+        s.wakes.clear();
+        st.ledger.finish_install(&plan, io, latency, &mut s.wakes);
+        st.latency.record(latency);
+        let r = st.ledger.check_policy();
+        drop(st);
+        self.room.notify_all();
+        // Installed without waking: the faulting thread and any other
+        // waiting on these blocks (deferred ones included) resume only now
+        // that the ledger and the stats account for the install.
+        let mut i = 0;
+        while i < plan.len() {
+            let mut j = i + 1;
+            while j < plan.len() && plan[j].block == plan[j - 1].block + 1 {
+                j += 1;
+            }
+            let _ = self.uffd.wake(base + plan[i].block as usize * bs, (j - i) * bs);
+            i = j;
+        }
+        s.plan = plan;
+        r
+    }
+
+    /// Keyed hash of a block's content; never 0 (0 means unknown).
+    fn content_sum(&self, data: &[u8]) -> u64 {
+        let mut h = self.hasher.build_hasher();
+        h.write(data);
+        h.finish().max(1)
+    }
+
+    /// Reads the plan's blocks into `s.read` (slot i = plan[i]) with one
+    /// request per run contiguous on swap, scattered into the slots;
+    /// zero-fills blocks without a swap copy.
+    fn read_plan(&self, plan: &[PlanBlock], s: &mut Scratch) -> Result<f64, PagerError> {
+        let bs = self.block;
+        s.read.reserve(plan.len() * bs);
+        read_runs(plan, bs as u64, &mut s.order, &mut s.runs);
+        let mut slots: Vec<&mut [u8]> = s.read.as_mut_slice()[..plan.len() * bs].chunks_mut(bs).collect();
+        for (i, p) in plan.iter().enumerate() {
+            if p.loc == NO_LOC {
+                slots[i].fill(0);
+            }
+        }
+        let mut io = 0.0;
+        for &(a, b) in &s.runs {
+            let first = plan[s.order[a]].loc;
+            // Take the run's slots out in swap order (each slot once).
+            let mut bufs: Vec<&mut [u8]> = Vec::with_capacity(b - a);
+            for &i in &s.order[a..b] {
+                bufs.push(std::mem::take(&mut slots[i]));
+            }
+            io += self.swap.read_scattered(first, &mut bufs)?;
+        }
+        Ok(io)
+    }
+
+    /// Installs the plan's blocks from `s.read` with one UFFDIO_COPY per run
+    /// of adjacent blocks; clean blocks come in write-protected.
+    fn install(&self, plan: &[PlanBlock], base: usize, s: &Scratch) -> Result<(), PagerError> {
+        let bs = self.block;
+        let buf = s.read.as_slice();
+        let mut i = 0;
+        while i < plan.len() {
+            let mut j = i + 1;
+            while j < plan.len() && plan[j].block == plan[j - 1].block + 1 && plan[j].dirty == plan[i].dirty {
+                j += 1;
+            }
+            let dst = base + plan[i].block as usize * bs;
+            // SAFETY: source is our buffer of (j-i) blocks; the destination
+            // blocks are registered and absent (busy in the ledger).
+            unsafe { self.uffd.copy(dst, buf[i * bs..].as_ptr(), (j - i) * bs, !plan[i].dirty)? };
+            i = j;
+        }
+        Ok(())
+    }
+
+    /// Evicts the victims: write-protect, write dirty ones to swap, drop.
+    /// `bases[i]` is the base address of `victims[i]`'s VM.
+    fn evict(&self, victims: &mut [PlanBlock], bases: &[usize], s: &mut Scratch) -> Result<f64, PagerError> {
+        let bs = self.block;
+        let addrs: Vec<usize> = victims.iter().zip(bases).map(|(v, &b)| b + v.block as usize * bs).collect();
+        let adj: Vec<bool> = (0..victims.len())
+            .map(|i| i > 0 && victims[i].vm == victims[i - 1].vm && victims[i].block == victims[i - 1].block + 1)
+            .collect();
+        let addr = |i: usize| addrs[i];
+        let adjacent = |i: usize| adj[i];
+        // 1. Stop writers: from here on a write blocks on the protection.
+        let mut i = 0;
+        while i < victims.len() {
+            let mut j = i + 1;
+            while j < victims.len() && adjacent(j) {
+                j += 1;
+            }
+            self.uffd.write_protect(addr(i), (j - i) * bs, true)?;
+            i = j;
+        }
+        // 2. Blocks flagged dirty whose content is what was installed need
+        //    no write: their swap copy (or zero) is still right.
+        for (i, v) in victims.iter_mut().enumerate() {
+            if v.dirty && v.sum != 0 {
+                // SAFETY: resident, write-protected block of `bs` bytes.
+                let data = unsafe { std::slice::from_raw_parts(addr(i) as *const u8, bs) };
+                if self.content_sum(data) == v.sum {
+                    v.dirty = false;
+                }
+            }
+        }
+        // 3. Copy dirty blocks out, one write per run contiguous on swap.
+        let mut io = 0.0;
+        let mut i = 0;
+        while i < victims.len() {
+            if !victims[i].dirty {
+                i += 1;
+                continue;
+            }
+            let mut j = i + 1;
+            while j < victims.len() && victims[j].dirty && victims[j].loc == victims[j - 1].loc + bs as u64 {
+                j += 1;
+            }
+            s.write.reserve((j - i) * bs);
+            let buf = s.write.as_mut_slice();
+            for k in i..j {
+                // SAFETY: the block is resident (installed whole, busy in the
+                // ledger) and write-protected: nobody changes it while read.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(addr(k) as *const u8, buf[(k - i) * bs..].as_mut_ptr(), bs);
+                }
+            }
+            io += self.swap.write(victims[i].loc, &buf[..(j - i) * bs])?;
+            i = j;
+        }
+        // 4. Drop the blocks; their next touch faults them back in.
+        let mut i = 0;
+        while i < victims.len() {
+            let mut j = i + 1;
+            while j < victims.len() && adjacent(j) {
+                j += 1;
+            }
+            // SAFETY: dropping pages of a registered guest region whose
+            // contents are saved (or clean).
+            let r = unsafe { libc::madvise(addr(i) as *mut libc::c_void, (j - i) * bs, libc::MADV_DONTNEED) };
+            if r != 0 {
+                return Err(PagerError::Mm {
+                    op: "madvise(MADV_DONTNEED)",
+                    source: std::io::Error::last_os_error(),
+                });
+            }
+            i = j;
+        }
+        Ok(io)
+    }
+}

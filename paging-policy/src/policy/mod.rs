@@ -1,0 +1,96 @@
+//! Eviction and fetch policies.
+//!
+//! A policy decides *what* moves; the ledger (budget/accounting) and the
+//! pager decide *how* and do the I/O. The same policy objects drive the real
+//! pager and `pagesim`, so a simulation exercises the code that runs for real.
+//!
+//! Every method is called with the pager's bookkeeping lock held, so it must
+//! be cheap (no I/O, no blocking) and is never called concurrently.
+//!
+//! Call protocol for one VM block:
+//! `on_vm_registered` → (`on_fault` → `on_installed`)* and
+//! (`choose_victims` → `on_evicted`)* in any interleaving → `on_vm_unregistered`.
+//! `on_access` reports that a VM served a request (densevm calls
+//! `Pager::note_access`; pagesim calls it for every trace record) and is
+//! implied by every fault.
+
+pub mod clock;
+pub mod demand;
+pub mod plugin;
+pub mod wsswap;
+
+use crate::config::PolicySpec;
+use crate::error::PagerError;
+
+/// Identifier of a VM (densevm's VM index).
+pub type VmId = u32;
+/// Index of a block within a VM's RAM (offset / block size).
+pub type BlockId = u32;
+
+/// How a policy wants evicted blocks laid out on the swap device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum SwapLayout {
+    /// A fixed region per VM, allocated at registration; blocks are
+    /// rewritten in place.
+    PerVm = 0,
+    /// A log: each eviction batch of a VM goes to a fresh contiguous extent.
+    Log = 1,
+}
+
+/// An eviction and fetch policy.
+pub trait Policy: Send {
+    /// Short name for stats and errors.
+    fn name(&self) -> &str;
+
+    /// Swap layout the policy is designed for.
+    fn layout(&self) -> SwapLayout;
+
+    /// A VM with `blocks` blocks of RAM was created; none is resident.
+    fn on_vm_registered(&mut self, vm: VmId, blocks: u32);
+
+    /// A VM was destroyed; forget all its state (its blocks are gone
+    /// without `on_evicted`).
+    fn on_vm_unregistered(&mut self, vm: VmId);
+
+    /// The VM was just used (served a request or faulted).
+    fn on_access(&mut self, vm: VmId) {
+        let _ = vm;
+    }
+
+    /// `block` of `vm` is missing and will be installed. Push other blocks of
+    /// the same VM to bring in with it into `prefetch` (they are installed in
+    /// the same operation; non-missing ones are ignored).
+    fn on_fault(&mut self, vm: VmId, block: BlockId, prefetch: &mut Vec<BlockId>);
+
+    /// A block became resident.
+    fn on_installed(&mut self, vm: VmId, block: BlockId);
+
+    /// Memory is short by `need` blocks: push resident blocks to evict into
+    /// `victims` (at least `need` if possible; more is allowed, e.g. a whole
+    /// VM). `faulting_vm` is the VM waiting for the memory; evicting from it
+    /// should be a last resort. Every pushed block must be resident; an
+    /// invalid answer stops the run.
+    fn choose_victims(&mut self, need: u32, faulting_vm: VmId, victims: &mut Vec<(VmId, BlockId)>);
+
+    /// A block chosen by `choose_victims` is being evicted: it is no longer
+    /// resident for the policy's purposes. Proposed blocks that the pager
+    /// could not evict (momentarily busy) get no call and stay resident.
+    fn on_evicted(&mut self, vm: VmId, block: BlockId);
+
+    /// A failure the policy wants to report (plugins: a panic or a broken
+    /// answer). Checked after every call; `Some` stops the run.
+    fn failure(&mut self) -> Option<String> {
+        None
+    }
+}
+
+/// Builds the policy a `--policy` string names. `budget_blocks` is the
+/// global budget in blocks.
+pub fn build_policy(spec: &str, block_bytes: u64, budget_blocks: u64) -> Result<Box<dyn Policy>, PagerError> {
+    Ok(match PolicySpec::parse(spec)? {
+        PolicySpec::Demand => Box::new(demand::Demand::new()),
+        PolicySpec::WsSwap { after } => Box::new(wsswap::WsSwap::new(after)),
+        PolicySpec::Plugin { path, args } => Box::new(plugin::PluginPolicy::load(&path, &args, block_bytes, budget_blocks)?),
+    })
+}

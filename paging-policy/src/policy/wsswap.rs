@@ -1,0 +1,122 @@
+//! `wsswap`: working-set swap, the layout Denali's authors proposed.
+//!
+//! Victims are chosen like `demand` (whole VMs by clock), but the swap is a
+//! log: the evicted working set is written as one sequential extent, and the
+//! set is recorded. When the VM runs again the whole recorded set is
+//! prefetched, so it comes back with one sequential read instead of one
+//! random read per block.
+//!
+//! "Runs again" is the `after`-th fault since the eviction (default 3). An
+//! idle VM that is merely woken (an interrupt: densevm's guests then touch
+//! their code block and their stack block, two faults) must not pull its
+//! whole working set back in and push an active VM out; a request touches
+//! far more blocks, so by its third fault the VM is really running.
+//! `wsswap,after=1` swaps in at the very first fault.
+
+use super::clock::VmClock;
+use super::{BlockId, Policy, SwapLayout, VmId};
+
+/// Faults since eviction after which the recorded set is prefetched.
+pub const DEFAULT_AFTER: u32 = 3;
+
+#[derive(Debug, Default)]
+struct VmSet {
+    /// Blocks evicted (as part of the VM's eviction) since its swap-in.
+    recorded: Vec<BlockId>,
+    /// Faults since the VM was last evicted.
+    faults: u32,
+}
+
+/// Working-set swap.
+#[derive(Debug)]
+pub struct WsSwap {
+    clock: VmClock,
+    sets: Vec<VmSet>,
+    after: u32,
+    /// The VM the current victims make room for. Blocks a VM gives up to
+    /// make room for itself are not its working set leaving: recording them
+    /// would prefetch them back at its next fault, evicting others of its
+    /// blocks in turn (a ping-pong inside one VM that is barely smaller than
+    /// the budget).
+    making_room_for: Option<VmId>,
+}
+
+impl WsSwap {
+    /// A policy with no VMs that prefetches at the `after`-th fault since a
+    /// VM's eviction.
+    pub fn new(after: u32) -> WsSwap {
+        WsSwap {
+            clock: VmClock::default(),
+            sets: Vec::new(),
+            after: after.max(1),
+            making_room_for: None,
+        }
+    }
+
+    fn set(&mut self, vm: VmId) -> &mut VmSet {
+        let i = vm as usize;
+        if i >= self.sets.len() {
+            self.sets.resize_with(i + 1, VmSet::default);
+        }
+        &mut self.sets[i]
+    }
+}
+
+impl Policy for WsSwap {
+    fn name(&self) -> &str {
+        "wsswap"
+    }
+
+    fn layout(&self) -> SwapLayout {
+        SwapLayout::Log
+    }
+
+    fn on_vm_registered(&mut self, vm: VmId, blocks: u32) {
+        self.clock.add(vm, blocks);
+        *self.set(vm) = VmSet::default();
+    }
+
+    fn on_vm_unregistered(&mut self, vm: VmId) {
+        self.clock.remove(vm);
+        *self.set(vm) = VmSet::default();
+    }
+
+    fn on_access(&mut self, vm: VmId) {
+        self.clock.touch(vm);
+    }
+
+    fn on_fault(&mut self, vm: VmId, _block: BlockId, prefetch: &mut Vec<BlockId>) {
+        self.clock.touch(vm);
+        let after = self.after;
+        let set = self.set(vm);
+        set.faults = set.faults.saturating_add(1);
+        if set.faults >= after {
+            prefetch.append(&mut set.recorded);
+        }
+    }
+
+    fn on_installed(&mut self, vm: VmId, block: BlockId) {
+        self.clock.insert(vm, block);
+    }
+
+    fn choose_victims(&mut self, need: u32, faulting_vm: VmId, victims: &mut Vec<(VmId, BlockId)>) {
+        self.making_room_for = Some(faulting_vm);
+        self.clock.choose(need, faulting_vm, victims);
+    }
+
+    fn on_evicted(&mut self, vm: VmId, block: BlockId) {
+        self.clock.remove_block(vm, block);
+        if self.making_room_for != Some(vm) {
+            let set = self.set(vm);
+            set.faults = 0;
+            // Blocks installed one by one before the swap-in (the first
+            // faults) may be recorded twice; the pager ignores repeats, and
+            // the list is compacted before it can grow past the VM.
+            set.recorded.push(block);
+            if set.recorded.len() > 4096 {
+                set.recorded.sort_unstable();
+                set.recorded.dedup();
+            }
+        }
+    }
+}

@@ -1,0 +1,371 @@
+//! The trace-driven simulator behind `pagesim`.
+//!
+//! It replays requests (one VM id each; every request touches the same RAM
+//! ranges of its VM) through the real [`Ledger`] and policy, without memory
+//! or I/O: faults, evictions and swap placement are decided by exactly the
+//! code the pager runs, and the swap requests are fed to the disk model.
+//!
+//! Predicted throughput is a bottleneck bound: requests / max(CPU time, the
+//! busiest drive's service time), with CPU time = requests x `cpu_us` +
+//! faults x `fault_us`. Denali's out-of-core regime is disk-bound, so the
+//! disk term dominates there; in core the CPU term does.
+//!
+//! Concurrency: like densevm serving many clients, up to `concurrency`
+//! requests are in flight; they advance round-robin one fault at a time, so
+//! the faults of different VMs interleave at the disk as they do in the real
+//! pager (with one request at a time, a VM's demand faults would reach the
+//! disk as one sequential stream, which no loaded server sees).
+//!
+//! Dirtiness: a fraction `dirty` of each VM's request blocks is written by
+//! every request (chosen deterministically by block index); such blocks are
+//! installed dirty, the rest stay clean and are dropped without a write.
+
+use serde::Serialize;
+
+use crate::config::check_block;
+use crate::disk::{DiskModel, DiskSpec};
+use crate::error::PagerError;
+use crate::ledger::{read_runs, Admission, Ledger, PlanBlock, Wakes};
+use crate::policy::{build_policy, SwapLayout, VmId};
+use crate::space::SwapSpace;
+
+/// Simulation settings.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    /// Global memory budget.
+    pub budget_bytes: u64,
+    /// Block size.
+    pub block_bytes: u64,
+    /// Policy (`demand`, `wsswap`, plugin path).
+    pub policy: String,
+    /// Disk model string.
+    pub disk: String,
+    /// RAM of every VM.
+    pub vm_ram_bytes: u64,
+    /// Number of VMs.
+    pub vms: u32,
+    /// RAM ranges touched by every request.
+    pub request_ranges: Vec<(u64, u64)>,
+    /// CPU cost of one request in core (µs).
+    pub cpu_us: f64,
+    /// CPU cost of serving one fault (µs).
+    pub fault_us: f64,
+    /// Fraction of request blocks written by every request.
+    pub dirty: f64,
+    /// Swap capacity (default: as the pager sizes it).
+    pub swap_bytes: Option<u64>,
+    /// Requests replayed before counting starts.
+    pub warmup: u64,
+    /// Requests in flight at once (at least 1).
+    pub concurrency: usize,
+}
+
+/// Results of a simulation (counted after the warm-up).
+#[derive(Debug, Clone, Serialize)]
+pub struct SimReport {
+    /// Policy name.
+    pub policy: String,
+    /// Disk model.
+    pub disk: String,
+    /// Requests counted.
+    pub requests: u64,
+    /// Requests replayed for warm-up.
+    pub warmup: u64,
+    /// Block touches (requests x request blocks).
+    pub block_touches: u64,
+    /// Missing-block faults.
+    pub faults: u64,
+    /// 1 - faults / block touches.
+    pub hit_ratio: f64,
+    /// Requests that found all their blocks resident.
+    pub request_hit_ratio: f64,
+    /// Blocks installed.
+    pub blocks_in: u64,
+    /// Blocks evicted.
+    pub blocks_out: u64,
+    /// Bytes read from swap.
+    pub swap_read_bytes: u64,
+    /// Bytes written to swap.
+    pub swap_write_bytes: u64,
+    /// Busiest drive's service time (s).
+    pub disk_seconds: f64,
+    /// Modeled CPU time (s).
+    pub cpu_seconds: f64,
+    /// Predicted requests per second.
+    pub predicted_rps: f64,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Counts {
+    requests: u64,
+    touches: u64,
+    full_hits: u64,
+    faults: u64,
+    blocks_in: u64,
+    blocks_out: u64,
+    read: u64,
+    written: u64,
+    disk: f64,
+}
+
+/// A simulator instance.
+pub struct Simulator {
+    cfg: SimConfig,
+    ledger: Ledger,
+    model: DiskModel,
+    req_blocks: Vec<u32>,
+    /// Per block index: touched by requests / written by requests.
+    in_req: Vec<bool>,
+    written: Vec<bool>,
+    /// Per VM: how many request blocks are resident.
+    req_resident: Vec<u32>,
+    counts: Counts,
+    base: Counts,
+    plan: Vec<PlanBlock>,
+    wakes: Wakes,
+    /// In-flight requests: (VM, index of the next request block to touch).
+    active: Vec<(VmId, usize)>,
+    turn: usize,
+    order: Vec<usize>,
+    runs: Vec<(usize, usize)>,
+}
+
+impl Simulator {
+    /// Builds a simulator and registers all VMs.
+    pub fn new(cfg: SimConfig) -> Result<Simulator, PagerError> {
+        check_block(cfg.block_bytes)?;
+        let bs = cfg.block_bytes;
+        if !cfg.vm_ram_bytes.is_multiple_of(bs) {
+            return Err(PagerError::RamNotBlockMultiple {
+                ram: cfg.vm_ram_bytes,
+                block: bs,
+            });
+        }
+        let nblocks = (cfg.vm_ram_bytes / bs) as usize;
+        let mut in_req = vec![false; nblocks];
+        for &(off, len) in &cfg.request_ranges {
+            if len == 0 || off + len > cfg.vm_ram_bytes {
+                return Err(PagerError::BadVm {
+                    vm: 0,
+                    reason: format!("request range {off}+{len} outside {} bytes of RAM", cfg.vm_ram_bytes),
+                });
+            }
+            for b in off / bs..(off + len).div_ceil(bs) {
+                in_req[b as usize] = true;
+            }
+        }
+        let req_blocks: Vec<u32> = (0..nblocks as u32).filter(|&b| in_req[b as usize]).collect();
+        let footprint = req_blocks.len() as u64 * bs;
+        if cfg.budget_bytes < footprint {
+            return Err(PagerError::BudgetTooSmall {
+                budget: cfg.budget_bytes,
+                footprint,
+                block: bs,
+            });
+        }
+        // Deterministic choice of written blocks: a multiplicative hash of
+        // the block index against the dirty fraction.
+        let written = (0..nblocks as u64)
+            .map(|b| in_req[b as usize] && ((b.wrapping_mul(2654435761) & 0xffff_ffff) as f64) < cfg.dirty * 4294967296.0)
+            .collect();
+        let policy = build_policy(&cfg.policy, bs, cfg.budget_bytes / bs)?;
+        let layout = policy.layout();
+        let capacity = cfg.swap_bytes.unwrap_or_else(|| {
+            let per_vm = cfg.vms.max(1) as u64 * cfg.vm_ram_bytes;
+            if layout == SwapLayout::Log {
+                2 * per_vm
+            } else {
+                per_vm
+            }
+        });
+        let model = DiskSpec::parse(&cfg.disk)?.build(capacity);
+        let space = SwapSpace::new(layout, capacity, bs, cfg.vm_ram_bytes);
+        let mut ledger = Ledger::new(policy, space, bs, cfg.budget_bytes);
+        for vm in 0..cfg.vms {
+            ledger.register(vm, nblocks as u32)?;
+        }
+        Ok(Simulator {
+            req_resident: vec![0; cfg.vms as usize],
+            cfg,
+            ledger,
+            model,
+            req_blocks,
+            in_req,
+            written,
+            counts: Counts::default(),
+            base: Counts::default(),
+            plan: Vec::new(),
+            wakes: Vec::new(),
+            active: Vec::new(),
+            turn: 0,
+            order: Vec::new(),
+            runs: Vec::new(),
+        })
+    }
+
+    /// Blocks touched by every request.
+    pub fn request_blocks(&self) -> usize {
+        self.req_blocks.len()
+    }
+
+    /// Starts one request to `vm`; when `concurrency` requests are already
+    /// in flight, advances them until one completes first.
+    pub fn request(&mut self, vm: VmId) -> Result<(), PagerError> {
+        if vm >= self.cfg.vms {
+            return Err(PagerError::BadVm {
+                vm,
+                reason: format!("request for VM {vm}, only {} VMs", self.cfg.vms),
+            });
+        }
+        self.counts.requests += 1;
+        let n = self.req_blocks.len() as u32;
+        self.counts.touches += n as u64;
+        self.ledger.note_access(vm)?;
+        if self.req_resident[vm as usize] == n {
+            // Entirely in core: completes without a fault.
+            self.counts.full_hits += 1;
+        } else {
+            while self.active.len() >= self.cfg.concurrency.max(1) {
+                self.step()?;
+            }
+            self.active.push((vm, 0));
+        }
+        if self.counts.requests == self.cfg.warmup {
+            self.base = self.counts;
+            self.base.disk = self.model.max_busy_seconds();
+        }
+        Ok(())
+    }
+
+    /// Completes every request in flight.
+    pub fn drain(&mut self) -> Result<(), PagerError> {
+        while !self.active.is_empty() {
+            self.step()?;
+        }
+        Ok(())
+    }
+
+    /// Advances the next in-flight request up to and including its next
+    /// fault.
+    fn step(&mut self) -> Result<(), PagerError> {
+        if self.turn >= self.active.len() {
+            self.turn = 0;
+        }
+        let (vm, mut next) = self.active[self.turn];
+        let n = self.req_blocks.len();
+        while next < n {
+            let b = self.req_blocks[next];
+            next += 1;
+            if !self.ledger.is_resident(vm, b) {
+                self.fault(vm, b)?;
+                break;
+            }
+        }
+        if next >= n {
+            self.active.swap_remove(self.turn);
+        } else {
+            self.active[self.turn].1 = next;
+            self.turn += 1;
+        }
+        Ok(())
+    }
+
+    fn fault(&mut self, vm: VmId, block: u32) -> Result<(), PagerError> {
+        let bs = self.cfg.block_bytes;
+        let mut plan = std::mem::take(&mut self.plan);
+        self.ledger.plan_fault(vm, block, false, &mut plan)?;
+        for p in plan.iter_mut() {
+            p.dirty = self.written[p.block as usize];
+        }
+        loop {
+            match self.ledger.admit(plan.len() as u64, vm)? {
+                Admission::Go => break,
+                Admission::Wait => {
+                    return Err(PagerError::PolicyFailed {
+                        policy: self.ledger.policy_name().to_string(),
+                        reason: "made no room (nothing in flight in a simulation)".into(),
+                    })
+                }
+                Admission::Evict(victims) => {
+                    let mut i = 0;
+                    while i < victims.len() {
+                        if !victims[i].dirty {
+                            i += 1;
+                            continue;
+                        }
+                        let mut j = i + 1;
+                        while j < victims.len() && victims[j].dirty && victims[j].loc == victims[j - 1].loc + bs {
+                            j += 1;
+                        }
+                        self.model.submit(0.0, victims[i].loc, (j - i) as u64 * bs, true);
+                        self.counts.written += (j - i) as u64 * bs;
+                        i = j;
+                    }
+                    self.wakes.clear();
+                    self.ledger.finish_eviction(&victims, 0.0, &mut self.wakes);
+                    self.counts.blocks_out += victims.len() as u64;
+                    for v in &victims {
+                        if self.in_req[v.block as usize] {
+                            self.req_resident[v.vm as usize] -= 1;
+                        }
+                    }
+                }
+            }
+        }
+        read_runs(&plan, bs, &mut self.order, &mut self.runs);
+        for &(a, b) in &self.runs {
+            let len = (b - a) as u64 * bs;
+            self.model.submit(0.0, plan[self.order[a]].loc, len, false);
+            self.counts.read += len;
+        }
+        self.wakes.clear();
+        self.ledger.finish_install(&plan, 0.0, 0, &mut self.wakes);
+        self.ledger.check_policy()?;
+        self.counts.faults += 1;
+        self.counts.blocks_in += plan.len() as u64;
+        for p in &plan {
+            if self.in_req[p.block as usize] {
+                self.req_resident[vm as usize] += 1;
+            }
+        }
+        self.plan = plan;
+        Ok(())
+    }
+
+    /// The results so far (after the warm-up).
+    pub fn report(&self) -> SimReport {
+        let c = &self.counts;
+        let b = if c.requests >= self.cfg.warmup && self.cfg.warmup > 0 {
+            self.base
+        } else {
+            Counts::default()
+        };
+        let requests = c.requests - b.requests;
+        let touches = c.touches - b.touches;
+        let faults = c.faults - b.faults;
+        let disk_seconds = self.model.max_busy_seconds() - b.disk;
+        let cpu_seconds = (requests as f64 * self.cfg.cpu_us + faults as f64 * self.cfg.fault_us) / 1e6;
+        let bound = disk_seconds.max(cpu_seconds);
+        SimReport {
+            policy: self.ledger.policy_name().to_string(),
+            disk: self.cfg.disk.clone(),
+            requests,
+            warmup: self.cfg.warmup.min(c.requests),
+            block_touches: touches,
+            faults,
+            hit_ratio: if touches > 0 { 1.0 - faults as f64 / touches as f64 } else { 1.0 },
+            request_hit_ratio: if requests > 0 {
+                (c.full_hits - b.full_hits) as f64 / requests as f64
+            } else {
+                1.0
+            },
+            blocks_in: c.blocks_in - b.blocks_in,
+            blocks_out: c.blocks_out - b.blocks_out,
+            swap_read_bytes: c.read - b.read,
+            swap_write_bytes: c.written - b.written,
+            disk_seconds,
+            cpu_seconds,
+            predicted_rps: if bound > 0.0 { requests as f64 / bound } else { 0.0 },
+        }
+    }
+}

@@ -1,0 +1,253 @@
+//! Swap layouts: where on the swap device each evicted block lives.
+//!
+//! * `PerVm` (Denali): each VM gets a region of its RAM size at registration;
+//!   block `b` of the VM always lives at `region + b * block`. Rewrites go in
+//!   place, so space is never fragmented and never reclaimed until the VM is
+//!   destroyed.
+//! * `Log` (working-set swap): every eviction batch of a VM is written to a
+//!   fresh contiguous extent found from a moving cursor (log-structured, with
+//!   wrap-around). A block's previous copy is released once the new copy is
+//!   on disk, so space is reclaimed block by block; free space is a map of
+//!   ranges merged on release. When no single free range is large enough the
+//!   batch is split over several ranges; only when the total free space is
+//!   short is the swap full.
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::error::PagerError;
+use crate::policy::SwapLayout;
+
+/// Free-space map of the log layout.
+#[derive(Debug)]
+struct LogSpace {
+    free: BTreeMap<u64, u64>,
+    free_bytes: u64,
+    cursor: u64,
+}
+
+impl LogSpace {
+    fn take(&mut self, start: u64, len: u64, at: u64, need: u64) -> u64 {
+        self.free.remove(&start);
+        if at > start {
+            self.free.insert(start, at - start);
+        }
+        if at + need < start + len {
+            self.free.insert(at + need, start + len - at - need);
+        }
+        self.free_bytes -= need;
+        self.cursor = at + need;
+        at
+    }
+
+    /// One contiguous range of `need` bytes, searching from the cursor and
+    /// wrapping once.
+    fn alloc_contiguous(&mut self, need: u64) -> Option<u64> {
+        if let Some((&s, &l)) = self.free.range(..=self.cursor).next_back() {
+            if s + l >= self.cursor + need {
+                let at = self.cursor;
+                return Some(self.take(s, l, at, need));
+            }
+        }
+        let found = self
+            .free
+            .range(self.cursor..)
+            .chain(self.free.range(..self.cursor))
+            .find(|(_, &l)| l >= need)
+            .map(|(&s, &l)| (s, l));
+        found.map(|(s, l)| self.take(s, l, s, need))
+    }
+
+    fn release(&mut self, mut start: u64, mut len: u64) {
+        if let Some((&ps, &pl)) = self.free.range(..start).next_back() {
+            if ps + pl == start {
+                self.free.remove(&ps);
+                start = ps;
+                len += pl;
+            }
+        }
+        if let Some(&nl) = self.free.get(&(start + len)) {
+            self.free.remove(&(start + len));
+            len += nl;
+        }
+        self.free.insert(start, len);
+    }
+}
+
+/// Allocation state of the swap device.
+#[derive(Debug)]
+pub struct SwapSpace {
+    layout: SwapLayout,
+    block: u64,
+    capacity: u64,
+    slot_bytes: u64,
+    slots: HashMap<u32, u64>,
+    free_slots: Vec<u64>,
+    next_slot: u64,
+    log: LogSpace,
+}
+
+impl SwapSpace {
+    /// Swap space of `capacity` bytes for VMs of `vm_ram_bytes`.
+    pub fn new(layout: SwapLayout, capacity: u64, block: u64, vm_ram_bytes: u64) -> SwapSpace {
+        let capacity = capacity / block * block;
+        let mut free = BTreeMap::new();
+        if capacity > 0 {
+            free.insert(0, capacity);
+        }
+        SwapSpace {
+            layout,
+            block,
+            capacity,
+            slot_bytes: vm_ram_bytes,
+            slots: HashMap::new(),
+            free_slots: Vec::new(),
+            next_slot: 0,
+            log: LogSpace {
+                free,
+                free_bytes: capacity,
+                cursor: 0,
+            },
+        }
+    }
+
+    /// Bytes currently holding block copies (or reserved as VM regions).
+    pub fn used_bytes(&self) -> u64 {
+        match self.layout {
+            SwapLayout::PerVm => self.slots.len() as u64 * self.slot_bytes,
+            SwapLayout::Log => self.capacity - self.log.free_bytes,
+        }
+    }
+
+    /// The layout in use.
+    pub fn layout(&self) -> SwapLayout {
+        self.layout
+    }
+
+    /// Reserves a VM's region (per-VM layout); nothing for the log.
+    pub fn register(&mut self, vm: u32) -> Result<(), PagerError> {
+        if self.layout != SwapLayout::PerVm {
+            return Ok(());
+        }
+        let slot = match self.free_slots.pop() {
+            Some(s) => s,
+            None if (self.next_slot + 1) * self.slot_bytes <= self.capacity => {
+                self.next_slot += 1;
+                self.next_slot - 1
+            }
+            None => {
+                return Err(PagerError::SwapFull {
+                    needed: self.slot_bytes,
+                    capacity: self.capacity,
+                })
+            }
+        };
+        self.slots.insert(vm, slot);
+        Ok(())
+    }
+
+    /// Returns a VM's region to the free pool (per-VM layout).
+    pub fn unregister(&mut self, vm: u32) {
+        if let Some(slot) = self.slots.remove(&vm) {
+            self.free_slots.push(slot);
+        }
+    }
+
+    /// Chooses swap offsets for `blocks` of `vm` about to be written, in
+    /// order; the log layout keeps them contiguous whenever it can.
+    pub fn place(&mut self, vm: u32, blocks: &[u32], out: &mut Vec<u64>) -> Result<(), PagerError> {
+        out.clear();
+        match self.layout {
+            SwapLayout::PerVm => {
+                let base = self.slots[&vm] * self.slot_bytes;
+                out.extend(blocks.iter().map(|&b| base + b as u64 * self.block));
+            }
+            SwapLayout::Log => {
+                let need = blocks.len() as u64 * self.block;
+                if need > self.log.free_bytes {
+                    return Err(PagerError::SwapFull {
+                        needed: need - self.log.free_bytes,
+                        capacity: self.capacity,
+                    });
+                }
+                if let Some(at) = self.log.alloc_contiguous(need) {
+                    out.extend((0..blocks.len() as u64).map(|i| at + i * self.block));
+                } else {
+                    // Fragmented: fall back to block-sized pieces.
+                    for _ in blocks {
+                        let at = self.log.alloc_contiguous(self.block).expect("free bytes counted");
+                        out.push(at);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Releases the copies of blocks at `offsets` (log layout; per-VM
+    /// regions keep their space until the VM goes away). Adjacent copies are
+    /// released as one range: the free map is touched once per run, not
+    /// once per block. `offsets` is sorted in place.
+    pub fn release(&mut self, offsets: &mut [u64]) {
+        if self.layout != SwapLayout::Log || offsets.is_empty() {
+            return;
+        }
+        offsets.sort_unstable();
+        self.log.free_bytes += offsets.len() as u64 * self.block;
+        let mut start = offsets[0];
+        let mut len = self.block;
+        for &o in &offsets[1..] {
+            if o == start + len {
+                len += self.block;
+            } else {
+                self.log.release(start, len);
+                start = o;
+                len = self.block;
+            }
+        }
+        self.log.release(start, len);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_vm_regions() {
+        let mut s = SwapSpace::new(SwapLayout::PerVm, 2 << 20, 4096, 1 << 20);
+        s.register(7).unwrap();
+        s.register(9).unwrap();
+        assert!(s.register(10).is_err());
+        let mut out = Vec::new();
+        s.place(9, &[0, 3], &mut out).unwrap();
+        assert_eq!(out, vec![1 << 20, (1 << 20) + 3 * 4096]);
+        s.unregister(7);
+        s.register(10).unwrap();
+        s.place(10, &[1], &mut out).unwrap();
+        assert_eq!(out, vec![4096]);
+    }
+
+    #[test]
+    fn log_appends_reclaims_and_fills() {
+        let mut s = SwapSpace::new(SwapLayout::Log, 8 * 4096, 4096, 1 << 20);
+        let mut a = Vec::new();
+        s.place(1, &[0, 1, 2], &mut a).unwrap();
+        assert_eq!(a, vec![0, 4096, 8192]);
+        let mut b = Vec::new();
+        s.place(2, &[5, 6, 7], &mut b).unwrap();
+        assert_eq!(b, vec![3 * 4096, 4 * 4096, 5 * 4096]);
+        // Rewriting VM 1 releases its old copies; the log wraps and reuses.
+        let mut c = Vec::new();
+        s.place(1, &[0, 1, 2], &mut c).unwrap_err();
+        s.release(&mut [8192, 0, 4096]);
+        s.place(1, &[0, 1, 2], &mut c).unwrap();
+        assert_eq!(c, vec![0, 4096, 8192]);
+        // Fragmented free space is still usable, block by block.
+        s.release(&mut [3 * 4096]);
+        s.release(&mut [5 * 4096]);
+        let mut d = Vec::new();
+        s.place(3, &[0, 1, 2, 3], &mut d).unwrap();
+        assert_eq!(d.len(), 4);
+        assert_eq!(s.used_bytes(), 8 * 4096);
+    }
+}

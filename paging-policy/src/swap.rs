@@ -1,0 +1,270 @@
+//! The swap device: one file or block device opened with O_DIRECT, with an
+//! optional disk model whose service times are added to the real I/O.
+
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crate::disk::DiskModel;
+use crate::error::PagerError;
+
+/// Alignment of O_DIRECT buffers (covers 4 KiB logical sectors).
+const ALIGN: usize = 4096;
+
+/// A zeroed, page-aligned buffer for O_DIRECT transfers.
+pub struct AlignedBuf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is exclusively owned heap memory.
+unsafe impl Send for AlignedBuf {}
+
+impl AlignedBuf {
+    /// A zeroed buffer of `len` bytes (rounded up to the alignment).
+    pub fn new(len: usize) -> AlignedBuf {
+        let len = len.max(ALIGN).next_multiple_of(ALIGN);
+        let layout = Layout::from_size_align(len, ALIGN).expect("valid layout");
+        // SAFETY: non-zero size.
+        let ptr = unsafe { alloc_zeroed(layout) };
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        AlignedBuf { ptr, len }
+    }
+
+    /// Grows to at least `len` bytes (contents are not preserved).
+    pub fn reserve(&mut self, len: usize) {
+        if len > self.len {
+            *self = AlignedBuf::new(len.next_power_of_two());
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer is empty (never: at least one page).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: owned allocation of `len` bytes.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// The bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: owned allocation of `len` bytes.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { dealloc(self.ptr, Layout::from_size_align(self.len, ALIGN).expect("valid layout")) };
+    }
+}
+
+/// The opened swap device.
+pub struct SwapDevice {
+    file: File,
+    path: PathBuf,
+    remove_at_close: bool,
+    capacity: u64,
+    model: Mutex<DiskModel>,
+    epoch: Instant,
+}
+
+impl SwapDevice {
+    /// Opens (creating if absent) `path` with O_DIRECT and sizes a regular
+    /// file to `capacity` (sparse). A block device must hold `capacity`.
+    /// A file created here is removed at close unless `keep`.
+    pub fn open(path: &Path, capacity: u64, keep: bool, model: DiskModel) -> Result<SwapDevice, PagerError> {
+        let unwritable = |source| PagerError::SwapUnwritable {
+            path: path.to_path_buf(),
+            source,
+        };
+        let existed = path.exists();
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+            .map_err(unwritable)?;
+        let meta = file.metadata().map_err(unwritable)?;
+        let is_blockdev = meta.file_type().is_block_device();
+        if is_blockdev {
+            let mut size: u64 = 0;
+            // SAFETY: BLKGETSIZE64 writes one u64.
+            let r = unsafe { libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&file), 0x8008_1272, &mut size) };
+            if r < 0 {
+                return Err(unwritable(io::Error::last_os_error()));
+            }
+            if size < capacity {
+                return Err(PagerError::BadSwapSize {
+                    bytes: capacity,
+                    reason: format!("block device {} holds only {size} bytes", path.display()),
+                });
+            }
+        } else {
+            // Fresh contents: stale data from an earlier run is never read
+            // (every read is of a block this run wrote), but a smaller file
+            // would make reads past its end short.
+            file.set_len(capacity).map_err(unwritable)?;
+        }
+        Ok(SwapDevice {
+            file,
+            path: path.to_path_buf(),
+            remove_at_close: !keep && !is_blockdev && !existed,
+            capacity,
+            model: Mutex::new(model),
+            epoch: Instant::now(),
+        })
+    }
+
+    /// Capacity in bytes.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Path of the device.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Waits out the modeled completion of a request issued at `issued`
+    /// (seconds since open) that already finished for real.
+    fn model_wait(&self, issued: f64, offset: u64, len: u64, write: bool) {
+        let done = {
+            let mut m = self.model.lock().unwrap_or_else(|e| e.into_inner());
+            if m.is_none() {
+                return;
+            }
+            m.submit(issued, offset, len, write)
+        };
+        let now = self.epoch.elapsed().as_secs_f64();
+        if done > now {
+            std::thread::sleep(Duration::from_secs_f64(done - now));
+        }
+    }
+
+    /// Reads consecutive bytes at `offset` into the buffers in turn (one
+    /// request, scattered into memory); returns seconds spent.
+    pub fn read_scattered(&self, offset: u64, bufs: &mut [&mut [u8]]) -> Result<f64, PagerError> {
+        let t0 = self.epoch.elapsed().as_secs_f64();
+        let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+        let err = |source| PagerError::SwapIo {
+            op: "read",
+            offset,
+            len: total,
+            source,
+        };
+        let mut done = 0u64;
+        let mut first = 0usize;
+        let mut skip = 0usize;
+        while first < bufs.len() {
+            let iov: Vec<libc::iovec> = bufs[first..]
+                .iter_mut()
+                .take(1024)
+                .enumerate()
+                .map(|(k, b)| {
+                    let s = if k == 0 { skip } else { 0 };
+                    libc::iovec {
+                        iov_base: b[s..].as_mut_ptr().cast(),
+                        iov_len: b.len() - s,
+                    }
+                })
+                .collect();
+            // SAFETY: every iovec points into a live, exclusively borrowed
+            // buffer of the stated length.
+            let n = unsafe {
+                libc::preadv(
+                    std::os::fd::AsRawFd::as_raw_fd(&self.file),
+                    iov.as_ptr(),
+                    iov.len() as libc::c_int,
+                    (offset + done) as libc::off_t,
+                )
+            };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(err(e));
+            }
+            if n == 0 {
+                return Err(err(io::ErrorKind::UnexpectedEof.into()));
+            }
+            // Advance over what was read (a short read resumes mid-buffer).
+            let mut n = n as usize;
+            done += n as u64;
+            while n > 0 {
+                let left = bufs[first].len() - skip;
+                if n >= left {
+                    n -= left;
+                    first += 1;
+                    skip = 0;
+                } else {
+                    skip += n;
+                    n = 0;
+                }
+            }
+        }
+        self.model_wait(t0, offset, total, false);
+        Ok(self.epoch.elapsed().as_secs_f64() - t0)
+    }
+
+    /// Writes `buf` at `offset`; returns seconds spent. A full device is
+    /// reported as [`PagerError::SwapFull`].
+    pub fn write(&self, offset: u64, buf: &[u8]) -> Result<f64, PagerError> {
+        let t0 = self.epoch.elapsed().as_secs_f64();
+        let len = buf.len() as u64;
+        if offset + len > self.capacity {
+            return Err(PagerError::SwapFull {
+                needed: offset + len - self.capacity,
+                capacity: self.capacity,
+            });
+        }
+        self.file.write_all_at(buf, offset).map_err(|source| {
+            if source.raw_os_error() == Some(libc::ENOSPC) {
+                PagerError::SwapFull {
+                    needed: len,
+                    capacity: self.capacity,
+                }
+            } else {
+                PagerError::SwapIo {
+                    op: "write",
+                    offset,
+                    len,
+                    source,
+                }
+            }
+        })?;
+        self.model_wait(t0, offset, len, true);
+        Ok(self.epoch.elapsed().as_secs_f64() - t0)
+    }
+
+    /// Removes the swap file if this run created it and it is not kept.
+    pub fn remove_if_owned(&self) {
+        if self.remove_at_close {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+impl Drop for SwapDevice {
+    fn drop(&mut self) {
+        self.remove_if_owned();
+    }
+}

@@ -1,0 +1,521 @@
+//! The real pager on anonymous memory, with host threads as vCPUs.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{config, plugin, Region, Rng};
+use paging_policy::{Pager, PagerConfig, PagerError};
+
+const WORDS_PER_PAGE: usize = 512;
+
+fn total(p: &Pager, key: &str) -> u64 {
+    p.stats()["totals"][key].as_u64().unwrap_or_else(|| panic!("stats key {key}"))
+}
+
+/// Target number of served faults per integrity case
+/// (PAGER_INTEGRITY_FAULTS overrides; the lead's acceptance runs use 1e6).
+fn fault_target() -> u64 {
+    std::env::var("PAGER_INTEGRITY_FAULTS").ok().and_then(|s| s.parse().ok()).unwrap_or(15_000)
+}
+
+/// Several VMs, two writer/reader threads each, a budget of a fraction of
+/// their RAM: every word read must equal the last word written (or zero).
+/// A watcher samples real residency (mincore) against the budget.
+fn integrity(policy: &'static str, block: u64) {
+    let vms = 4usize;
+    let blocks_per_vm = 48usize;
+    let budget_blocks = 40u64;
+    let vm_ram = blocks_per_vm * block as usize;
+    let cfg = config(policy, block, budget_blocks * block, "integrity");
+    let pager = Pager::new(cfg, vms as u32, vm_ram as u64).expect("pager");
+    let regions: Vec<Region> = (0..vms).map(|_| Region::new(vm_ram)).collect();
+    for (i, r) in regions.iter().enumerate() {
+        pager.register_vm(i as u32, r.ptr(), r.len).expect("register");
+    }
+    let target = fault_target();
+    let stop = Arc::new(AtomicBool::new(false));
+    let max_resident = Arc::new(AtomicU64::new(0));
+    let watcher = {
+        let (stop, max_resident, regions) = (stop.clone(), max_resident.clone(), regions.clone());
+        let pager = pager.clone();
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                // The vCPU threads of a stopped pager stay blocked for good:
+                // fail the whole test binary instead of hanging.
+                if let Some(e) = pager.fatal_error() {
+                    eprintln!("integrity {policy} {block}: pager stopped: {e}");
+                    std::process::exit(101);
+                }
+                // Sweeps are not atomic: memory moving from a region already
+                // counted to one not yet counted is seen twice. Sweeping both
+                // ways and keeping the smaller count cancels that; a real
+                // excess is a state and shows in both sweeps.
+                let fwd: usize = regions.iter().map(|r| r.resident_pages()).sum();
+                let back: usize = regions.iter().rev().map(|r| r.resident_pages()).sum();
+                let pages = fwd.min(back);
+                max_resident.fetch_max(pages as u64 * 4096, Ordering::Relaxed);
+                std::thread::sleep(Duration::from_micros(300));
+            }
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(120.max(target / 500));
+    // Two threads per VM (a vCPU and the monitor's I/O thread touch the same
+    // RAM): each owns four of the eight tracked words of every page, so
+    // they fault on the same blocks at the same time.
+    let workers: Vec<_> = (0..vms * 2)
+        .map(|w| {
+            let (vm, half) = (w / 2, w % 2);
+            let r = regions[vm];
+            let pager = pager.clone();
+            std::thread::spawn(move || {
+                let pages = r.len / 4096;
+                let mut shadow = vec![0u64; pages * 4];
+                let mut rng = Rng(0x9E37_79B9 ^ ((w as u64 + 1) * 0x0001_2345_6789));
+                let mut mismatches = 0u64;
+                let mut ops = 0u64;
+                let mut counter = 1u64;
+                let word_of = |page: usize, slot: usize| page * WORDS_PER_PAGE + (half * 4 + slot) * 61;
+                while total(&pager, "faults") < target && Instant::now() < deadline {
+                    for _ in 0..64 {
+                        let page = rng.below(pages as u64) as usize;
+                        let slot = rng.below(4) as usize;
+                        if rng.below(3) == 0 {
+                            let v = (w as u64) << 56 | counter;
+                            counter += 1;
+                            r.write(word_of(page, slot), v);
+                            shadow[page * 4 + slot] = v;
+                        } else if r.read(word_of(page, slot)) != shadow[page * 4 + slot] {
+                            mismatches += 1;
+                        }
+                        ops += 1;
+                    }
+                }
+                // Final pass over every tracked word.
+                for page in 0..pages {
+                    for slot in 0..4 {
+                        if r.read(word_of(page, slot)) != shadow[page * 4 + slot] {
+                            mismatches += 1;
+                        }
+                    }
+                }
+                (mismatches, ops)
+            })
+        })
+        .collect();
+    let mut mismatches = 0;
+    let mut ops = 0;
+    for w in workers {
+        let (m, o) = w.join().expect("worker");
+        mismatches += m;
+        ops += o;
+    }
+    stop.store(true, Ordering::Relaxed);
+    watcher.join().unwrap();
+    let s = pager.stats();
+    let faults = s["totals"]["faults"].as_u64().unwrap();
+    eprintln!(
+        "{policy} block {block}: {faults} faults, {ops} accesses, {} blocks out, {mismatches} mismatches, max resident {} of budget {}, fault latency {}",
+        s["totals"]["blocks_out"], max_resident.load(Ordering::Relaxed), budget_blocks * block, s["totals"]["fault_latency_us"]
+    );
+    assert_eq!(pager.fatal_error(), None);
+    assert_eq!(mismatches, 0, "data mismatches");
+    assert!(faults >= target, "only {faults} faults");
+    assert!(s["totals"]["blocks_out"].as_u64().unwrap() > 0, "no eviction happened");
+    // Resident memory: never above the budget plus one block per fault in
+    // flight (at most one per service thread).
+    let bound = budget_blocks * block + 8 * block;
+    assert!(max_resident.load(Ordering::Relaxed) <= bound, "resident exceeded budget");
+    assert!(s["totals"]["resident_bytes"].as_u64().unwrap() <= budget_blocks * block);
+    pager.shutdown();
+}
+
+#[test]
+fn integrity_demand_4k() {
+    integrity("demand", 4 << 10);
+}
+
+#[test]
+fn integrity_demand_32k() {
+    integrity("demand", 32 << 10);
+}
+
+#[test]
+fn integrity_demand_256k() {
+    integrity("demand", 256 << 10);
+}
+
+#[test]
+fn integrity_wsswap_4k() {
+    integrity("wsswap", 4 << 10);
+}
+
+#[test]
+fn integrity_wsswap_32k() {
+    integrity("wsswap", 32 << 10);
+}
+
+#[test]
+fn integrity_wsswap_256k() {
+    integrity("wsswap", 256 << 10);
+}
+
+#[test]
+fn integrity_fifo_plugin() {
+    let path = plugin("fifo_policy");
+    integrity(path.to_str().unwrap().to_string().leak(), 32 << 10);
+}
+
+/// Clean blocks already on swap are dropped without being written again.
+/// Two VMs of 16 blocks share a 16-block budget, so touching one evicts the
+/// other entirely.
+fn dirty_tracking(policy: &str) {
+    let block = 32u64 << 10;
+    let blocks = 16usize;
+    let cfg = config(policy, block, blocks as u64 * block, "dirty");
+    let pager = Pager::new(cfg, 2, blocks as u64 * block).unwrap();
+    let a = Region::new(blocks * block as usize);
+    let b = Region::new(blocks * block as usize);
+    pager.register_vm(0, a.ptr(), a.len).unwrap();
+    pager.register_vm(1, b.ptr(), b.len).unwrap();
+    let wpb = block as usize / 8;
+    let fill = |r: &Region, tag: u64| {
+        for i in 0..blocks {
+            r.write(i * wpb, tag + i as u64);
+        }
+    };
+    let check = |r: &Region, tag: u64| {
+        for i in 0..blocks {
+            assert_eq!(r.read(i * wpb), tag + i as u64, "block {i}");
+        }
+    };
+    fill(&a, 0xA000);
+    fill(&b, 0xB000);
+    check(&a, 0xA000);
+    check(&b, 0xB000);
+    // Every block has now been written out exactly once.
+    let written = total(&pager, "swap_write_bytes");
+    assert_eq!(written, 2 * blocks as u64 * block);
+    let out = total(&pager, "blocks_out");
+    for _ in 0..3 {
+        check(&a, 0xA000);
+        check(&b, 0xB000);
+    }
+    assert!(total(&pager, "blocks_out") >= out + 6 * blocks as u64, "re-evictions happened");
+    assert_eq!(total(&pager, "swap_write_bytes"), written, "clean blocks were rewritten");
+    // A write that leaves the content as it was (as when KVM maps memory
+    // writable without the guest writing) costs a write-protect fault but
+    // no swap write: the content still matches the swap copy.
+    let wp = total(&pager, "wp_faults");
+    b.write(2 * wpb, 0xB000 + 2);
+    assert_eq!(total(&pager, "wp_faults"), wp + 1);
+    check(&a, 0xA000);
+    check(&b, 0xB000);
+    assert_eq!(total(&pager, "swap_write_bytes"), written, "unchanged block was rewritten");
+    // One real change to a resident clean block makes exactly that block
+    // dirty again.
+    let wp = total(&pager, "wp_faults");
+    b.write(3 * wpb + 1, 42);
+    assert_eq!(total(&pager, "wp_faults"), wp + 1);
+    check(&a, 0xA000);
+    check(&b, 0xB000);
+    assert_eq!(total(&pager, "swap_write_bytes"), written + block);
+    assert_eq!(b.read(3 * wpb + 1), 42);
+    pager.shutdown();
+}
+
+#[test]
+fn dirty_tracking_demand() {
+    dirty_tracking("demand");
+}
+
+#[test]
+fn dirty_tracking_wsswap() {
+    dirty_tracking("wsswap");
+}
+
+/// wsswap brings a VM's working set back with one fault and one read
+/// (`after=1`), or with its third fault (default).
+fn wsswap_swap_in(policy: &str, faults_to_swap_in: u64) {
+    let block = 32u64 << 10;
+    let blocks = 16usize;
+    let cfg = config(policy, block, 20 * block, "ws");
+    let pager = Pager::new(cfg, 2, blocks as u64 * block).unwrap();
+    let a = Region::new(blocks * block as usize);
+    let b = Region::new(blocks * block as usize);
+    pager.register_vm(0, a.ptr(), a.len).unwrap();
+    pager.register_vm(1, b.ptr(), b.len).unwrap();
+    let wpb = block as usize / 8;
+    for i in 0..10 {
+        a.write(i * wpb, i as u64 + 1);
+    }
+    // VM 1's 12 blocks push VM 0 out (whole VM).
+    for i in 0..12 {
+        b.write(i * wpb, 100 + i as u64);
+    }
+    assert_eq!(pager.vm_stats(0)["resident_bytes"], 0);
+    let faults = pager.vm_stats(0)["faults"].as_u64().unwrap();
+    for i in 0..10 {
+        assert_eq!(a.read(i * wpb), i as u64 + 1);
+    }
+    let v = pager.vm_stats(0);
+    assert_eq!(v["faults"].as_u64().unwrap(), faults + faults_to_swap_in, "faults to bring the set back");
+    assert_eq!(v["resident_bytes"].as_u64().unwrap(), 10 * block);
+    assert_eq!(v["swap_read_bytes"].as_u64().unwrap(), 10 * block);
+    pager.shutdown();
+}
+
+#[test]
+fn wsswap_reads_working_set_at_once() {
+    wsswap_swap_in("wsswap,after=1", 1);
+}
+
+#[test]
+fn wsswap_swaps_in_at_third_fault() {
+    wsswap_swap_in("wsswap", 3);
+}
+
+#[test]
+fn stats_shape() {
+    let cfg = config("demand", 32 << 10, 1 << 20, "stats");
+    let pager = Pager::new(cfg, 2, 1 << 20).unwrap();
+    let r = Region::new(1 << 20);
+    pager.register_vm(3, r.ptr(), r.len).unwrap();
+    r.write(0, 7);
+    pager.note_access(3);
+    let s = pager.stats();
+    for k in [
+        "resident_bytes",
+        "budget_bytes",
+        "block_bytes",
+        "faults",
+        "blocks_in",
+        "blocks_out",
+        "swap_read_bytes",
+        "swap_write_bytes",
+        "io_seconds",
+    ] {
+        assert!(s["totals"][k].is_number(), "totals.{k}");
+    }
+    for k in ["p50", "p90", "p99", "max", "count"] {
+        assert!(s["totals"]["fault_latency_us"][k].is_number(), "latency {k}");
+    }
+    assert_eq!(s["totals"]["faults"], 1);
+    assert_eq!(s["vms"]["3"]["resident_bytes"], 32 << 10);
+    assert_eq!(pager.vm_stats(3)["faults"], 1);
+    assert!(pager.vm_stats(9).is_null());
+    pager.unregister_vm(3);
+    assert_eq!(pager.stats()["totals"]["resident_bytes"], 0);
+    pager.shutdown();
+}
+
+#[test]
+fn bad_configuration_fails_with_one_line() {
+    let mb = 1u64 << 20;
+    let ok = config("demand", 32 << 10, 64 * mb, "bad");
+    assert!(ok.validate(4 * mb, mb).is_ok());
+    let cases: Vec<(PagerConfig, &str)> = vec![
+        (PagerConfig { block_bytes: 3000, ..ok.clone() }, "block size"),
+        (PagerConfig { block_bytes: 512 << 10, ..ok.clone() }, "block size"),
+        (PagerConfig { block_bytes: 2048, ..ok.clone() }, "block size"),
+        (PagerConfig { budget_bytes: mb / 2, ..ok.clone() }, "below one VM's minimum footprint"),
+        (PagerConfig { policy: "lru".into(), ..ok.clone() }, "unknown policy"),
+        (PagerConfig { policy: "/nonexistent/libp.so".into(), ..ok.clone() }, "not found"),
+        (PagerConfig { swap_path: Some("/proc/no/swap".into()), ..ok.clone() }, "not writable"),
+        (PagerConfig { disk: "floppy".into(), ..ok.clone() }, "invalid disk model"),
+    ];
+    for (cfg, want) in cases {
+        let e = cfg.validate(4 * mb, mb).expect_err(want).to_string();
+        assert!(e.contains(want), "'{e}' lacks '{want}'");
+        assert!(!e.contains('\n'), "multi-line: {e}");
+        // Pager::new refuses the same configurations (footprint aside).
+        if want != "below one VM's minimum footprint" {
+            assert!(Pager::new(cfg, 1, 4 * mb).is_err(), "{want}");
+        }
+    }
+    assert!(matches!(paging_policy::parse_size("12q"), Err(PagerError::BadSize(_))));
+}
+
+/// Waits until the pager reports a fatal error.
+fn wait_fatal(p: &Pager) -> String {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(e) = p.fatal_error() {
+            return e;
+        }
+        assert!(Instant::now() < deadline, "no fatal error");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn swap_full_is_fatal_and_keeps_memory() {
+    let block = 32u64 << 10;
+    let blocks = 16usize;
+    let vm_ram = blocks as u64 * block;
+    let mut cfg = config("wsswap", block, 8 * block, "full");
+    cfg.swap_bytes = Some(vm_ram);
+    let pager = Pager::new(cfg, 3, vm_ram).unwrap();
+    let rs: Vec<Region> = (0..3).map(|_| Region::new(vm_ram as usize)).collect();
+    for (i, r) in rs.iter().enumerate() {
+        pager.register_vm(i as u32, r.ptr(), r.len).unwrap();
+    }
+    let wpb = block as usize / 8;
+    // The vCPU stays blocked once the run stops, so it runs detached.
+    let toucher = {
+        let rs = rs.clone();
+        std::thread::spawn(move || {
+            for round in 0..4u64 {
+                for (v, r) in rs.iter().enumerate() {
+                    for b in 0..blocks {
+                        r.write(b * wpb, round << 32 | (v * 100 + b) as u64);
+                    }
+                }
+            }
+        })
+    };
+    let e = wait_fatal(&pager);
+    assert!(e.contains("swap device full"), "{e}");
+    assert!(pager.stats()["totals"]["fatal_error"].is_string());
+    drop(toucher);
+    pager.shutdown();
+}
+
+fn misbehaving(mode: &str, want: &str) {
+    let block = 32u64 << 10;
+    let path = plugin("misbehaving_policy");
+    let policy = format!("{},mode={mode}", path.display());
+    let cfg = config(&policy, block, 4 * block, "plugin");
+    let pager = Pager::new(cfg, 1, 16 * block).unwrap();
+    let r = Region::new(16 * block as usize);
+    pager.register_vm(0, r.ptr(), r.len).unwrap();
+    let wpb = block as usize / 8;
+    for b in 0..4 {
+        r.write(b * wpb, 1000 + b as u64);
+    }
+    // The fifth block needs a victim: the plugin misbehaves.
+    let toucher = std::thread::spawn(move || r.write(4 * wpb, 5));
+    let e = wait_fatal(&pager);
+    assert!(e.contains(want), "{e}");
+    assert!(!e.contains('\n'));
+    // Nothing was evicted on the plugin's say-so: memory is intact.
+    for b in 0..4 {
+        assert_eq!(r.read(b * wpb), 1000 + b as u64);
+    }
+    assert_eq!(total(&pager, "blocks_out"), 0);
+    drop(toucher);
+    pager.shutdown();
+}
+
+#[test]
+fn panicking_plugin_is_contained() {
+    misbehaving("panic", "panicked in choose_victims");
+}
+
+#[test]
+fn nonsense_plugin_is_contained() {
+    misbehaving("nonsense", "does not exist");
+}
+
+#[test]
+fn plugin_load_errors() {
+    let path = plugin("fifo_policy");
+    let bad_args = config(&format!("{},x=1", path.display()), 32 << 10, 1 << 20, "args");
+    let e = Pager::new(bad_args, 1, 1 << 20).err().expect("refused").to_string();
+    assert!(e.contains("refused arguments"), "{e}");
+    // A shared library that is not a policy.
+    let libc_path = ["/lib/x86_64-linux-gnu/libm.so.6", "/usr/lib/x86_64-linux-gnu/libm.so.6"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists())
+        .expect("libm");
+    let not_policy = config(libc_path, 32 << 10, 1 << 20, "notpolicy");
+    let e = Pager::new(not_policy, 1, 1 << 20).err().expect("refused").to_string();
+    assert!(e.contains("not a policy plugin"), "{e}");
+}
+
+#[test]
+fn disk_model_adds_time() {
+    let block = 32u64 << 10;
+    let mut cfg = config("demand", block, 4 * block, "disk");
+    cfg.disk = "hdd".into();
+    let pager = Pager::new(cfg, 1, 16 * block).unwrap();
+    let r = Region::new(16 * block as usize);
+    pager.register_vm(0, r.ptr(), r.len).unwrap();
+    let wpb = block as usize / 8;
+    for b in 0..16 {
+        r.write(b * wpb, b as u64 + 1);
+    }
+    let read0 = total(&pager, "swap_read_bytes");
+    let t = Instant::now();
+    for _ in 0..2 {
+        for b in 0..16 {
+            assert_eq!(r.read(b * wpb), b as u64 + 1);
+        }
+    }
+    // Every block read from swap costs at least its modeled transfer time
+    // (32 KiB at 40 MB/s = 0.82 ms), seeks and rotation on top.
+    let reads = (total(&pager, "swap_read_bytes") - read0) / block;
+    assert!(reads >= 16, "{reads} reads");
+    assert!(t.elapsed() >= Duration::from_micros(reads * 820), "{:?}", t.elapsed());
+    assert!(pager.stats()["totals"]["io_seconds"].as_f64().unwrap() > reads as f64 * 0.00082);
+    assert_eq!(pager.stats()["config"]["disk"]["rpm"], 7200.0);
+    pager.shutdown();
+}
+
+#[test]
+fn swap_file_removed_unless_kept() {
+    let cfg = config("demand", 32 << 10, 1 << 20, "rm");
+    let path = cfg.swap_path.clone().unwrap();
+    let pager = Pager::new(cfg, 1, 1 << 20).unwrap();
+    assert!(path.exists());
+    pager.shutdown();
+    assert!(!path.exists());
+    let mut cfg = config("demand", 32 << 10, 1 << 20, "keep");
+    cfg.keep_swap = true;
+    let path = cfg.swap_path.clone().unwrap();
+    let pager = Pager::new(cfg, 1, 1 << 20).unwrap();
+    pager.shutdown();
+    assert!(path.exists());
+    std::fs::remove_file(path).unwrap();
+}
+
+#[test]
+fn unregister_frees_memory_and_swap() {
+    let block = 32u64 << 10;
+    let blocks = 16usize;
+    let vm_ram = blocks as u64 * block;
+    let mut cfg = config("demand", block, blocks as u64 * block, "unreg");
+    // Room for two VM regions only.
+    cfg.swap_bytes = Some(2 * vm_ram);
+    let pager = Pager::new(cfg, 2, vm_ram).unwrap();
+    let a = Region::new(vm_ram as usize);
+    let b = Region::new(vm_ram as usize);
+    pager.register_vm(0, a.ptr(), a.len).unwrap();
+    pager.register_vm(1, b.ptr(), b.len).unwrap();
+    let c = Region::new(vm_ram as usize);
+    let e = pager.register_vm(2, c.ptr(), c.len).unwrap_err().to_string();
+    assert!(e.contains("swap device full"), "{e}");
+    let wpb = block as usize / 8;
+    for i in 0..blocks {
+        a.write(i * wpb, 10 + i as u64);
+        b.write(i * wpb, 20 + i as u64);
+    }
+    pager.unregister_vm(0);
+    // SAFETY: the pager no longer serves this region.
+    unsafe { libc::munmap(a.ptr().cast(), a.len) };
+    assert!(pager.vm_stats(0).is_null());
+    assert_eq!(total(&pager, "resident_bytes"), pager.vm_stats(1)["resident_bytes"].as_u64().unwrap());
+    // VM 0's swap region is free again.
+    pager.register_vm(2, c.ptr(), c.len).unwrap();
+    for i in 0..blocks {
+        c.write(i * wpb, 30 + i as u64);
+    }
+    for i in 0..blocks {
+        assert_eq!(b.read(i * wpb), 20 + i as u64);
+        assert_eq!(c.read(i * wpb), 30 + i as u64);
+    }
+    assert_eq!(pager.fatal_error(), None);
+    pager.shutdown();
+}
