@@ -17,6 +17,7 @@ zipfperf leaves no TIME_WAIT on the client side.
 The machine is shared and noisy: compare only figures from the same run.
 
 Usage: python3 experiments/bench/zipfperf_vs_httperf.py [--rounds 2] [--port 18480]
+           [--parts closed,open,high,sampler]
 """
 from __future__ import annotations
 
@@ -234,6 +235,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--port", type=int, default=18480)
+    ap.add_argument("--parts", default="closed,open,high,sampler",
+                    help="comma-separated subset of closed,open,high,sampler (default: all)")
     args = ap.parse_args()
     # SIGTERM and SIGINT unwind normally, so nginx and any running tool are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -242,11 +245,19 @@ def main() -> None:
         sys.exit(f"{ZIPFPERF} is missing: cargo build --release -p zipfperf")
     httperf, wrk = tool("httperf"), tool("wrk")
     print(time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "load:", open("/proc/loadavg").read().split()[:3])
+    parts = set(args.parts.split(","))
+    unknown = parts - {"closed", "open", "high", "sampler"}
+    if unknown:
+        sys.exit(f"unknown --parts: {', '.join(sorted(unknown))}")
     with NginxServer(args.port, nginx=tool("nginx")):
-        closed_loop(args.port, 2 * max(args.rounds, 3), wrk)
-        open_loop(args.port, args.rounds, httperf)
-        high_rate(args.port, httperf)
-    sampler()
+        if "closed" in parts:
+            closed_loop(args.port, 2 * max(args.rounds, 3), wrk)
+        if "open" in parts:
+            open_loop(args.port, args.rounds, httperf)
+        if "high" in parts:
+            high_rate(args.port, httperf)
+    if "sampler" in parts:
+        sampler()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 
 use std::io::{self, Read, Write};
 use std::net::SocketAddrV4;
-use std::os::fd::FromRawFd;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::time::{Duration, Instant};
 
 use mio::net::TcpStream;
@@ -45,6 +45,29 @@ fn set_int_opt(fd: i32, level: i32, name: i32, value: i32) -> Result<(), ErrorKi
     }
 }
 
+/// SO_LINGER 0: closing the socket resets the connection.
+fn set_linger0(fd: i32) -> Result<(), ErrorKind> {
+    let l = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: fd is an open socket; l is a live linger struct.
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&l as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(ErrorKind::from_errno(last_errno()))
+    }
+}
+
 /// Open a non-blocking TCP socket to `dst` and start connecting. With `src`,
 /// the socket is bound to that address first (IP_BIND_ADDRESS_NO_PORT: the
 /// port is chosen at connect, unique per 4-tuple). `linger0` sets SO_LINGER
@@ -70,23 +93,7 @@ pub fn open_socket(
     let stream = unsafe { TcpStream::from_raw_fd(fd) };
     set_int_opt(fd, libc::IPPROTO_TCP, libc::TCP_NODELAY, 1)?;
     if linger0 {
-        let l = libc::linger {
-            l_onoff: 1,
-            l_linger: 0,
-        };
-        // SAFETY: fd is open; l is a live linger struct.
-        let r = unsafe {
-            libc::setsockopt(
-                fd,
-                libc::SOL_SOCKET,
-                libc::SO_LINGER,
-                (&l as *const libc::linger).cast(),
-                std::mem::size_of::<libc::linger>() as libc::socklen_t,
-            )
-        };
-        if r != 0 {
-            return Err(ErrorKind::from_errno(last_errno()));
-        }
+        set_linger0(fd)?;
     }
     let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
     if let Some(src) = src {
@@ -216,6 +223,13 @@ impl Conn {
     /// Current phase.
     pub fn phase(&self) -> Phase {
         self.phase
+    }
+
+    /// Make closing this connection reset it (used for calls abandoned at
+    /// the end of a run: cheaper than an orderly close, and leaves no state).
+    pub fn abort_on_close(&self) {
+        // Best effort: if it fails, the close is merely orderly.
+        let _ = set_linger0(self.stream.as_raw_fd());
     }
 
     /// When the connection was opened.

@@ -454,6 +454,9 @@ impl Engine {
             };
             let phase = conn.phase();
             let in_flight = phase != Phase::Draining;
+            if in_flight {
+                conn.abort_on_close();
+            }
             match ending {
                 _ if !in_flight => self.close(idx, true, now),
                 Ending::Deadline => {

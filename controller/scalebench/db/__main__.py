@@ -3,4 +3,5 @@ import sys
 
 from .cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # the guard matters: the tracer's spawned process imports the main module
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """One database guest's life: overlay, tracer, domain, readiness, teardown.
 
 The guest's disk is either our NBD server (copy-on-write over the base image,
-traced, disk model applied) or, with tracing off and no disk model, a qcow2
+traced, disk model applied; in its own process, see tracer.py) or, with tracing off and no disk model, a qcow2
 overlay QEMU opens itself. Any failure destroys the domain, stops the server
 and removes the overlay; the base image is only ever opened read-only.
 """
@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from .diskmodel import Dilated, make_model
 from .domain import DomainSpec, pick_domain_type
 from .errors import DbTraceError
 from .image import GuestImage
-from .nbd import NbdServer, TraceRecord
+from .nbd import TraceRecord
+from .tracer import TracedDisk
 
 READY_MARK = "SCALEBENCH-DB-READY"
 FAILED_MARK = "SCALEBENCH-DB-FAILED"
@@ -54,7 +54,7 @@ class DbGuest:
     conn: object  # a libvirt.virConnect
     name: str = field(default_factory=lambda: f"scalebench-db-{uuid.uuid4().hex[:8]}")
     port: int = 0
-    server: NbdServer | None = None
+    server: TracedDisk | None = None
     domain: object = None
     boot_seconds: float = 0.0
     cpu_slowdown: float = 0.0
@@ -93,8 +93,8 @@ class DbGuest:
         nbd_socket = qcow2 = None
         if cfg.trace or cfg.disk != "none":
             nbd_socket = cfg.run_dir / f"{self.name}.nbd.sock"
-            self.server = NbdServer(nbd_socket, Path(cfg.image.rootfs), self._overlay(), make_model(cfg.disk),
-                                    record=cfg.trace, real_flush=cfg.disk == "none")
+            self.server = TracedDisk(nbd_socket, Path(cfg.image.rootfs), self._overlay(), cfg.disk,
+                                     record=cfg.trace, real_flush=cfg.disk == "none")
         else:
             qcow2 = self._overlay()
             proc = subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", cfg.image.rootfs,
@@ -179,7 +179,7 @@ class DbGuest:
         if self.server is None:
             raise DbTraceError("time dilation needs a disk model on the traced path")
         self.dilation = max(1.0, self.measure_cpu_slowdown())
-        self.server.model = Dilated(make_model(self.config.disk), self.dilation)
+        self.server.dilate(self.dilation)
 
     def trace_clock(self) -> float:
         """The tracer's clock (seconds), to mark the measurement window."""
@@ -189,7 +189,7 @@ class DbGuest:
         """Trace records that arrived within [start, end) on the tracer's clock."""
         if self.server is None:
             return []
-        return [r for r in list(self.server.records) if start <= r.t < end]
+        return [r for r in self.server.records if start <= r.t < end]
 
     @property
     def disk_sectors(self) -> int:

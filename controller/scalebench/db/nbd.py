@@ -11,8 +11,8 @@ server
 
 Protocol: fixed newstyle negotiation (NBD_OPT_GO / NBD_OPT_EXPORT_NAME, simple
 replies only), commands READ, WRITE, FLUSH, DISC. One thread reads and serves
-requests; a second sends replies when they are due, so requests overlap in the
-model as they do on a real queue.
+requests and answers those already due; a second sends the others when they
+are due, so requests overlap in the model as they do on a real queue.
 """
 from __future__ import annotations
 
@@ -138,6 +138,7 @@ class NbdServer:
         self._conn: socket.socket | None = None
         self._queue: list[_Pending] = []
         self._cv = threading.Condition()
+        self._send_lock = threading.Lock()
         self._stopping = False
         self._seq = 0
         self._threads = [threading.Thread(target=self._serve, name="nbd-serve", daemon=True),
@@ -253,11 +254,23 @@ class NbdServer:
         else:
             op, error = "?", EINVAL
         due = self.now() if error else self.model.submit(arrival, op, offset // SECTOR, length // SECTOR)
+        pending = _Pending(due, 0, handle, error, payload, arrival, op, offset // SECTOR, length // SECTOR)
+        if due <= self.now():  # nothing to wait for: answer from this thread, saving a thread hand-off
+            self._reply(pending)
+            return
         with self._cv:
             self._seq += 1
-            heapq.heappush(self._queue, _Pending(due, self._seq, handle, error, payload, arrival, op,
-                                                 offset // SECTOR, length // SECTOR))
+            pending.seq = self._seq
+            heapq.heappush(self._queue, pending)
             self._cv.notify_all()
+
+    def _reply(self, item: _Pending) -> None:
+        assert self._conn is not None
+        with self._send_lock:
+            self._conn.sendall(struct.pack(">IIQ", SIMPLE_REPLY_MAGIC, item.error, item.handle) + item.payload)
+        if self.record and item.op != "?":
+            self.records.append(TraceRecord(item.arrival, item.op, item.lba, item.sectors,
+                                            self.now() - item.arrival))
 
     def _check(self, offset: int, length: int) -> None:
         if offset + length > self.image.size:
@@ -275,10 +288,6 @@ class NbdServer:
                     return
                 item = heapq.heappop(self._queue)
             try:
-                assert self._conn is not None
-                self._conn.sendall(struct.pack(">IIQ", SIMPLE_REPLY_MAGIC, item.error, item.handle) + item.payload)
+                self._reply(item)
             except OSError:
                 return
-            if self.record and item.op != "?":
-                self.records.append(TraceRecord(item.arrival, item.op, item.lba, item.sectors,
-                                                self.now() - item.arrival))

@@ -1,0 +1,123 @@
+"""The traced block path in its own process.
+
+The NBD server (nbd.py) answers every guest I/O; in the controller's process
+it would compete for the interpreter lock with the database clients and the
+guest would wait for its disk behind them. Here it runs in a child process
+(started with ``spawn``: nothing of the parent's threads is inherited) and is
+driven over a pipe: records, status, disk-model changes, stop. The trace
+clock is CLOCK_MONOTONIC in both processes, so the parent reads it directly.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from .diskmodel import Dilated, make_model
+from .errors import DbTraceError
+from .nbd import NbdServer, TraceRecord
+
+START_TIMEOUT_S = 30.0
+
+
+def _child(conn: Connection, socket_path: str, base: str, overlay: str, disk: str, record: bool,
+           real_flush: bool) -> None:
+    try:
+        server = NbdServer(Path(socket_path), Path(base), Path(overlay), make_model(disk), record=record,
+                           real_flush=real_flush)
+    except Exception as err:
+        conn.send(("error", f"the NBD server could not start: {err}"))
+        return
+    conn.send(("ready", server.t0))
+    while True:
+        try:
+            command, *args = conn.recv()
+        except EOFError:  # the parent is gone: stop serving
+            server.stop()
+            return
+        if command == "records":
+            conn.send(list(server.records))
+        elif command == "status":
+            conn.send((server.alive(), server.error))
+        elif command == "dilate":
+            server.model = Dilated(make_model(disk), float(args[0]))
+            conn.send(True)
+        elif command == "stop":
+            server.stop()
+            conn.send(list(server.records))
+            return
+
+
+class TracedDisk:
+    """Parent-side handle of the NBD server process (same interface the guest needs)."""
+
+    def __init__(self, socket_path: Path, base: Path, overlay: Path, disk: str, record: bool = True,
+                 real_flush: bool = True) -> None:
+        self.socket_path = socket_path
+        self._lock = threading.Lock()
+        self._conn, child_conn = multiprocessing.Pipe()
+        ctx = multiprocessing.get_context("spawn")
+        self._proc = ctx.Process(target=_child, name="scalebench-nbd", daemon=True,
+                                 args=(child_conn, str(socket_path), str(base), str(overlay), disk, record,
+                                       real_flush))
+        self._proc.start()
+        child_conn.close()
+        self._final: list[TraceRecord] | None = None
+        self.error: str | None = None
+        if not self._conn.poll(START_TIMEOUT_S):
+            self.stop()
+            raise DbTraceError(f"the NBD server did not start within {START_TIMEOUT_S:.0f} s")
+        kind, value = self._conn.recv()
+        if kind != "ready":
+            self.stop()
+            raise DbTraceError(str(value))
+        self.t0 = float(value)
+
+    def now(self) -> float:
+        """Seconds since the server started (the trace's clock)."""
+        return time.monotonic() - self.t0
+
+    def _ask(self, *message: Any) -> Any:
+        with self._lock:
+            try:
+                self._conn.send(message)
+                return self._conn.recv()
+            except (EOFError, OSError) as err:
+                raise DbTraceError("the NBD server process is gone") from err
+
+    @property
+    def records(self) -> list[TraceRecord]:
+        if self._final is not None:
+            return self._final
+        return list(self._ask("records"))
+
+    def alive(self) -> bool:
+        if self._final is not None or not self._proc.is_alive():
+            return False
+        try:
+            alive, self.error = self._ask("status")
+        except DbTraceError as err:
+            self.error = str(err)
+            return False
+        return bool(alive)
+
+    def dilate(self, factor: float) -> None:
+        """Run the disk model in time dilated by ``factor`` from now on (a fresh model)."""
+        self._ask("dilate", factor)
+
+    def stop(self) -> None:
+        """Stop the server process (records stay readable); idempotent."""
+        if self._final is None:
+            try:
+                self._final = list(self._ask("stop")) if self._proc.is_alive() else []
+            except DbTraceError:
+                self._final = []
+        self._proc.join(timeout=10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+        self._conn.close()
+        self.socket_path.unlink(missing_ok=True)
