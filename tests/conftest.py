@@ -1,13 +1,21 @@
 """Shared fixtures: where the repository and its built binaries are."""
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RELEASE_DIR = REPO_ROOT / "target" / "release"
+
+# Test the scalebench package of this checkout, in this process and in the
+# CLIs the tests start, whatever an editable install elsewhere points at.
+CONTROLLER = str(REPO_ROOT / "controller")
+sys.path.insert(0, CONTROLLER)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [CONTROLLER, os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture(scope="session")
