@@ -5,6 +5,7 @@ file when executed, to prove that nothing was started.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,7 +48,7 @@ BAD = [
 
 @pytest.mark.parametrize("argv,message", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_bad_input_is_one_line_exit_2_nothing_started(tmp_path, bindir, argv, message):
-    env = {"PATH": "/usr/bin:/bin", "SCALEBENCH_BIN_DIR": str(bindir), "HOME": str(tmp_path)}
+    env = {**os.environ, "SCALEBENCH_BIN_DIR": str(bindir), "HOME": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-m", "scalebench.cli", *argv], capture_output=True, text=True,
                           cwd=tmp_path, env=env, timeout=60)
     assert proc.returncode == 2
@@ -60,7 +61,7 @@ def test_bad_input_is_one_line_exit_2_nothing_started(tmp_path, bindir, argv, me
 
 
 def test_missing_binaries_are_reported_before_anything_starts(tmp_path):
-    env = {"PATH": "/usr/bin:/bin", "SCALEBENCH_BIN_DIR": str(tmp_path / "nowhere"), "HOME": str(tmp_path)}
+    env = {**os.environ, "SCALEBENCH_BIN_DIR": str(tmp_path / "nowhere"), "HOME": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-m", "scalebench.cli", "--vms", "4"], capture_output=True,
                           text=True, cwd=tmp_path, env=env, timeout=60)
     assert proc.returncode == 2 and "make build" in proc.stderr

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from scalebench.disks import HDD, disk_model
-from scalebench.model import ModelInput, che_hit_ratio, estimate_footprint, predict, zipf_popularity
+from scalebench.model import (ModelInput, che_hit_ratio, estimate_footprint, miss_sqrt_distance, predict,
+                              zipf_popularity)
 from scalebench.units import KIB, GIB
 
 
@@ -72,11 +73,19 @@ def test_in_core_until_the_budget_is_full_then_disk_bound():
 
 
 def test_miss_cost_is_denalis_random_reads_plus_one_sequential_write():
-    p = predict(hdd_input())
+    # Uniform popularity: misses spread over the whole swap device, the drive's average seek.
+    p = predict(hdd_input(alpha=0.0))
     fp = p.footprint_bytes
     random_read = (HDD.overhead_ms + HDD.seek_ms) / 1e3 + 30 / HDD.rpm + 32 * KIB / (HDD.mb_s * 1e6)
-    assert p.miss_read_s == pytest.approx(fp // (32 * KIB) * random_read)
-    assert p.miss_write_s == pytest.approx(random_read - 32 * KIB / 40e6 + fp / 40e6)
+    assert p.miss_read_s == pytest.approx(fp // (32 * KIB) * random_read, rel=0.005)
+    assert p.miss_write_s == pytest.approx(random_read - 32 * KIB / 40e6 + fp / 40e6, rel=0.005)
+
+
+def test_skewed_misses_seek_shorter():
+    """Zipf popularity by VM number clusters the misses' swap regions: shorter seeks."""
+    assert miss_sqrt_distance(1000, 250, 0.0) == pytest.approx(8 / 15, rel=0.01)
+    assert miss_sqrt_distance(1000, 250, 1.0) < 0.97 * 8 / 15
+    assert predict(hdd_input(alpha=1.0)).miss_read_s < predict(hdd_input(alpha=0.0)).miss_read_s
 
 
 def test_wsswap_beats_demand_out_of_core():

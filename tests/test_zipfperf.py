@@ -26,7 +26,6 @@ from conftest import REPO_ROOT, release_binary, require_tool
 sys.path.insert(0, str(REPO_ROOT / "experiments" / "bench"))
 from zipfperf_nginx import LARGE_BYTES, SMALL_BYTES, NginxServer  # noqa: E402
 
-PORT = 18391
 TARGETS = 8  # nginx also listens on 127.1.0.0 .. 127.1.0.7
 
 
@@ -43,7 +42,8 @@ def zipfperf() -> Path:
 
 @pytest.fixture(scope="module")
 def nginx():
-    with NginxServer(PORT, extra_targets=TARGETS, nginx=require_tool("nginx")) as server:
+    # A port free right now, so that concurrent runs of this file do not collide.
+    with NginxServer(free_port(), extra_targets=TARGETS, nginx=require_tool("nginx")) as server:
         yield server
 
 
@@ -99,7 +99,7 @@ def errors_of(doc: dict) -> dict:
 
 
 def test_text_output_parses_like_httperf(zipfperf, nginx):
-    proc, _ = run(zipfperf, "--server", "127.0.0.1", f"--port={PORT}", "--uri", "/",
+    proc, _ = run(zipfperf, "--server", "127.0.0.1", f"--port={nginx.port}", "--uri", "/",
                   "--rate", "400", "--num-conns", "400", "--num-calls", "1", "--timeout", "5", "--hog")
     assert proc.returncode == 0, proc.stderr
     f = parse_httperf(proc.stdout)
@@ -115,7 +115,7 @@ def test_text_output_parses_like_httperf(zipfperf, nginx):
 
 def test_json_document_has_the_pinned_schema(zipfperf, nginx, tmp_path):
     out = tmp_path / "run.json"
-    proc, _ = run(zipfperf, "--server", "127.0.0.1", f"--port={PORT}", "--rate", "200",
+    proc, _ = run(zipfperf, "--server", "127.0.0.1", f"--port={nginx.port}", "--rate", "200",
                   "--num-conns", "100", "--num-calls", "2", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     parse_httperf(proc.stdout)  # the text report still goes to stdout
@@ -158,7 +158,7 @@ def assert_follows(counts: list[int], pmf: list[float]) -> None:
 
 @pytest.mark.parametrize("alpha", [0.0, 1.0])
 def test_per_target_counts_follow_zipf(zipfperf, nginx, alpha):
-    doc, _ = run_json(zipfperf, f"--targets={TARGETS}", "--addr-base=127.1.0.0", f"--port={PORT}",
+    doc, _ = run_json(zipfperf, f"--targets={TARGETS}", "--addr-base=127.1.0.0", f"--port={nginx.port}",
                       f"--alpha={alpha}", "--rate=2000", "--num-conns=4000", "--timeout=5")
     assert errors_of(doc)["total"] == 0
     assert sum(doc["per_target"]) == doc["replies"]["total"] == 4000
@@ -167,7 +167,7 @@ def test_per_target_counts_follow_zipf(zipfperf, nginx, alpha):
 
 
 def test_permuted_mapping_is_seeded(zipfperf, nginx):
-    args = [f"--targets={TARGETS}", f"--port={PORT}", "--alpha=1.5", "--mapping=permute",
+    args = [f"--targets={TARGETS}", f"--port={nginx.port}", "--alpha=1.5", "--mapping=permute",
             "--rate=2000", "--num-conns=3000"]
     a, _ = run_json(zipfperf, *args, "--seed=11")
     b, _ = run_json(zipfperf, *args, "--seed=11")
@@ -178,10 +178,10 @@ def test_permuted_mapping_is_seeded(zipfperf, nginx):
 
 
 def test_status_classes_keep_alive_and_large_object(zipfperf, nginx):
-    doc, _ = run_json(zipfperf, "--server=127.0.0.1", f"--port={PORT}", "--uri=/nope",
+    doc, _ = run_json(zipfperf, "--server=127.0.0.1", f"--port={nginx.port}", "--uri=/nope",
                       "--rate=500", "--num-conns=50")
     assert doc["replies"]["status"]["4xx"] == 50 and errors_of(doc)["total"] == 0
-    doc, _ = run_json(zipfperf, "--server=127.0.0.1", f"--port={PORT}", "--uri=/large",
+    doc, _ = run_json(zipfperf, "--server=127.0.0.1", f"--port={nginx.port}", "--uri=/large",
                       "--rate=200", "--num-conns=40", "--num-calls=3")
     assert doc["replies"]["total"] == 120 and doc["connections"]["total"] == 40
     assert doc["replies"]["size_avg"]["content"] == LARGE_BYTES
@@ -191,18 +191,18 @@ def test_status_classes_keep_alive_and_large_object(zipfperf, nginx):
 def test_wlog_sequence_and_uri_zipf(zipfperf, nginx, tmp_path):
     wlog = tmp_path / "uris"
     wlog.write_bytes(b"/\0/large\0/nope\0")
-    doc, _ = run_json(zipfperf, "--server=127.0.0.1", f"--port={PORT}", f"--wlog=n,{wlog}",
+    doc, _ = run_json(zipfperf, "--server=127.0.0.1", f"--port={nginx.port}", f"--wlog=n,{wlog}",
                       "--rate=100", "--num-conns=10")
     assert doc["replies"]["total"] == 3, "a non-wrapping list stops the run at its end"
     assert doc["per_uri"] == [1, 1, 1]
     assert doc["replies"]["status"]["4xx"] == 1
-    doc, _ = run_json(zipfperf, "--server=127.0.0.1", f"--port={PORT}", f"--wlog=y,{wlog}",
+    doc, _ = run_json(zipfperf, "--server=127.0.0.1", f"--port={nginx.port}", f"--wlog=y,{wlog}",
                       "--uri-zipf=1.0", "--rate=1000", "--num-conns=1500")
     assert_follows(doc["per_uri"], zipf_pmf(3, 1.0))
 
 
 def test_closed_loop_keep_alive(zipfperf, nginx):
-    doc, elapsed = run_json(zipfperf, "--server=127.0.0.1", f"--port={PORT}", "--concurrency=8",
+    doc, elapsed = run_json(zipfperf, "--server=127.0.0.1", f"--port={nginx.port}", "--concurrency=8",
                             "--duration=1.5")
     assert doc["mode"] == "closed"
     assert doc["connections"]["total"] == 8, "keep-alive: no reconnects"
@@ -213,7 +213,7 @@ def test_closed_loop_keep_alive(zipfperf, nginx):
 
 def test_closed_loop_one_call_per_connection_draws_targets_per_request(zipfperf, nginx):
     # How the controller drives it: each request on its own connection to a Zipf-drawn target.
-    doc, elapsed = run_json(zipfperf, f"--targets={TARGETS}", f"--port={PORT}", "--alpha=1.0",
+    doc, elapsed = run_json(zipfperf, f"--targets={TARGETS}", f"--port={nginx.port}", "--alpha=1.0",
                             "--concurrency=8", "--duration=2", "--num-calls=1")
     replies = doc["replies"]["total"]
     assert replies > 500 and errors_of(doc)["total"] == 0
@@ -223,7 +223,7 @@ def test_closed_loop_one_call_per_connection_draws_targets_per_request(zipfperf,
 
 
 def test_duration_bounds_an_open_loop_run(zipfperf, nginx):
-    proc, elapsed = run(zipfperf, "--server=127.0.0.1", f"--port={PORT}", "--rate=200", "--duration=2")
+    proc, elapsed = run(zipfperf, "--server=127.0.0.1", f"--port={nginx.port}", "--rate=200", "--duration=2")
     assert proc.returncode == 0, proc.stderr
     f = parse_httperf(proc.stdout)
     assert 1.9 < f["total"][3] < 2.3 and elapsed < 4
@@ -232,7 +232,7 @@ def test_duration_bounds_an_open_loop_run(zipfperf, nginx):
 
 def test_sigint_ends_the_run_with_its_report(zipfperf, nginx, tmp_path):
     out = tmp_path / "run.json"
-    proc = subprocess.Popen([str(zipfperf), "--server=127.0.0.1", f"--port={PORT}", "--rate=200",
+    proc = subprocess.Popen([str(zipfperf), "--server=127.0.0.1", f"--port={nginx.port}", "--rate=200",
                              "--duration=30", "--json", str(out)], stdout=subprocess.PIPE, text=True)
     try:
         time.sleep(1.0)

@@ -23,28 +23,37 @@ from dataclasses import dataclass
 from .units import KIB
 
 STRIPE_BYTES = 64 * KIB  # the pager's default stripe unit for arrays
+# E[sqrt(|x - y|)] for x, y uniform on [0, 1]: random requests over the whole span.
+UNIFORM_SQRT_DISTANCE = 8 / 15
 
 
 @dataclass(frozen=True)
 class Drive:
     """One drive's parameters, as the pager's DriveParams."""
 
-    seek_ms: float
+    seek_ms: float       # average seek over uniformly random requests
+    track_ms: float      # track-to-track seek
     rpm: float
     mb_s: float          # media rate, 10^6 bytes/s
     overhead_ms: float   # per-command controller overhead
     lat_ms: float        # flash access latency (0 for rotating drives)
 
-    @property
-    def positioning_s(self) -> float:
-        """Expected time before a random request's transfer starts."""
+    def positioning_s(self, sqrt_distance: float = UNIFORM_SQRT_DISTANCE) -> float:
+        """Expected time before a request's transfer starts, given E[sqrt(seek distance / span)].
+
+        The pager's seek curve: track-to-track time plus the rest of the full
+        stroke in proportion to the square root of the distance, the full stroke
+        chosen so that uniformly random requests average `seek_ms`.
+        """
+        full_ms = self.track_ms + (self.seek_ms - self.track_ms) / UNIFORM_SQRT_DISTANCE
+        seek_ms = self.track_ms + (full_ms - self.track_ms) * sqrt_distance if self.seek_ms else 0.0
         half_revolution = 30.0 / self.rpm if self.rpm else 0.0
-        return (self.overhead_ms + self.seek_ms + self.lat_ms) / 1e3 + half_revolution
+        return (self.overhead_ms + seek_ms + self.lat_ms) / 1e3 + half_revolution
 
 
-HDD = Drive(seek_ms=8.9, rpm=7200, mb_s=40.0, overhead_ms=0.1, lat_ms=0.0)
-HDD15K = Drive(seek_ms=3.5, rpm=15000, mb_s=90.0, overhead_ms=0.05, lat_ms=0.0)
-SSD = Drive(seek_ms=0.0, rpm=0, mb_s=500.0, overhead_ms=0.0, lat_ms=0.1)
+HDD = Drive(seek_ms=8.9, track_ms=1.0, rpm=7200, mb_s=40.0, overhead_ms=0.1, lat_ms=0.0)
+HDD15K = Drive(seek_ms=3.5, track_ms=0.2, rpm=15000, mb_s=90.0, overhead_ms=0.05, lat_ms=0.0)
+SSD = Drive(seek_ms=0.0, track_ms=0.0, rpm=0, mb_s=500.0, overhead_ms=0.0, lat_ms=0.1)
 
 
 @dataclass(frozen=True)
@@ -61,12 +70,13 @@ class DiskModel:
         """Independent requests served at once: one per drive queue."""
         return self.drives
 
-    def request_s(self, size: int) -> float:
-        """Expected modeled time of one random request of `size` bytes (read, or a full-stripe write)."""
+    def request_s(self, size: int, sqrt_distance: float = UNIFORM_SQRT_DISTANCE) -> float:
+        """Expected modeled time of one request of `size` bytes (read, or a full-stripe write)
+        whose seek distance averages E[sqrt(distance / span)] = sqrt_distance (default: uniform)."""
         if self.drive is None:
             return 0.0
         spread = max(1, min(self.data_drives, -(-size // STRIPE_BYTES)))
-        return self.drive.positioning_s + size / (self.drive.mb_s * 1e6 * spread)
+        return self.drive.positioning_s(sqrt_distance) + size / (self.drive.mb_s * 1e6 * spread)
 
 
 def differences(model: DiskModel, pager: dict) -> list[str]:
@@ -77,7 +87,7 @@ def differences(model: DiskModel, pager: dict) -> list[str]:
     """
     if model.drive is None:
         return [] if pager.get("model", "none") == "none" else [f"model {pager.get('model')} vs none"]
-    ours = {"seek_ms": model.drive.seek_ms, "rpm": model.drive.rpm, "mb_s": model.drive.mb_s,
+    ours = {"seek_ms": model.drive.seek_ms, "track_ms": model.drive.track_ms, "rpm": model.drive.rpm, "mb_s": model.drive.mb_s,
             "overhead_ms": model.drive.overhead_ms, "lat_ms": model.drive.lat_ms, "drives": model.drives,
             "stripe_bytes": STRIPE_BYTES}
     return [f"{k} {pager[k]} vs {v}" for k, v in ours.items() if k in pager and float(pager[k]) != float(v)]

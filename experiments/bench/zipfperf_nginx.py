@@ -77,12 +77,18 @@ class NginxServer:
         )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
+            answering = all(self._answers(addr) for addr in self.addresses)
+            # Checked after the probe: another server on the same port must not pass for ours.
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                shutil.rmtree(self.prefix, ignore_errors=True)
                 raise RuntimeError(f"nginx exited at start: {err.strip()}")
-            if all(self._answers(addr) for addr in self.addresses):
-                return self
-            time.sleep(0.05)
+            if answering:
+                time.sleep(0.1)
+                if self.proc.poll() is None:
+                    return self
+            else:
+                time.sleep(0.05)
         self.stop()
         raise RuntimeError("nginx did not start listening within 10 s")
 

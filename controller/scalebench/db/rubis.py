@@ -126,8 +126,8 @@ def store_buy_now(conn: Any, rng: random.Random, s: dict[str, Any]) -> None:
 
 def register_user(conn: Any, rng: random.Random, s: dict[str, Any]) -> None:
     (n,), = q(conn, "SELECT nextval('users_id_seq')")
-    q(conn, "INSERT INTO users VALUES (:n, 'first', 'last', 'user' || :n, 'pw' || :n, 'new@example.invalid', "
-             "0, 0, now(), :r)", n=n, r=rng.randint(1, s["regions"]))
+    q(conn, "INSERT INTO users VALUES (:n, 'first', 'last', :nick, :pw, 'new@example.invalid', 0, 0, now(), :r)",
+      n=n, nick=f"user{n}", pw=f"pw{n}", r=rng.randint(1, s["regions"]))
 
 
 def register_item(conn: Any, rng: random.Random, s: dict[str, Any]) -> None:

@@ -2,14 +2,19 @@
 
 The NBD server (nbd.py) answers every guest I/O; in the controller's process
 it would compete for the interpreter lock with the database clients and the
-guest would wait for its disk behind them. Here it runs in a child process
-(started with ``spawn``: nothing of the parent's threads is inherited) and is
-driven over a pipe: records, status, disk-model changes, stop. The trace
-clock is CLOCK_MONOTONIC in both processes, so the parent reads it directly.
+guest would wait for its disk behind them. Here it runs in a child Python
+process (``python -m scalebench.db.tracer``: a fresh interpreter that imports
+nothing of the caller's main module) driven over a socket pair: records,
+status, disk-model changes, stop. The trace clock is CLOCK_MONOTONIC in both
+processes, so the parent reads it directly.
 """
 from __future__ import annotations
 
-import multiprocessing
+import json
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -21,6 +26,7 @@ from .errors import DbTraceError
 from .nbd import NbdServer, TraceRecord
 
 START_TIMEOUT_S = 30.0
+CONTROLLER_DIR = Path(__file__).resolve().parents[2]
 
 
 def _child(conn: Connection, socket_path: str, base: str, overlay: str, disk: str, record: bool,
@@ -58,19 +64,27 @@ class TracedDisk:
                  real_flush: bool = True) -> None:
         self.socket_path = socket_path
         self._lock = threading.Lock()
-        self._conn, child_conn = multiprocessing.Pipe()
-        ctx = multiprocessing.get_context("spawn")
-        self._proc = ctx.Process(target=_child, name="scalebench-nbd", daemon=True,
-                                 args=(child_conn, str(socket_path), str(base), str(overlay), disk, record,
-                                       real_flush))
-        self._proc.start()
-        child_conn.close()
+        parent_sock, child_sock = socket.socketpair()
+        settings = {"socket_path": str(socket_path), "base": str(base), "overlay": str(overlay), "disk": disk,
+                    "record": record, "real_flush": real_flush}
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(CONTROLLER_DIR), os.environ.get("PYTHONPATH", "")]))
+        self._proc = subprocess.Popen([sys.executable, "-m", "scalebench.db.tracer", str(child_sock.fileno()),
+                                       json.dumps(settings)], pass_fds=(child_sock.fileno(),), env=env,
+                                      stdin=subprocess.DEVNULL)
+        child_sock.close()
+        self._conn = Connection(parent_sock.detach())
         self._final: list[TraceRecord] | None = None
         self.error: str | None = None
-        if not self._conn.poll(START_TIMEOUT_S):
+        try:
+            if not self._conn.poll(START_TIMEOUT_S):
+                raise DbTraceError(f"the NBD server did not start within {START_TIMEOUT_S:.0f} s")
+            kind, value = self._conn.recv()
+        except (EOFError, OSError) as err:
             self.stop()
-            raise DbTraceError(f"the NBD server did not start within {START_TIMEOUT_S:.0f} s")
-        kind, value = self._conn.recv()
+            raise DbTraceError(f"the NBD server process exited at start-up (code {self._proc.returncode})") from err
+        except DbTraceError:
+            self.stop()
+            raise
         if kind != "ready":
             self.stop()
             raise DbTraceError(str(value))
@@ -95,7 +109,7 @@ class TracedDisk:
         return list(self._ask("records"))
 
     def alive(self) -> bool:
-        if self._final is not None or not self._proc.is_alive():
+        if self._final is not None or self._proc.poll() is not None:
             return False
         try:
             alive, self.error = self._ask("status")
@@ -112,12 +126,17 @@ class TracedDisk:
         """Stop the server process (records stay readable); idempotent."""
         if self._final is None:
             try:
-                self._final = list(self._ask("stop")) if self._proc.is_alive() else []
+                self._final = list(self._ask("stop")) if self._proc.poll() is None else []
             except DbTraceError:
                 self._final = []
-        self._proc.join(timeout=10)
-        if self._proc.is_alive():
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
             self._proc.kill()
-            self._proc.join()
+            self._proc.wait()
         self._conn.close()
         self.socket_path.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    _child(Connection(int(sys.argv[1])), **json.loads(sys.argv[2]))
