@@ -69,11 +69,20 @@ pub struct StreamDevice {
     rx_sent: [u32; abi::MAX_SLOTS],
     tx_received: [u32; abi::MAX_SLOTS],
     last_kick_gen: Option<u32>,
+    /// The host changed something the guest reads since the last kick check.
+    changed: bool,
 }
 
 impl Default for StreamDevice {
     fn default() -> Self {
-        StreamDevice { rx_prod: 0, tx_cons: 0, rx_sent: [0; abi::MAX_SLOTS], tx_received: [0; abi::MAX_SLOTS], last_kick_gen: None }
+        StreamDevice {
+            rx_prod: 0,
+            tx_cons: 0,
+            rx_sent: [0; abi::MAX_SLOTS],
+            tx_received: [0; abi::MAX_SLOTS],
+            last_kick_gen: None,
+            changed: false,
+        }
     }
 }
 
@@ -127,8 +136,9 @@ impl StreamDevice {
         self.publish_rx(sys);
     }
 
-    fn publish_rx(&self, sys: &Mapping) {
+    fn publish_rx(&mut self, sys: &Mapping) {
         sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::RX_PROD).store(self.rx_prod, Ordering::Release);
+        self.changed = true;
     }
 
     /// Sends a payload-less record (OPEN or FIN); false when the ring is full.
@@ -187,17 +197,26 @@ impl StreamDevice {
         };
         self.tx_cons = self.tx_cons.wrapping_add(HEADER + round8(len));
         sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::TX_CONS).store(self.tx_cons, Ordering::Release);
+        self.changed = true;
     }
 
     /// Acknowledges every response byte of `slot` except `still_buffered`.
-    pub fn ack(&self, sys: &Mapping, slot: usize, still_buffered: usize) {
+    pub fn ack(&mut self, sys: &Mapping, slot: usize, still_buffered: usize) {
         let acked = self.tx_received[slot].wrapping_sub(still_buffered as u32);
-        sys.atomic_u32(abi::CREDIT_GPA + credit::STRIDE * slot as u64 + credit::TX_ACKED).store(acked, Ordering::Release);
+        let word = sys.atomic_u32(abi::CREDIT_GPA + credit::STRIDE * slot as u64 + credit::TX_ACKED);
+        if word.swap(acked, Ordering::Release) != acked {
+            self.changed = true;
+        }
     }
 
-    /// Whether the guest is (about to be) halted and has not been kicked in
-    /// this idle period; marks it kicked.
+    /// Whether the guest must be interrupted: the host changed something it
+    /// reads, and it is (about to be) halted without having been kicked in
+    /// this idle period. Marks it kicked. A guest that is not idle sees the
+    /// change itself before it halts, so the change is consumed either way.
     pub fn take_kick(&mut self, sys: &Mapping) -> bool {
+        if !std::mem::take(&mut self.changed) {
+            return false;
+        }
         fence(Ordering::SeqCst);
         if sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::GUEST_IDLE).load(Ordering::Acquire) == 0 {
             return false;
@@ -301,15 +320,22 @@ mod tests {
     }
 
     #[test]
-    fn kicks_once_per_idle_period() {
+    fn kicks_an_idle_guest_once_and_only_for_news() {
         let sys = sys();
         let mut dev = StreamDevice::default();
-        assert!(!dev.take_kick(&sys), "busy guest");
+        dev.rx_control(&sys, 0, abi::REC_OPEN);
+        assert!(!dev.take_kick(&sys), "busy guest: it sees the record itself");
         sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::IDLE_GEN).store(1, Ordering::Release);
         sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::GUEST_IDLE).store(1, Ordering::Release);
+        assert!(!dev.take_kick(&sys), "idle, but nothing new for it");
+        dev.rx_control(&sys, 0, abi::REC_FIN);
         assert!(dev.take_kick(&sys));
+        dev.ack(&sys, 0, 0);
+        assert!(!dev.take_kick(&sys), "an unchanged acknowledgement is no news");
+        dev.rx_control(&sys, 0, abi::REC_FIN);
         assert!(!dev.take_kick(&sys), "already kicked in this idle period");
         sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::IDLE_GEN).store(2, Ordering::Release);
+        dev.rx_control(&sys, 0, abi::REC_FIN);
         assert!(dev.take_kick(&sys));
     }
 }
