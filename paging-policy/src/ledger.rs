@@ -130,6 +130,27 @@ pub enum Admission {
 /// Blocks whose ranges must be woken, as (VM, block).
 pub type Wakes = Vec<(VmId, BlockId)>;
 
+/// Groups the swap writes of an eviction plan: the ranges of `victims` that
+/// are dirty and contiguous on swap, each one write. The pager and pagesim
+/// batch writes alike through this.
+pub fn write_runs(victims: &[PlanBlock], block_bytes: u64) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        while i < victims.len() && !victims[i].dirty {
+            i += 1;
+        }
+        if i == victims.len() {
+            return None;
+        }
+        let start = i;
+        i += 1;
+        while i < victims.len() && victims[i].dirty && victims[i].loc == victims[i - 1].loc + block_bytes {
+            i += 1;
+        }
+        Some(start..i)
+    })
+}
+
 /// Groups the swap reads of a fault-in plan: `order` receives the indices of
 /// blocks with a swap copy sorted by swap offset, `runs` ranges of `order`
 /// whose copies are contiguous on swap. Each run is one read, whatever the
@@ -668,5 +689,31 @@ impl VmLedger {
     /// Resident blocks of this VM.
     pub fn resident_blocks(&self) -> u32 {
         self.resident
+    }
+}
+
+#[cfg(test)]
+mod write_runs_tests {
+    use super::*;
+
+    fn victim(loc: u64, dirty: bool) -> PlanBlock {
+        PlanBlock { vm: 0, block: 0, loc, dirty, old_loc: NO_LOC, sum: 0 }
+    }
+
+    #[test]
+    fn dirty_victims_contiguous_on_swap_are_one_write() {
+        let bs = 4096;
+        let victims = [
+            victim(0, true),
+            victim(bs, true),
+            victim(NO_LOC, false),
+            victim(5 * bs, true),
+            victim(9 * bs, true),
+            victim(10 * bs, true),
+            victim(NO_LOC, false),
+        ];
+        let runs: Vec<_> = write_runs(&victims, bs).collect();
+        assert_eq!(runs, vec![0..2, 3..4, 4..6]);
+        assert_eq!(write_runs(&[victim(NO_LOC, false)], bs).count(), 0);
     }
 }

@@ -42,7 +42,7 @@ use serde_json::{json, Map, Value};
 use crate::config::{check_block, default_swap_path, PagerConfig};
 use crate::disk::DiskSpec;
 use crate::error::PagerError;
-use crate::ledger::{read_runs, Access, Admission, Classified, Ledger, PlanBlock, Wakes, NO_LOC};
+use crate::ledger::{read_runs, write_runs, Access, Admission, Classified, Ledger, PlanBlock, Wakes, NO_LOC};
 use crate::policy::{build_policy, BlockId, SwapLayout, VmId};
 use crate::space::SwapSpace;
 use crate::stats::TotalLatency;
@@ -618,16 +618,7 @@ impl Pager {
         }
         // 3. Copy dirty blocks out, one write per run contiguous on swap.
         let mut io = 0.0;
-        let mut i = 0;
-        while i < victims.len() {
-            if !victims[i].dirty {
-                i += 1;
-                continue;
-            }
-            let mut j = i + 1;
-            while j < victims.len() && victims[j].dirty && victims[j].loc == victims[j - 1].loc + bs as u64 {
-                j += 1;
-            }
+        for std::ops::Range { start: i, end: j } in write_runs(victims, bs as u64) {
             s.write.reserve((j - i) * bs);
             let buf = s.write.as_mut_slice();
             for k in i..j {
@@ -638,7 +629,6 @@ impl Pager {
                 }
             }
             io += self.swap.write(victims[i].loc, &buf[..(j - i) * bs])?;
-            i = j;
         }
         // 4. Drop the blocks; their next touch faults them back in.
         let mut i = 0;

@@ -25,7 +25,7 @@ use serde::Serialize;
 use crate::config::check_block;
 use crate::disk::{DiskModel, DiskSpec};
 use crate::error::PagerError;
-use crate::ledger::{read_runs, Admission, Ledger, PlanBlock, Wakes};
+use crate::ledger::{read_runs, write_runs, Admission, Ledger, PlanBlock, Wakes};
 use crate::policy::{build_policy, SwapLayout, VmId};
 use crate::space::SwapSpace;
 
@@ -287,19 +287,10 @@ impl Simulator {
                     })
                 }
                 Admission::Evict(victims) => {
-                    let mut i = 0;
-                    while i < victims.len() {
-                        if !victims[i].dirty {
-                            i += 1;
-                            continue;
-                        }
-                        let mut j = i + 1;
-                        while j < victims.len() && victims[j].dirty && victims[j].loc == victims[j - 1].loc + bs {
-                            j += 1;
-                        }
-                        self.model.submit(0.0, victims[i].loc, (j - i) as u64 * bs, true);
-                        self.counts.written += (j - i) as u64 * bs;
-                        i = j;
+                    for run in write_runs(&victims, bs) {
+                        let bytes = run.len() as u64 * bs;
+                        self.model.submit(0.0, victims[run.start].loc, bytes, true);
+                        self.counts.written += bytes;
                     }
                     self.wakes.clear();
                     self.ledger.finish_eviction(&victims, 0.0, &mut self.wakes);
