@@ -128,3 +128,21 @@ def test_swap_file_is_removed_unless_kept(tmp_path):
     m = start(tmp_path, 2, "127.215.0.0", "--swap", str(swap), "--keep-swap")
     assert m.stop() == 0
     assert swap.exists()
+
+
+def test_disk_model_can_be_suspended_and_charged_again(tmp_path):
+    m = start(tmp_path, 2, "127.216.0.0", "--mem", "8M", "--disk", "hdd")
+    try:
+        assert m.control({"cmd": "stats"})["totals"]["disk_modeled"] is True
+        assert m.control({"cmd": "disk", "modeled": False}) == {"ok": True, "modeled": False}
+        assert m.control({"cmd": "stats"})["totals"]["disk_modeled"] is False
+        assert get(m.addr(0)).body == SMALL
+        assert m.control({"cmd": "disk", "modeled": True}) == {"ok": True, "modeled": True}
+        assert m.control({"cmd": "stats"})["totals"]["disk_modeled"] is True
+        # A malformed request gets an error reply and changes nothing.
+        assert "modeled" in m.raw_control(b'{"cmd":"disk"}\n')["error"]
+        assert "error" in m.raw_control(b'{"cmd":"disk","modeled":"off"}\n')
+        assert m.control({"cmd": "stats"})["totals"]["disk_modeled"] is True
+        assert get(m.addr(1)).body == SMALL
+    finally:
+        assert m.stop() == 0

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from scalebench.config import RunConfig
-from scalebench.runner import Binaries, classify, hot_footprint, resident_window, run
+from scalebench.runner import Binaries, classify, hot_footprint, run
 
 FAKE_DENSEVM = textwrap.dedent('''\
     #!{python}
@@ -34,15 +34,17 @@ FAKE_DENSEVM = textwrap.dedent('''\
     with open(os.environ["FAKE_PIDS"] + ".cgroup", "w") as f:
         f.write(open("/proc/self/cgroup").read())
     t0 = time.monotonic()
+    touched = []  # faults begin once the touch (bracketed by "disk" requests) has filled memory
     def stats():
         t = time.monotonic() - t0
+        paging = max(0.0, t - touched[0]) if touched else 0.0
         per = [{{"id": i, "addr": "", "state": "running", "requests": int(t * 100) if i < 10 else 0,
                  "resident_bytes": 1 << 20 if i < 10 else 4096, "faults": 0,
                  "swap_read_bytes": 0, "swap_write_bytes": 0}} for i in range(vms)]
         return {{"ok": True, "totals": {{"vms": vms, "running": vms, "stopped": 0, "requests": int(t * 1000),
                  "resident_bytes": 512 << 20, "budget_bytes": 1 << 30, "block_bytes": 32768,
-                 "faults": int(t * 100), "blocks_in": 0, "blocks_out": 0,
-                 "swap_read_bytes": int(t * 100) * 32768, "swap_write_bytes": 0, "io_seconds": t * 0.1,
+                 "faults": int(paging * 100), "blocks_in": 0, "blocks_out": 0,
+                 "swap_read_bytes": int(paging * 100) * 32768, "swap_write_bytes": 0, "io_seconds": t * 0.1,
                  "fault_latency_us": {{"p50": 100, "p90": 200, "p99": 300, "max": 400, "count": 1}},
                  "selfcheck_errors": 0}}, "vms": per}}
     def serve():
@@ -50,6 +52,8 @@ FAKE_DENSEVM = textwrap.dedent('''\
         while True:
             c, _ = srv.accept()
             req = json.loads(c.makefile().readline())
+            if req["cmd"] == "disk" and req["modeled"] and not touched:
+                touched.append(time.monotonic() - t0)
             reply = stats() if req["cmd"] == "stats" else {{"ok": True, "block": 32768}}
             c.sendall(json.dumps(reply).encode() + b"\\n"); c.close()
     threading.Thread(target=serve, daemon=True).start()
@@ -122,8 +126,9 @@ def alive(pid: int) -> bool:
 
 
 def small_config(tmp: Path, **changes) -> RunConfig:
-    settings = {"vms": 20, "duration": 1.5, "warmup": 1.0, "out": str(tmp / "run"), "addr_base": "127.43.0.0",
-                **changes}
+    # Out of core by construction (20 VMs of ~1 MiB in 8 MiB): the run calibrates before the touch.
+    settings = {"vms": 20, "mem": "8M", "duration": 1.5, "warmup": 1.0, "calibration_s": 1.0, "out": str(tmp / "run"),
+                "addr_base": "127.43.0.0", **changes}
     return RunConfig(**settings)
 
 
@@ -170,7 +175,7 @@ def test_densevm_dying_mid_run_gives_failed_partial_result(fakes, monkeypatch):
 def test_zipfperf_failure_ends_the_run_cleanly(fakes, monkeypatch):
     monkeypatch.setenv("FAKE_ZIPFPERF_FAIL", "1")
     result = run(small_config(fakes), bins=Binaries.find())
-    assert result.status == "failed" and "zipfperf (load) exited with status 1" in result.error
+    assert result.status == "failed" and "zipfperf (calibrate) exited with status 1" in result.error
     assert "simulated failure" in result.error
     assert not any(alive(p) for p in started_pids(fakes))
 
@@ -221,9 +226,6 @@ def test_footprint_and_calibration_window_helpers():
     in_core = [{"id": i, "requests": 9, "resident_bytes": 32768 * (31 if i > 5 else 40 + i)} for i in range(50)]
     assert hot_footprint(in_core) == 31 * 32768
     assert hot_footprint([{"id": 0, "requests": 0, "resident_bytes": 5}]) is None
-    assert resident_window(vms, 10) == 0
-    shifted = [{"id": i, "resident_bytes": 1 if 50 <= i < 60 else 0} for i in range(100)]
-    assert resident_window(shifted, 10) == 50
 
 
 def test_touch_reports_vms_that_do_not_answer():

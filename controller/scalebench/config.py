@@ -47,6 +47,7 @@ class RunConfig:
     touch: bool = True              # one request per VM before the warm-up (touch.py)
     timeout: float = 60.0           # zipfperf --timeout: a cold VM on a modeled disk takes seconds
     cpu_us: float | None = None
+    calibration_s: float = 10.0     # calibration phase of out-of-core runs; its second half is measured
     fault_us: float = DEFAULT_FAULT_US  # the model's pager CPU per fault
     addr_base: str = "127.1.0.0"
     port: int = 8080

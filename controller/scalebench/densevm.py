@@ -148,3 +148,7 @@ class DenseVM:
 
     def pager(self) -> dict:
         return self.request({"cmd": "pager"})
+
+    def set_disk_modeled(self, on: bool) -> None:
+        """Charge (True) or suspend (False) the pager's disk model."""
+        self.request({"cmd": "disk", "modeled": on})

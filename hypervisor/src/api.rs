@@ -31,6 +31,11 @@ pub enum Request {
     },
     /// The pager's settings and totals.
     Pager,
+    /// Charge or suspend the pager's disk model (priming phases).
+    Disk {
+        /// Whether modeled service times are charged.
+        modeled: bool,
+    },
 }
 
 /// Largest `count` a single create request may ask for.
@@ -43,6 +48,7 @@ struct Raw {
     vm: Option<u32>,
     count: Option<u32>,
     how: Option<String>,
+    modeled: Option<bool>,
 }
 
 /// Parses one request line.
@@ -57,6 +63,7 @@ pub fn parse(line: &[u8]) -> Result<Request, String> {
         "stats" => Ok(Request::Stats),
         "list" => Ok(Request::List),
         "pager" => Ok(Request::Pager),
+        "disk" => Ok(Request::Disk { modeled: raw.modeled.ok_or("'disk' needs \"modeled\": true|false")? }),
         "create" => match raw.count.unwrap_or(1) {
             0 => Err("'create' needs count >= 1".into()),
             n if n > MAX_CREATE => Err(format!("'create' takes at most {MAX_CREATE} VMs at a time")),
@@ -86,6 +93,7 @@ mod tests {
         assert_eq!(parse(br#"{"cmd":"create","count":3}"#), Ok(Request::Create { count: 3 }));
         assert_eq!(parse(br#"{"cmd":"destroy","vm":7}"#), Ok(Request::Destroy { vm: 7 }));
         assert_eq!(parse(br#"{"cmd":"crash","vm":1,"how":"triple"}"#), Ok(Request::Crash { vm: 1, triple: true }));
+        assert_eq!(parse(br#"{"cmd":"disk","modeled":false}"#), Ok(Request::Disk { modeled: false }));
     }
 
     #[test]
@@ -94,6 +102,8 @@ mod tests {
             (&b"not json"[..], "malformed"),
             (br#"{"cmd":"reboot"}"#, "unknown command"),
             (br#"{"cmd":"destroy"}"#, "needs \"vm\""),
+            (br#"{"cmd":"disk"}"#, "needs \"modeled\""),
+            (br#"{"cmd":"disk","modeled":"no"}"#, "malformed"),
             (br#"{"cmd":"destroy","vm":-1}"#, "malformed"),
             (br#"{"cmd":"create","count":0}"#, "count >= 1"),
             (br#"{"cmd":"create","count":100000}"#, "at most"),

@@ -119,6 +119,8 @@ pub struct Monitor {
     /// Fatal error raised by a component (the pager) that must end the run.
     fatal: Option<Box<dyn Fn() -> Option<String>>>,
     extra_stats: Option<StatsHook>,
+    /// Charges or suspends the pager's disk model (`disk` requests).
+    disk_control: Option<Box<dyn Fn(bool)>>,
     seen_requests: Vec<u64>,
 }
 
@@ -175,6 +177,7 @@ impl Monitor {
             on_requests: None,
             fatal: None,
             extra_stats: None,
+            disk_control: None,
             seen_requests: Vec::new(),
         };
         for vm in setup.vms {
@@ -191,6 +194,11 @@ impl Monitor {
     /// Polled every loop turn: a `Some` ends the run with that error.
     pub fn fatal_check(&mut self, f: Box<dyn Fn() -> Option<String>>) {
         self.fatal = Some(f);
+    }
+
+    /// Serves `disk` requests: charge (true) or suspend (false) the disk model.
+    pub fn disk_control(&mut self, f: Box<dyn Fn(bool)>) {
+        self.disk_control = Some(f);
     }
 
     /// Adds fields to the stats reply (pager stats).
@@ -675,6 +683,13 @@ impl Monitor {
                 }
                 json!({ "ok": true, "pager": reply.get("pager").cloned().unwrap_or(Value::Null) })
             }
+            Request::Disk { modeled } => match self.disk_control.as_ref() {
+                Some(f) => {
+                    f(modeled);
+                    json!({ "ok": true, "modeled": modeled })
+                }
+                None => json!({ "error": "no pager attached to this monitor" }),
+            },
         }
     }
 

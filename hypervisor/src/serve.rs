@@ -312,6 +312,8 @@ fn attach_pager(monitor: &mut Monitor, pager: &Arc<Pager>, mut trace: Option<Tra
     }));
     let failed = Arc::clone(pager);
     monitor.fatal_check(Box::new(move || failed.fatal_error().map(|e| format!("pager: {e}"))));
+    let disk = Arc::clone(pager);
+    monitor.disk_control(Box::new(move |on| disk.set_disk_modeled(on)));
     let stats = Arc::clone(pager);
     monitor.extra_stats(Box::new(move |reply| {
         let paging = stats.stats();

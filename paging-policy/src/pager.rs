@@ -292,6 +292,13 @@ impl Pager {
         }
     }
 
+    /// Charges (true) or suspends (false) the disk model's service times;
+    /// see [`SwapDevice::set_modeled`]. For set-up phases such as priming
+    /// every VM's swap once, whose end state matters but not its duration.
+    pub fn set_disk_modeled(&self, on: bool) {
+        self.swap.set_modeled(on);
+    }
+
     /// Stops the fault-service threads and removes the swap file unless it
     /// is kept. Faults still pending stay unserved.
     pub fn shutdown(&self) {
@@ -328,6 +335,7 @@ impl Pager {
         t.insert("vms".into(), json!(vms.len()));
         t.insert("policy".into(), json!(l.policy_name()));
         t.insert("disk".into(), self.disk.clone());
+        t.insert("disk_modeled".into(), json!(self.swap.modeled()));
         t.insert("swap_path".into(), json!(self.swap.path()));
         t.insert("swap_capacity_bytes".into(), json!(self.swap.capacity()));
         t.insert("swap_used_bytes".into(), json!(l.swap_used_bytes()));

@@ -6,6 +6,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -81,6 +82,8 @@ pub struct SwapDevice {
     remove_at_close: bool,
     capacity: u64,
     model: Mutex<DiskModel>,
+    /// Whether the model's service times are charged (see `set_modeled`).
+    modeled: AtomicBool,
     epoch: Instant,
 }
 
@@ -129,6 +132,7 @@ impl SwapDevice {
             remove_at_close: !keep && !is_blockdev && !existed,
             capacity,
             model: Mutex::new(model),
+            modeled: AtomicBool::new(true),
             epoch: Instant::now(),
         })
     }
@@ -143,9 +147,25 @@ impl SwapDevice {
         &self.path
     }
 
+    /// Charges (true, the default) or suspends (false) the disk model's
+    /// service times. Suspended, requests take only the real device's time
+    /// and leave the modeled drives untouched: a set-up phase whose outcome
+    /// (what is resident, what is on swap) is wanted but not its duration.
+    pub fn set_modeled(&self, on: bool) {
+        self.modeled.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether the disk model's service times are being charged.
+    pub fn modeled(&self) -> bool {
+        self.modeled.load(Ordering::Relaxed)
+    }
+
     /// Waits out the modeled completion of a request issued at `issued`
     /// (seconds since open) that already finished for real.
     fn model_wait(&self, issued: f64, offset: u64, len: u64, write: bool) {
+        if !self.modeled() {
+            return;
+        }
         let done = {
             let mut m = self.model.lock().unwrap_or_else(|e| e.into_inner());
             if m.is_none() {
@@ -266,5 +286,35 @@ impl SwapDevice {
 impl Drop for SwapDevice {
     fn drop(&mut self) {
         self.remove_if_owned();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::disk::DiskSpec;
+
+    fn device(name: &str) -> SwapDevice {
+        let path = std::env::temp_dir().join(format!("swap-test-{name}-{}.img", std::process::id()));
+        let capacity = 1 << 20;
+        let model = DiskSpec::parse("hdd").expect("hdd").build(capacity);
+        SwapDevice::open(&path, capacity, false, model).expect("open")
+    }
+
+    fn modeled_busy(dev: &SwapDevice) -> f64 {
+        dev.model.lock().expect("model").max_busy_seconds()
+    }
+
+    #[test]
+    fn suspended_model_charges_nothing_and_resumes() {
+        let dev = device("suspend");
+        let buf = AlignedBuf::new(32 << 10);
+        dev.set_modeled(false);
+        assert!(!dev.modeled());
+        dev.write(0, buf.as_slice()).expect("write");
+        assert_eq!(modeled_busy(&dev), 0.0, "a suspended model must not queue the request");
+        dev.set_modeled(true);
+        dev.write(64 << 10, buf.as_slice()).expect("write");
+        assert!(modeled_busy(&dev) > 0.0, "the resumed model charges the next request");
     }
 }
