@@ -151,6 +151,9 @@ def test_acceptance_checks():
     assert got[("measured/model", "all")] == "NO"  # 1.5 is beyond +-35%
     assert got[("wsswap above demand", "vms=1100")] == "yes"
     assert got[("throughput_rps rises with vms", "policy=demand")] == "NO"
+    # `only` restricts a check to matching points: wsswap's 1.5 no longer counts.
+    demand_only = run_checks([CheckSpec("model_agreement", only={"policy": "demand"})], rows)
+    assert [v["passed"] for v in demand_only] == ["yes"] and "4 points" in demand_only[0]["detail"]
 
 
 def test_unknown_plot_or_check_kinds_are_refused(tmp_path):

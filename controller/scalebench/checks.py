@@ -2,7 +2,8 @@
 
 Each check reads the sweep's CSV rows and yields one verdict per group of
 points (points that differ only in the swept variable); the sweep writes them to
-checks.csv, which the report shows. Kinds:
+checks.csv, which the report shows. `only = {policy = "demand"}` restricts a
+check to the points with those settings. Kinds:
 
 - `rising`: y rises with x in every series (e.g. out-of-core throughput vs alpha).
 - `flat_until_cliff`: in-core throughput within +-tolerance of its median, from
@@ -34,6 +35,10 @@ class CheckSpec:
     most: float = 0.15
     higher: str = "wsswap"
     lower: str = "demand"
+    only: dict = field(default_factory=dict)
+
+    def selects(self, row: dict) -> bool:
+        return all(str(row.get(k)) == str(v) for k, v in self.only.items())
 
 
 def _f(row: dict, key: str) -> float | None:
@@ -53,7 +58,7 @@ def run_checks(specs: list[CheckSpec], rows: list[dict]) -> list[dict]:
     ok_rows = [r for r in rows if r.get("status") == "ok" and _f(r, "throughput_rps") is not None]
     out: list[dict] = []
     for spec in specs:
-        out += _CHECKS[spec.kind](spec, ok_rows)
+        out += _CHECKS[spec.kind](spec, [r for r in ok_rows if spec.selects(r)])
     return out
 
 

@@ -14,8 +14,13 @@ accurate approximation for LRU cache performance", ITC 24, 2012):
 
 A miss costs what Denali's model charged: the working set read back with
 random reads of the block size (footprint / block of them) and the evicted VM
-written out with one sequential write. `wsswap` reads the working set back with
-one sequential read instead. Each I/O costs what the swap device measured
+written out with one sequential write (of its dirty blocks: the pager keeps the
+swap copy of a block whose content did not change). `wsswap` reads the working
+set back sequentially instead, as the pager does it: the first `after - 1`
+faults after an eviction are single random block reads (the policy waits for
+the VM to run again), then the rest comes in one read per extent (the blocks
+rewritten at the last eviction lie in one extent of the log, the unchanged ones
+where they were written before). Each I/O costs what the swap device measured
 (diskbench) plus the service time of the modeled disk (disks.py), exactly as the
 pager adds it.
 
@@ -48,6 +53,11 @@ GUEST_RAM_BYTES = 4 * MIB
 GUEST_WS_OFFSET = 0x87000
 GUEST_BSS_HEAD_BYTES = 8 * KIB
 GUEST_STACK_BYTES = 32 * KIB
+# densevm's default --ws-write-stride: a request writes every 4th working-set page, reads the rest.
+GUEST_WS_WRITE_STRIDE = 4
+PAGE_BYTES = 4 * KIB
+# wsswap's default `after` (paging-policy/src/policy/wsswap.rs): the fault that prefetches the set.
+WSSWAP_AFTER = 3
 
 POLICIES = ("demand", "wsswap")
 # Where "the cliff" is: throughput below half the in-core throughput. The sweep
@@ -123,14 +133,30 @@ def miss_sqrt_distance(n: int, k: float, alpha: float, samples: int = 100_000) -
     return float(np.mean(np.sqrt(np.abs(x - y) / n)))
 
 
-def estimate_footprint(ws_bytes: int, block_bytes: int, ram_bytes: int = GUEST_RAM_BYTES) -> int:
-    """Resident bytes of one VM that has served requests: the blocks its requests touch."""
-    regions = ((0, GUEST_BSS_HEAD_BYTES), (GUEST_WS_OFFSET, ws_bytes),
-               (ram_bytes - GUEST_STACK_BYTES, GUEST_STACK_BYTES))
+def _blocks(regions: list[tuple[int, int]], block_bytes: int) -> set[int]:
     blocks: set[int] = set()
     for offset, length in regions:
         blocks.update(range(offset // block_bytes, (offset + length - 1) // block_bytes + 1))
-    return len(blocks) * block_bytes
+    return blocks
+
+
+def _request_regions(ws_pages: list[int], ram_bytes: int) -> list[tuple[int, int]]:
+    return ([(0, GUEST_BSS_HEAD_BYTES), (ram_bytes - GUEST_STACK_BYTES, GUEST_STACK_BYTES)] +
+            [(GUEST_WS_OFFSET + p * PAGE_BYTES, PAGE_BYTES) for p in ws_pages])
+
+
+def estimate_footprint(ws_bytes: int, block_bytes: int, ram_bytes: int = GUEST_RAM_BYTES) -> int:
+    """Resident bytes of one VM that has served requests: the blocks its requests touch."""
+    pages = list(range(-(-ws_bytes // PAGE_BYTES)))
+    return len(_blocks(_request_regions(pages, ram_bytes), block_bytes)) * block_bytes
+
+
+def estimate_dirty(ws_bytes: int, block_bytes: int, stride: int = GUEST_WS_WRITE_STRIDE,
+                   ram_bytes: int = GUEST_RAM_BYTES) -> int:
+    """Bytes of one VM's footprint that a request changes: the blocks holding its connection
+    state, its stack and every `stride`-th working-set page (densevm's --ws-write-stride)."""
+    pages = list(range(0, -(-ws_bytes // PAGE_BYTES), stride))
+    return len(_blocks(_request_regions(pages, ram_bytes), block_bytes)) * block_bytes
 
 
 @dataclass(frozen=True)
@@ -147,6 +173,17 @@ class ModelInput:
     cpu_s: float              # in-core aggregate CPU time per request (1 / in-core throughput)
     bench: DiskBench | None   # None: the real device's time is left out (modeled time only)
     fault_s: float = DEFAULT_FAULT_US * 1e-6  # pager CPU per fault served (aggregate)
+    dirty_bytes: int | None = None  # of the footprint, what a request changes (None: all of it)
+    after: int = WSSWAP_AFTER       # wsswap: the fault after an eviction that prefetches the set
+
+    @property
+    def dirty(self) -> int:
+        return min(self.footprint_bytes, self.dirty_bytes if self.dirty_bytes is not None else self.footprint_bytes)
+
+    @property
+    def single_faults(self) -> int:
+        """wsswap: block faults served one by one before the prefetch."""
+        return min(self.after - 1, self.footprint_bytes // self.block_bytes)
 
 
 @dataclass(frozen=True)
@@ -179,17 +216,22 @@ class Prediction:
 def miss_cost(inp: ModelInput) -> tuple[float, float]:
     """(read, write) I/O seconds one miss costs: bring the VM in, write the victim out."""
     fp, block, disk, bench = inp.footprint_bytes, inp.block_bytes, inp.disk, inp.bench
+    random_read = bench.random_read_s if bench else 0.0
     if inp.policy == "wsswap":
-        # The log layout puts a working set wherever the log was: random over the device.
-        write = disk.request_s(fp) + (bench.sequential_write_s if bench else 0.0)
-        read = disk.request_s(fp) + (bench.sequential_read_s if bench else 0.0)
+        # The log puts a working set wherever the log was: random over the device.
+        write = disk.request_s(inp.dirty) + (bench.sequential_write_s if bench else 0.0)
+        singles = inp.single_faults * (disk.request_s(block) + random_read)
+        rest = fp - inp.single_faults * block
+        extents = [rest] if inp.dirty >= fp else [rest * inp.dirty // fp, rest - rest * inp.dirty // fp]
+        read = singles + sum(disk.request_s(e) + (bench.sequential_read_s if bench else 0.0)
+                             for e in extents if e > 0)
         return read, write
     # Consecutive requests on the drive come from different cold VMs (the pager's
     # threads interleave them): each read seeks between two misses' regions, and so
     # does the victim's write (the victim is a VM on its way to being a miss).
     spread = miss_sqrt_distance(inp.vms, inp.budget_bytes // inp.footprint_bytes, inp.alpha)
-    write = disk.request_s(fp, spread) + (bench.sequential_write_s if bench else 0.0)
-    read = (fp // block) * (disk.request_s(block, spread) + (bench.random_read_s if bench else 0.0))
+    write = disk.request_s(inp.dirty, spread) + (bench.sequential_write_s if bench else 0.0)
+    read = (fp // block) * (disk.request_s(block, spread) + random_read)
     return read, write
 
 
@@ -214,8 +256,8 @@ def _bounds(inp: ModelInput) -> _Bounds:
     hit = che_hit_ratio(inp.vms, k, inp.alpha)
     read, write = miss_cost(inp)
     misses = 1.0 - hit
-    # demand takes a fault per block; wsswap one per miss (the rest arrives by prefetch).
-    faults_per_miss = 1 if inp.policy == "wsswap" else inp.footprint_bytes // inp.block_bytes
+    # demand takes a fault per block; wsswap its single faults and one that prefetches the rest.
+    faults_per_miss = inp.single_faults + 1 if inp.policy == "wsswap" else inp.footprint_bytes // inp.block_bytes
     cpu_per_request = inp.cpu_s + misses * faults_per_miss * inp.fault_s
     io_per_request = misses * (read + write)
     parallel = min(inp.disk.parallelism, PAGER_SERVICE_THREADS)

@@ -23,7 +23,7 @@ from .cgroup import Containment, memory_limit
 from .config import RunConfig, binary
 from .densevm import DenseVM, DenseVMArgs, DenseVMError
 from .disks import differences, disk_model
-from .model import ModelInput, estimate_footprint, predict, zipf_popularity
+from .model import ModelInput, estimate_dirty, estimate_footprint, predict, zipf_popularity
 from .procs import Terminated
 from .progress import Reporter
 from .result import RunResult, now_iso
@@ -435,7 +435,7 @@ class Run:
         p = predict(ModelInput(vms=cfg.vms, alpha=cfg.alpha, block_bytes=cfg.block_bytes,
                                budget_bytes=cfg.mem_bytes, footprint_bytes=footprint, policy=cfg.policy,
                                disk=disk_model(cfg.disk), cpu_s=cpu_us * 1e-6, bench=bench,
-                               fault_s=cfg.fault_us * 1e-6))
+                               fault_s=cfg.fault_us * 1e-6, dirty_bytes=estimate_dirty(cfg.ws_bytes, cfg.block_bytes)))
         r.model = p.as_dict()
         r.model["footprint_source"] = "measured" if r.footprint_bytes else "estimated"
         r.model_rps = p.model_rps
