@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from scalebench.disks import HDD, disk_model
-from scalebench.model import (ModelInput, che_hit_ratio, estimate_footprint, miss_sqrt_distance, predict,
-                              zipf_popularity)
+from scalebench.model import (ModelInput, che_hit_ratio, estimate_dirty, estimate_footprint, miss_sqrt_distance,
+                              predict, zipf_popularity)
 from scalebench.units import KIB, GIB
 
 
@@ -121,3 +121,27 @@ def test_disk_model_difference_report():
     assert differences(disk_model("hdd"), pager_hdd) == []
     assert differences(disk_model("hdd"), {**pager_hdd, "seek_ms": 9.5}) == ["seek_ms 9.5 vs 8.9"]
     assert differences(disk_model("none"), {**pager_hdd, "model": "none", "drives": 0}) == []
+
+
+def test_dirty_blocks_follow_the_write_stride():
+    # 4k: 56 of the 224 working-set pages are written (every 4th), + 2 of connection state + 8 of stack.
+    assert estimate_dirty(896 * KIB, 4 * KIB) == (56 + 2 + 8) * 4 * KIB
+    # 16k: every block holds a written page but the last, whose 3 pages follow the last written one.
+    assert estimate_dirty(896 * KIB, 16 * KIB) == estimate_footprint(896 * KIB, 16 * KIB) - 16 * KIB
+    for block in (32 * KIB, 128 * KIB):
+        assert estimate_dirty(896 * KIB, block) == estimate_footprint(896 * KIB, block)
+    # Only dirty blocks are written back, so small blocks write less per eviction.
+    small = hdd_input(block_bytes=4 * KIB, dirty_bytes=estimate_dirty(896 * KIB, 4 * KIB))
+    assert predict(small).miss_write_s < predict(hdd_input(block_bytes=4 * KIB)).miss_write_s
+
+
+def test_wsswap_miss_is_two_single_faults_then_one_read_per_extent():
+    random_block = disk_model("hdd").request_s(32 * KIB)
+    whole = predict(hdd_input(policy="wsswap"))
+    fp = whole.footprint_bytes
+    assert whole.miss_read_s == pytest.approx(2 * random_block + disk_model("hdd").request_s(fp - 2 * 32 * KIB))
+    # Partly dirty: the rewritten blocks and the unchanged ones lie in two extents, one more positioning.
+    half = predict(hdd_input(policy="wsswap", dirty_bytes=fp // 2))
+    positioning = disk_model("hdd").request_s(0)
+    assert half.miss_read_s == pytest.approx(whole.miss_read_s + positioning, rel=1e-6)
+    assert half.miss_write_s < whole.miss_write_s
