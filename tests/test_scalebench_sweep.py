@@ -82,6 +82,21 @@ def test_interrupted_sweep_resumes_without_redoing_points(tmp_path):
     assert float(cliff[0]["model_cliff_vms"]) == 250
 
 
+def test_part_of_a_grid_then_the_rest(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text(EXPERIMENT)
+    exp = load_experiment(path)
+    part = FakePointRunner()
+    run_sweep(exp.restricted(["policy=demand", "vms=300"]), tmp_path / "out", part)
+    assert part.calls == ["policy=demand,vms=300"]
+    rest = FakePointRunner()
+    run_sweep(exp, tmp_path / "out", rest)
+    assert len(rest.calls) == 7 and "policy=demand,vms=300" not in rest.calls
+    for bad, message in ((["policy"], "KEY=VALUE"), (["alpha=1"], "KEY=VALUE"), (["policy=lru"], "demand, wsswap")):
+        with pytest.raises(ConfigError, match=message):
+            exp.restricted(bad)
+
+
 def test_failed_points_are_run_again(tmp_path):
     path = tmp_path / "t.toml"
     path.write_text(EXPERIMENT)

@@ -162,8 +162,10 @@ def cmd_sweep(argv: list[str]) -> int:
     p = Parser(prog="scalebench sweep", description="Run an experiment file's grid (resumable).")
     p.add_argument("experiment", help="experiments/FILE.toml")
     p.add_argument("--out", default=None, help="sweep directory (default runs/sweep-<name>; reused to resume)")
+    p.add_argument("--only", action="append", default=[], metavar="KEY=VALUE",
+                   help="run only the grid's points with this setting (repeatable); a later whole run keeps them")
     args = p.parse_args(argv)
-    exp = load_experiment(Path(args.experiment))
+    exp = load_experiment(Path(args.experiment)).restricted(args.only)
     bins = Binaries.find()
     check_addresses_free(max((cfg for _, cfg in exp.points()), key=lambda cfg: cfg.vms))
     out = Path(args.out) if args.out else Path.cwd() / "runs" / f"sweep-{exp.name}"

@@ -14,7 +14,7 @@ import itertools
 import json
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -53,6 +53,23 @@ class Experiment:
     grid: dict[str, list]
     plots: list[PlotSpec]
     checks: list[CheckSpec] = field(default_factory=list)
+
+    def restricted(self, only: list[str]) -> "Experiment":
+        """The experiment with its grid cut to the `KEY=VALUE` settings given (sweep --only).
+
+        Point keys stay those of the whole grid, so a later run of the whole file keeps
+        what this one did and runs the rest."""
+        grid = dict(self.grid)
+        for item in only:
+            key, sep, value = item.partition("=")
+            if not sep or key not in grid:
+                raise ConfigError(f"--only {item}: expected KEY=VALUE with KEY one of the grid's "
+                                  f"({', '.join(grid)})")
+            kept = [v for v in grid[key] if str(v) == value]
+            if not kept:
+                raise ConfigError(f"--only {item}: {key} takes {', '.join(map(str, grid[key]))} in this experiment")
+            grid[key] = kept
+        return replace(self, grid=grid)
 
     def points(self) -> list[tuple[str, RunConfig]]:
         """(key, config) for every combination of the grid, in file order."""
