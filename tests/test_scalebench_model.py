@@ -9,7 +9,7 @@ import pytest
 from scalebench.disks import HDD, disk_model
 from scalebench.model import (ModelInput, che_hit_ratio, estimate_dirty, estimate_footprint, miss_sqrt_distance,
                               predict, zipf_popularity)
-from scalebench.units import KIB, GIB
+from scalebench.units import GIB, KIB, MIB
 
 
 def simulated_lru_hit_ratio(n: int, k: int, alpha: float, requests: int, seed: int = 7) -> float:
@@ -73,8 +73,8 @@ def test_in_core_until_the_budget_is_full_then_disk_bound():
 
 
 def test_miss_cost_is_denalis_random_reads_plus_one_sequential_write():
-    # Uniform popularity: misses spread over the whole swap device, the drive's average seek.
-    p = predict(hdd_input(alpha=0.0))
+    # Uniform popularity, VM regions filling the drive: the drive's average seek.
+    p = predict(hdd_input(alpha=0.0, swap_bytes=4000 * 4 * MIB))
     fp = p.footprint_bytes
     random_read = (HDD.overhead_ms + HDD.seek_ms) / 1e3 + 30 / HDD.rpm + 32 * KIB / (HDD.mb_s * 1e6)
     assert p.miss_read_s == pytest.approx(fp // (32 * KIB) * random_read, rel=0.005)
@@ -136,12 +136,30 @@ def test_dirty_blocks_follow_the_write_stride():
 
 
 def test_wsswap_miss_is_two_single_faults_then_one_read_per_extent():
+    fp = estimate_footprint(896 * KIB, 32 * KIB)
     random_block = disk_model("hdd").request_s(32 * KIB)
-    whole = predict(hdd_input(policy="wsswap"))
-    fp = whole.footprint_bytes
+    whole = predict(hdd_input(policy="wsswap", swap_bytes=4000 * fp))  # the log fills the drive
+    assert whole.footprint_bytes == fp
     assert whole.miss_read_s == pytest.approx(2 * random_block + disk_model("hdd").request_s(fp - 2 * 32 * KIB))
     # Partly dirty: the rewritten blocks and the unchanged ones lie in two extents, one more positioning.
-    half = predict(hdd_input(policy="wsswap", dirty_bytes=fp // 2))
+    half = predict(hdd_input(policy="wsswap", dirty_bytes=fp // 2, swap_bytes=4000 * fp))
     positioning = disk_model("hdd").request_s(0)
     assert half.miss_read_s == pytest.approx(whole.miss_read_s + positioning, rel=1e-6)
     assert half.miss_write_s < whole.miss_write_s
+
+
+def test_seeks_span_only_the_used_part_of_the_swap_device():
+    from scalebench.model import densevm_swap_bytes
+    # densevm sizes swap for twice the VMs (and the log twice that): the regions fill half of it.
+    assert densevm_swap_bytes(4000, "demand") == 8000 * 4 * MIB
+    assert densevm_swap_bytes(4000, "wsswap") == 2 * 8000 * 4 * MIB
+    full, half = predict(hdd_input(swap_bytes=4000 * 4 * MIB)), predict(hdd_input())
+    reads = full.footprint_bytes // (32 * KIB)
+    spread = miss_sqrt_distance(4000, GIB // full.footprint_bytes, 1.0)
+    drive = disk_model("hdd").drive
+    # Seek time grows with sqrt(distance / span): regions filling half the span, sqrt(1/2) of the spread.
+    expected = reads * (drive.positioning_s(spread) - drive.positioning_s(spread * 0.5 ** 0.5))
+    assert full.miss_read_s - half.miss_read_s == pytest.approx(expected, rel=1e-6)
+    # The log's extents (a footprint per VM) fill an eighth of densevm's log device: shorter seeks.
+    fp = full.footprint_bytes
+    assert predict(hdd_input(policy="wsswap")).model_rps > predict(hdd_input(policy="wsswap", swap_bytes=4000 * fp)).model_rps

@@ -161,6 +161,24 @@ def test_run_completes_and_records_everything(fakes):
     assert started_pids(fakes) and not any(alive(p) for p in started_pids(fakes))
 
 
+def test_a_stored_run_is_remodeled_from_what_it_recorded(fakes):
+    from scalebench.runner import remodel
+    result = run(small_config(fakes), bins=Binaries.find())
+    path = fakes / "run" / "result.json"
+    doc = json.loads(path.read_text())
+    # Pretend an older model had predicted something else: remodel restores this model's figure.
+    doc["model_rps"], doc["measured_over_model"] = 1.0, doc["throughput_rps"]
+    path.write_text(json.dumps(doc))
+    again = remodel(path)
+    assert again.model_rps == pytest.approx(result.model_rps)
+    assert again.measured_over_model == pytest.approx(result.throughput_rps / result.model_rps)
+    stored = json.loads(path.read_text())
+    assert stored["model"]["remodeled"]["model_rps_before"] == 1.0 and stored["model_rps"] == again.model_rps
+    stored["status"] = "failed"
+    path.write_text(json.dumps(stored))
+    assert remodel(path) is None
+
+
 def test_densevm_dying_mid_run_gives_failed_partial_result(fakes, monkeypatch):
     monkeypatch.setenv("FAKE_DENSEVM_DIE_AFTER", "1.2")
     result = run(small_config(fakes, duration=5), bins=Binaries.find())

@@ -154,6 +154,24 @@ def cmd_model(argv: list[str]) -> int:
     return 0
 
 
+def remodel_sweep(exp, out: Path) -> int:
+    """sweep --remodel: the model re-evaluated on every stored point, then the sweep's files rewritten."""
+    from .runner import remodel
+    from .sweep import finish_sweep, slug
+    if not (out / "points").is_dir():
+        raise ConfigError(f"--remodel: no stored points in {out}")
+    for key, _ in exp.points():
+        path = out / "points" / slug(key) / "result.json"
+        r = remodel(path) if path.exists() else None
+        if r is not None:
+            before = r.model["remodeled"]["model_rps_before"]
+            print(f"{key}: measured {r.throughput_rps:,.4g}/s, model {before and f'{before:,.4g}'} -> "
+                  f"{r.model_rps:,.4g}/s, measured/model {r.measured_over_model:.2f}")
+    finish_sweep(exp, out)
+    print(f"sweep {exp.name}: remodeled; results in {out}")
+    return 0
+
+
 def cmd_sweep(argv: list[str]) -> int:
     from .procs import Terminated, install_signal_handlers
     from .progress import ConsoleReporter
@@ -164,11 +182,16 @@ def cmd_sweep(argv: list[str]) -> int:
     p.add_argument("--out", default=None, help="sweep directory (default runs/sweep-<name>; reused to resume)")
     p.add_argument("--only", action="append", default=[], metavar="KEY=VALUE",
                    help="run only the grid's points with this setting (repeatable); a later whole run keeps them")
+    p.add_argument("--remodel", action="store_true",
+                   help="run nothing: re-evaluate the model on the stored points (after a model change), "
+                        "then rewrite the CSV, plots and checks")
     args = p.parse_args(argv)
     exp = load_experiment(Path(args.experiment)).restricted(args.only)
+    out = Path(args.out) if args.out else Path.cwd() / "runs" / f"sweep-{exp.name}"
+    if args.remodel:
+        return remodel_sweep(exp, out)
     bins = Binaries.find()
     check_addresses_free(max((cfg for _, cfg in exp.points()), key=lambda cfg: cfg.vms))
-    out = Path(args.out) if args.out else Path.cwd() / "runs" / f"sweep-{exp.name}"
     install_signal_handlers()
     reporter = ConsoleReporter()
     try:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, asdict, replace
 import numpy as np
 
 from .diskbench import DiskBench
-from .disks import DiskModel
+from .disks import UNIFORM_SQRT_DISTANCE, DiskModel
 from .units import KIB, MIB
 
 # The webguest's paged RAM as densevm lays it out (hypervisor/src/boot.rs,
@@ -72,6 +72,14 @@ PAGER_SERVICE_THREADS = 8
 # with one 32 KiB UFFDIO_COPY takes 84-131 us here (host-notes.md), about the
 # 3,000-10,000 faults/s the pager sustains on these 2 cores. Overridable with --fault-us.
 DEFAULT_FAULT_US = 100.0
+
+
+def densevm_swap_bytes(vms: int, policy: str, ram_bytes: int = GUEST_RAM_BYTES) -> int:
+    """The swap device densevm sizes when none is given: a region of RAM size for each VM it
+    could hold (twice the VMs booted, room for `create`; hypervisor/src/serve.rs), twice
+    that for the log layout (paging-policy/src/pager.rs). The modeled drives span it all."""
+    regions = max(2 * vms, vms + 64) * ram_bytes
+    return 2 * regions if policy == "wsswap" else regions
 
 
 def zipf_popularity(n: int, alpha: float) -> np.ndarray:
@@ -175,6 +183,12 @@ class ModelInput:
     fault_s: float = DEFAULT_FAULT_US * 1e-6  # pager CPU per fault served (aggregate)
     dirty_bytes: int | None = None  # of the footprint, what a request changes (None: all of it)
     after: int = WSSWAP_AFTER       # wsswap: the fault after an eviction that prefetches the set
+    swap_bytes: int | None = None   # the swap device the drives' seeks span (None: as densevm sizes it)
+
+    def used_fraction(self, used_bytes: int) -> float:
+        """The share of the swap device's span that `used_bytes` from its start fill."""
+        span = self.swap_bytes or densevm_swap_bytes(self.vms, self.policy)
+        return min(1.0, used_bytes / span)
 
     @property
     def dirty(self) -> int:
@@ -218,18 +232,23 @@ def miss_cost(inp: ModelInput) -> tuple[float, float]:
     fp, block, disk, bench = inp.footprint_bytes, inp.block_bytes, inp.disk, inp.bench
     random_read = bench.random_read_s if bench else 0.0
     if inp.policy == "wsswap":
-        # The log puts a working set wherever the log was: random over the device.
-        write = disk.request_s(inp.dirty) + (bench.sequential_write_s if bench else 0.0)
-        singles = inp.single_faults * (disk.request_s(block) + random_read)
+        # The log appends: its extents lie between its start and where it has got to,
+        # about one footprint per VM (each VM's set written once, holes not yet reused),
+        # and a working set is wherever the log was when it was evicted: random in there.
+        spread = UNIFORM_SQRT_DISTANCE * math.sqrt(inp.used_fraction(inp.vms * fp))
+        write = disk.request_s(inp.dirty, spread) + (bench.sequential_write_s if bench else 0.0)
+        singles = inp.single_faults * (disk.request_s(block, spread) + random_read)
         rest = fp - inp.single_faults * block
         extents = [rest] if inp.dirty >= fp else [rest * inp.dirty // fp, rest - rest * inp.dirty // fp]
-        read = singles + sum(disk.request_s(e) + (bench.sequential_read_s if bench else 0.0)
+        read = singles + sum(disk.request_s(e, spread) + (bench.sequential_read_s if bench else 0.0)
                              for e in extents if e > 0)
         return read, write
     # Consecutive requests on the drive come from different cold VMs (the pager's
     # threads interleave them): each read seeks between two misses' regions, and so
-    # does the victim's write (the victim is a VM on its way to being a miss).
-    spread = miss_sqrt_distance(inp.vms, inp.budget_bytes // inp.footprint_bytes, inp.alpha)
+    # does the victim's write (the victim is a VM on its way to being a miss). The
+    # regions, one of RAM size per VM in creation order, fill only part of the drive.
+    spread = (miss_sqrt_distance(inp.vms, inp.budget_bytes // inp.footprint_bytes, inp.alpha) *
+              math.sqrt(inp.used_fraction(inp.vms * GUEST_RAM_BYTES)))
     write = disk.request_s(inp.dirty, spread) + (bench.sequential_write_s if bench else 0.0)
     read = (fp // block) * (disk.request_s(block, spread) + random_read)
     return read, write

@@ -8,6 +8,7 @@ the error and everything measured until then.
 """
 from __future__ import annotations
 
+import json
 import os
 import resource
 from collections import Counter
@@ -427,20 +428,7 @@ class Run:
         r.phases["measure"] = {"from_s": before["t"], "to_s": after["t"], "requests": d["requests"]}
 
     def _record_model(self, cpu_us: float, bench: diskbench.DiskBench) -> None:
-        cfg, r = self.cfg, self.result
-        footprint = r.footprint_bytes or estimate_footprint(cfg.ws_bytes, cfg.block_bytes)
-        if cfg.policy not in ("demand", "wsswap"):
-            r.model = {"error": f"no model for policy {cfg.policy}"}
-            return
-        p = predict(ModelInput(vms=cfg.vms, alpha=cfg.alpha, block_bytes=cfg.block_bytes,
-                               budget_bytes=cfg.mem_bytes, footprint_bytes=footprint, policy=cfg.policy,
-                               disk=disk_model(cfg.disk), cpu_s=cpu_us * 1e-6, bench=bench,
-                               fault_s=cfg.fault_us * 1e-6, dirty_bytes=estimate_dirty(cfg.ws_bytes, cfg.block_bytes)))
-        r.model = p.as_dict()
-        r.model["footprint_source"] = "measured" if r.footprint_bytes else "estimated"
-        r.model_rps = p.model_rps
-        if r.throughput_rps is not None and p.model_rps > 0:
-            r.measured_over_model = r.throughput_rps / p.model_rps
+        apply_model(self.result, self.cfg, cpu_us, bench)
 
     def _release_containment(self) -> None:
         """Record PSI and the memory group's counters, then remove the groups (densevm is gone)."""
@@ -451,6 +439,40 @@ class Run:
                                        for kind in r.psi["after"]}
         r.containment["memory"] = c.memory_stats()
         c.remove()
+
+
+def apply_model(r: RunResult, cfg: RunConfig, cpu_us: float, bench: diskbench.DiskBench) -> None:
+    """The model's prediction for a measured run, from what the run recorded, into `r`."""
+    footprint = r.footprint_bytes or estimate_footprint(cfg.ws_bytes, cfg.block_bytes)
+    if cfg.policy not in ("demand", "wsswap"):
+        r.model = {"error": f"no model for policy {cfg.policy}"}
+        return
+    p = predict(ModelInput(vms=cfg.vms, alpha=cfg.alpha, block_bytes=cfg.block_bytes,
+                           budget_bytes=cfg.mem_bytes, footprint_bytes=footprint, policy=cfg.policy,
+                           disk=disk_model(cfg.disk), cpu_s=cpu_us * 1e-6, bench=bench,
+                           fault_s=cfg.fault_us * 1e-6, dirty_bytes=estimate_dirty(cfg.ws_bytes, cfg.block_bytes),
+                           swap_bytes=(r.pager.get("pager") or {}).get("swap_bytes")))
+    r.model = p.as_dict()
+    r.model["footprint_source"] = "measured" if r.footprint_bytes else "estimated"
+    r.model_rps = p.model_rps
+    if r.throughput_rps is not None and p.model_rps > 0:
+        r.measured_over_model = r.throughput_rps / p.model_rps
+
+
+def remodel(path: Path) -> RunResult | None:
+    """Re-evaluate the model of the run stored at `path` (result.json) with this version of
+    the model, from the inputs the run recorded; rewrite it. None if it has no model to redo
+    (a failed run, or one that never had an in-core CPU cost)."""
+    r = RunResult(**json.loads(path.read_text()))
+    cpu_us = (r.calibration or {}).get("cpu_us")
+    if r.status != "ok" or cpu_us is None or not r.diskbench:
+        return None
+    cfg = RunConfig(**{k: v for k, v in r.config.items() if k in RunConfig.field_names()})
+    before = r.model_rps
+    apply_model(r, cfg, cpu_us, diskbench.DiskBench(**r.diskbench))
+    r.model["remodeled"] = {"at": now_iso(), "model_rps_before": before}
+    r.write(path)
+    return r
 
 
 def _raise_fd_limit() -> None:
