@@ -49,6 +49,15 @@ def test_hdd_write_cache_and_flush() -> None:
     assert flushed > 0.002  # had to wait for the destage (rotation at least)
 
 
+def test_hdd_flush_does_not_wait_for_reads_queued_after_the_last_write() -> None:
+    disk = Hdd15k()
+    disk.submit(0.0, "W", 5_000_000, 8)
+    destaged = disk.disk.busy_until
+    disk.submit(0.0, "R", 50_000_000, 8)  # queued behind the destage
+    assert disk.submit(0.0, "F", 0, 0) == pytest.approx(destaged)
+    assert disk.disk.busy_until > destaged
+
+
 def test_array_serves_stripes_in_parallel() -> None:
     single, array = Hdd15k(), DiskArray()
     # Four random reads in four different stripe units: one spindle each in the array.

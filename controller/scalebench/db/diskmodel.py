@@ -13,7 +13,8 @@ Models (times in seconds, LBAs in 512-byte sectors):
   latency, 75 MB/s media rate; a request that starts where the previous one
   ended pays neither seek nor rotation; write cache on (as in the study):
   a write completes once transferred to the cache (320 MB/s), the disk
-  destages it in order; a flush completes when everything is destaged.
+  destages it in order with the reads; a flush completes when the last
+  cached write is destaged (reads queued after it do not hold it up).
 - ``array``: four such disks striped (64 KiB stripe unit), no redundancy.
 - ``raid5``: four such disks, 64 KiB stripe unit, rotating parity; a write
   smaller than a stripe reads old data and old parity first (read-modify-
@@ -70,6 +71,7 @@ class Spindle:
     media_bytes_per_s: float = 75e6
     interface_bytes_per_s: float = 320e6
     busy_until: float = 0.0
+    destaged_at: float = 0.0   # when the last cached write reaches the media
     head_lba: int = 0
     last_end_lba: int = -1
 
@@ -99,11 +101,12 @@ class Spindle:
 
     def write(self, now: float, lba: int, sectors: int) -> float:
         """Write-back: the host sees the interface transfer; the destage is queued."""
-        self.access(now, lba, sectors)
+        self.destaged_at = self.access(now, lba, sectors)
         return now + sectors * SECTOR / self.interface_bytes_per_s
 
     def flush(self, now: float) -> float:
-        return max(now, self.busy_until)
+        """Cached writes on the media; reads queued behind the last write need not finish first."""
+        return max(now, self.destaged_at)
 
 
 @dataclass
