@@ -177,3 +177,16 @@ def test_unknown_plot_or_check_kinds_are_refused(tmp_path):
         path.write_text("[grid]\nvms = [1]\n" + table)
         with pytest.raises(ConfigError, match="unknown (plot|check) kind"):
             load_experiment(path)
+
+
+def test_set_replaces_base_settings_and_refuses_grid_axes(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text(EXPERIMENT)
+    exp = load_experiment(path).overridden(["addr_base=127.2.0.0", "warmup=30", "disk=hdd"])
+    configs = [cfg for _, cfg in exp.points()]
+    assert {(c.addr_base, c.warmup, c.disk) for c in configs} == {("127.2.0.0", 30, "hdd")}
+    assert [k for k, _ in exp.points()] == [k for k, _ in load_experiment(path).points()]
+    for bad, message in ((["warmup"], "KEY=VALUE"), (["colour=red"], "KEY=VALUE"), (["vms=5"], "grid axis"),
+                         (["block=3k"], "power of two")):
+        with pytest.raises(ConfigError, match=message):
+            load_experiment(path).overridden(bad)

@@ -182,11 +182,14 @@ def cmd_sweep(argv: list[str]) -> int:
     p.add_argument("--out", default=None, help="sweep directory (default runs/sweep-<name>; reused to resume)")
     p.add_argument("--only", action="append", default=[], metavar="KEY=VALUE",
                    help="run only the grid's points with this setting (repeatable); a later whole run keeps them")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
+                   help="replace a [base] setting of the file (repeatable), e.g. --set addr_base=127.2.0.0 "
+                        "to run beside another sweep")
     p.add_argument("--remodel", action="store_true",
                    help="run nothing: re-evaluate the model on the stored points (after a model change), "
                         "then rewrite the CSV, plots and checks")
     args = p.parse_args(argv)
-    exp = load_experiment(Path(args.experiment)).restricted(args.only)
+    exp = load_experiment(Path(args.experiment)).overridden(args.settings).restricted(args.only)
     out = Path(args.out) if args.out else Path.cwd() / "runs" / f"sweep-{exp.name}"
     if args.remodel:
         return remodel_sweep(exp, out)

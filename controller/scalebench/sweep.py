@@ -71,6 +71,37 @@ class Experiment:
             grid[key] = kept
         return replace(self, grid=grid)
 
+    def overridden(self, settings: list[str]) -> "Experiment":
+        """The experiment with `KEY=VALUE` settings replacing its [base] ones (sweep --set).
+
+        VALUE is read as a TOML value where it is one (30, 1.5, true, "x") and as a string
+        otherwise (127.2.0.0, 64k), so it means what it would in the file. Grid keys are
+        refused: a point's key must say what it ran."""
+        changes: dict[str, object] = {}
+        allowed = RunConfig.field_names() - PER_RUN_ONLY
+        for item in settings:
+            key, sep, text = item.partition("=")
+            if not sep or key not in allowed:
+                raise ConfigError(f"--set {item}: expected KEY=VALUE with KEY a run setting "
+                                  f"({', '.join(sorted(allowed))})")
+            if key in self.grid:
+                raise ConfigError(f"--set {item}: {key} is a grid axis of this experiment; use --only")
+            try:
+                changes[key] = tomllib.loads(f"v = {text}")["v"]
+            except tomllib.TOMLDecodeError:
+                changes[key] = text
+        exp = replace(self, base=self.base.with_(**changes))
+        exp.validate("--set: ")
+        return exp
+
+    def validate(self, where: str) -> None:
+        """ConfigError, prefixed with `where`, for the first point that is not a valid run."""
+        for key, cfg in self.points():
+            try:
+                validate(cfg)
+            except ConfigError as e:
+                raise ConfigError(f"{where}point {key}: {e}") from None
+
     def points(self) -> list[tuple[str, RunConfig]]:
         """(key, config) for every combination of the grid, in file order."""
         names = list(self.grid)
@@ -111,11 +142,7 @@ def load_experiment(path: Path) -> Experiment:
         if kinds - set(known):
             raise ConfigError(f"{path}: unknown {what} kind(s) {', '.join(sorted(kinds - set(known)))} "
                               f"(known: {', '.join(known)})")
-    for key, cfg in exp.points():
-        try:
-            validate(cfg)
-        except ConfigError as e:
-            raise ConfigError(f"{path}: point {key}: {e}") from None
+    exp.validate(f"{path}: ")
     return exp
 
 
