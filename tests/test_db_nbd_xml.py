@@ -14,6 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "controller"))
 
 from scalebench.db.diskmodel import Hdd15k, NoDisk  # noqa: E402
 from scalebench.db.domain import DomainSpec  # noqa: E402
+from scalebench.db.guest import DbGuest, GuestConfig  # noqa: E402
+from scalebench.db.image import GuestImage  # noqa: E402
 from scalebench.db.nbd import NbdServer  # noqa: E402
 
 QEMU_NS = "{http://libvirt.org/schemas/domain/qemu/1.0}"
@@ -58,6 +60,16 @@ def test_xml_rejects_bad_specs() -> None:
         spec(qcow2_overlay=Path("/r/o.qcow2"))
     with pytest.raises(ValueError, match="kvm or qemu"):
         spec(domain_type="xen")
+
+
+def test_paths_handed_to_libvirt_are_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # libvirtd starts QEMU in its own working directory: a relative run directory
+    # (dbtrace --out runs/x) must not reach the domain XML as a relative path.
+    monkeypatch.chdir(tmp_path)
+    image = GuestImage("/k/vmlinuz", "/k/initrd.img", "/k/rootfs.img", "key", ("tpcc",), 1, 1.0)
+    guest = DbGuest(GuestConfig(image=image, run_dir=Path("runs/x"), domain_type="qemu"), conn=None)
+    assert guest.config.run_dir == tmp_path / "runs" / "x"
+    assert guest.console_log.is_absolute() and guest.console_log.parent == tmp_path / "runs" / "x"
 
 
 def test_xml_escapes_paths() -> None:

@@ -45,6 +45,11 @@ class GuestConfig:
     dilate: bool = False   # slow the disk model down by the guest's measured CPU slowdown (see diskmodel.Dilated)
     domain_type: str = field(default_factory=pick_domain_type)
 
+    def __post_init__(self) -> None:
+        # QEMU is started by libvirtd, in its own working directory: every path it opens
+        # (overlay, NBD socket, console log) must be absolute.
+        self.run_dir = Path(self.run_dir).resolve()
+
 
 @dataclass
 class DbGuest:
