@@ -47,6 +47,19 @@ static void selfcheck(const struct dv_boot_info *bi, uint8_t *ws, uint64_t pages
     ctrl->selfcheck_errors += errors;
 }
 
+/* Whether the working set holds its content yet (in RAM, like the content). */
+static uint64_t ws_loaded;
+
+/* Give every page content once, as loading an OS and a server would: a page
+ * that was never written is zeros the pager brings back without reading swap,
+ * which would make the read-only part of the footprint free to page in. */
+static void ws_load(const struct dv_boot_info *bi, uint8_t *ws, uint64_t pages)
+{
+    for (uint64_t p = 0; p < pages; p++)
+        *(volatile uint64_t *)(ws + p * PAGE) = ((uint64_t)bi->vm_id << 32) | p | 1;
+    ws_loaded = 1;
+}
+
 void ws_touch(const struct dv_boot_info *bi)
 {
     uint8_t *ws = (uint8_t *)bi->ws_gpa;
@@ -55,6 +68,8 @@ void ws_touch(const struct dv_boot_info *bi)
         selfcheck(bi, ws, pages);
         return;
     }
+    if (!ws_loaded)
+        ws_load(bi, ws, pages);
     uint64_t stride = bi->ws_write_stride ? bi->ws_write_stride : 1;
     uint64_t sum = 0;
     for (uint64_t p = 0; p < pages; p++) {

@@ -1,5 +1,6 @@
 /* The working set every request touches: it stands for the guest OS and
- * server footprint Denali's VMs carried. */
+ * server footprint Denali's VMs carried. The first request gives every page
+ * content; each request then reads every page and writes every Nth. */
 #ifndef WEBGUEST_WORKINGSET_H
 #define WEBGUEST_WORKINGSET_H
 #include "abi.h"
