@@ -6,24 +6,31 @@ Prints four tables:
 1. the study's qualitative findings on our traces (single 15k disk model):
    browsing mixes of TPC-W and RUBiS >= 95% reads by sectors; TPC-C standard
    between 50/50 and 75/25 and its high-write mix with a larger written share;
-   TPC-W browsing -> ordering grows the distinct blocks touched per 1,000
-   requests;
-2. TPC-C standard under heavy load on each disk model (throughput);
-   (in real time, and time-dilated by the guest's measured CPU slowdown);
-3. tracing overhead: throughput with tracing on and off, twice each
-   (--overhead-disk none: off means QEMU opens the qcow2 overlay itself;
-   with a disk model: our NBD server applies it without recording);
+   TPC-W browsing -> ordering grows the distinct 1 MiB regions touched per
+   1,000 requests (browsing and ordering run --rounds times, interleaved; it
+   must hold in every round);
+2. TPC-C standard under heavy load on each disk model, in real time
+   (throughput; the disks interleaved, --rounds rounds, the second in reverse
+   order, means compared);
+3. tracing overhead: throughput with tracing on and off on the same disk
+   model (--overhead-disk), interleaved on, off, on, off ... (--rounds);
+   with none, off means QEMU opens a qcow2 overlay itself; with a model, our
+   NBD server applies it without recording;
 4. our block metrics beside the study's (heavy load tables).
 
-Every run boots a fresh guest (copy-on-write overlay) under libvirt.
+Every run boots a fresh guest (copy-on-write overlay) under libvirt. The
+host's load average is printed at the start and the end: other work on the
+machine shifts the throughputs.
 
     python3 experiments/bench/dbtrace_acceptance.py [--duration 45] [--warmup 15]
-        [--clients 8] [--heavy-clients 16] [--sections 1,2,3] [--out DIR]
+        [--clients 8] [--heavy-clients 16] [--memory MIB] [--rounds 2]
+        [--sections 1,2,3] [--overhead-disk hdd15k] [--out DIR]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -42,17 +49,24 @@ from scalebench.db.run import RunOptions, RunResult, run_on_guest  # noqa: E402
 
 def run_one(conn, image, opts: RunOptions) -> RunResult:  # type: ignore[no-untyped-def]
     opts.out_dir.mkdir(parents=True, exist_ok=True)
-    config = GuestConfig(image=image, run_dir=opts.out_dir, disk=opts.disk, trace=opts.trace, dilate=opts.dilate)
+    config = GuestConfig(image=image, run_dir=opts.out_dir, disk=opts.disk, trace=opts.trace,
+                         memory_mib=opts.memory_mib, dilate=opts.dilate)
     with DbGuest(config, conn) as guest:
         result = run_on_guest(guest, opts, opts.out_dir)
     tp = result.throughput
     m = result.metrics
     extra = (f" reads {m.read_share * 100:5.1f}% of sectors, {m.regions_per_1000:6.1f} MiB-regions/1k req"
              if m else "")
-    dilation = f" dilated x{result.dilation:.1f}" if result.dilation > 1 else ""
-    print(f"  {opts.workload:5} {opts.mix:11} disk {opts.disk:6}{dilation} trace {'on ' if opts.trace else 'off'} "
+    print(f"  {opts.workload:5} {opts.mix:11} disk {opts.disk:6} trace {'on ' if opts.trace else 'off'} "
           f"c{opts.clients:<3} {tp.per_minute:8.1f} {tp.per_minute_label}{extra}", flush=True)
     return result
+
+
+DISKS = ("hdd15k", "array", "raid5", "ssd")
+
+
+def load_average() -> str:
+    return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main() -> int:
@@ -61,57 +75,66 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=15.0)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--heavy-clients", type=int, default=16)
+    parser.add_argument("--memory", type=int, default=RunOptions.memory_mib, help="guest memory in MiB")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved repetitions in sections 1-3")
     parser.add_argument("--sections", default="1,2,3", help="which of sections 1-3 to run (4 comes with 1)")
-    parser.add_argument("--overhead-disk", default="none", choices=("none", "hdd15k", "array", "raid5", "ssd"),
+    parser.add_argument("--overhead-disk", default="hdd15k", choices=("none", "hdd15k", "array", "raid5", "ssd"),
                         help="section 3's disk model: with none, tracing off means QEMU opens a qcow2 overlay "
                              "itself; with a model, our NBD server applies it without recording")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / time.strftime("dbtrace-acceptance-%Y%m%d-%H%M%S",
                                                                                    time.gmtime()))
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, not {args.rounds}")
     signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit("dbtrace_acceptance: terminated"))
     image = ensure_image()
     base = RunOptions(workload="tpcc", mix="standard", clients=args.clients, duration_s=args.duration,
-                      disk="hdd15k", warmup_s=args.warmup, out_dir=args.out)
+                      disk="hdd15k", warmup_s=args.warmup, out_dir=args.out, memory_mib=args.memory)
 
     def opts(workload: str, mix: str, **kw: object) -> RunOptions:
         o = replace(base, workload=workload, mix=mix, **kw)  # type: ignore[arg-type]
-        tag = (f"{o.workload}-{o.mix}-{o.disk}{'-dilated' if o.dilate else ''}-c{o.clients}-"
-               f"{'trace' if o.trace else 'notrace'}-s{o.seed}")
+        tag = f"{o.workload}-{o.mix}-{o.disk}-c{o.clients}-{'trace' if o.trace else 'notrace'}-s{o.seed}"
         return replace(o, out_dir=args.out / tag)
 
     sections = {int(x) for x in args.sections.split(",")}
+    rounds = range(1, args.rounds + 1)
     results: dict[str, RunResult] = {}
+    print(f"start: {load_average()}; guest memory {args.memory} MiB", flush=True)
     with Libvirt() as lv:
         if 1 in sections:
             print("1. qualitative findings (disk hdd15k):", flush=True)
-            for key, (w, m) in {"tpcw-browsing": ("tpcw", "browsing"), "tpcw-ordering": ("tpcw", "ordering"),
-                                "rubis-browsing": ("rubis", "browsing"), "rubis-highbidding": ("rubis", "highbidding"),
-                                "tpcc-standard": ("tpcc", "standard"), "tpcc-highwrite": ("tpcc", "highwrite")}.items():
+            for key, (w, m) in {"rubis-browsing": ("rubis", "browsing"), "rubis-highbidding": ("rubis", "highbidding"),
+                                "tpcc-standard": ("tpcc", "standard"),
+                                "tpcc-highwrite": ("tpcc", "highwrite")}.items():
                 results[key] = run_one(lv.conn, image, opts(w, m))
+            for rep in rounds:
+                for mix in ("browsing", "ordering"):
+                    results[f"tpcw-{mix}-{rep}"] = run_one(lv.conn, image, opts("tpcw", mix, seed=rep))
         if 2 in sections:
-            print(f"2. TPC-C standard, heavy load ({args.heavy_clients} clients):", flush=True)
-            for dilate in (False, True):
-                for disk in ("hdd15k", "array", "raid5", "ssd"):
-                    results[f"disk-{disk}-{dilate}"] = run_one(lv.conn, image, opts(
-                        "tpcc", "standard", disk=disk, clients=args.heavy_clients, dilate=dilate))
+            print(f"2. TPC-C standard, heavy load ({args.heavy_clients} clients), real time:", flush=True)
+            for rep in rounds:
+                for disk in (DISKS if rep % 2 else DISKS[::-1]):
+                    results[f"disk-{disk}-{rep}"] = run_one(lv.conn, image, opts(
+                        "tpcc", "standard", disk=disk, clients=args.heavy_clients, seed=rep))
         if 3 in sections:
-            print(f"3. tracing overhead (TPC-C standard, disk {args.overhead_disk}; on, off, on, off):", flush=True)
-            for rep in (1, 2):
+            print(f"3. tracing overhead (TPC-C standard, disk {args.overhead_disk}; on, off, ...):", flush=True)
+            for rep in rounds:
                 for trace in (True, False):
                     results[f"trace-{trace}-{rep}"] = run_one(lv.conn, image, opts(
                         "tpcc", "standard", disk=args.overhead_disk, trace=trace, seed=rep))
 
     if 1 in sections:
-        print_findings(results)
+        print_findings(results, args.rounds)
     if 2 in sections:
-        print_disks(results, args.heavy_clients)
+        print_disks(results, args.heavy_clients, args.rounds)
     if 3 in sections:
-        print_overhead(results, args.overhead_disk)
+        print_overhead(results, args.overhead_disk, args.rounds)
     if 1 in sections:
         print("\n== 4. ours beside the study's (heavy load) ==")
-        docs = [results[k].to_json() for k in ("tpcw-browsing", "tpcw-ordering", "rubis-browsing",
+        docs = [results[k].to_json() for k in ("tpcw-browsing-1", "tpcw-ordering-1", "rubis-browsing",
                                                "rubis-highbidding", "tpcc-standard", "tpcc-highwrite")]
         print(compare_table(docs, load_study(), "heavy"))
+    print(f"\nend: {load_average()}")
     save(results, args.out)
     return 0
 
@@ -127,52 +150,54 @@ def tpm(results: dict[str, RunResult], key: str) -> float:
     return results[key].throughput.per_minute
 
 
-def print_findings(results: dict[str, RunResult]) -> None:
+def mean_tpm(results: dict[str, RunResult], prefix: str, rounds: int) -> float:
+    return sum(tpm(results, f"{prefix}-{rep}") for rep in range(1, rounds + 1)) / rounds
+
+
+def print_findings(results: dict[str, RunResult], rounds: int) -> None:
     print("\n== 1. qualitative findings ==")
     std, hw = share(results, "tpcc-standard"), share(results, "tpcc-highwrite")
     checks = [
-        ("TPC-W browsing reads >= 95% of sectors", f"{share(results, 'tpcw-browsing'):.1f}%",
-         share(results, "tpcw-browsing") >= 95),
+        ("TPC-W browsing reads >= 95% of sectors", f"{share(results, 'tpcw-browsing-1'):.1f}%",
+         share(results, "tpcw-browsing-1") >= 95),
         ("RUBiS browsing reads >= 95% of sectors", f"{share(results, 'rubis-browsing'):.1f}%",
          share(results, "rubis-browsing") >= 95),
         ("TPC-C standard reads in [50%, 75%]", f"{std:.1f}%", 50 <= std <= 75),
         ("TPC-C high write: larger written share", f"{100 - hw:.1f}% vs {100 - std:.1f}% written", hw < std),
     ]
-    fb, fo = results["tpcw-browsing"].metrics, results["tpcw-ordering"].metrics
-    assert fb is not None and fo is not None
-    checks.append(("TPC-W browsing -> ordering: MiB regions / 1k requests grow",
-                   f"{fb.regions_per_1000:.1f} -> {fo.regions_per_1000:.1f}",
-                   fo.regions_per_1000 > fb.regions_per_1000))
-    checks.append(("TPC-W browsing -> ordering: 4K blocks / 1k requests (information)",
-                   f"{fb.blocks_per_1000:.1f} -> {fo.blocks_per_1000:.1f}", None))
+    for rep in range(1, rounds + 1):
+        fb, fo = results[f"tpcw-browsing-{rep}"].metrics, results[f"tpcw-ordering-{rep}"].metrics
+        assert fb is not None and fo is not None
+        checks.append((f"TPC-W browsing -> ordering, round {rep}: MiB regions / 1k requests grow",
+                       f"{fb.regions_per_1000:.1f} -> {fo.regions_per_1000:.1f}",
+                       fo.regions_per_1000 > fb.regions_per_1000))
+        checks.append((f"  (4K blocks / 1k requests, information; requests {fb.reads + fb.writes} -> "
+                       f"{fo.reads + fo.writes})", f"{fb.blocks_per_1000:.1f} -> {fo.blocks_per_1000:.1f}", None))
     for text, value, ok in checks:
-        print(f"  {text:62} {value:28} {'' if ok is None else ('PASS' if ok else 'FAIL')}")
+        print(f"  {text:72} {value:28} {'' if ok is None else ('PASS' if ok else 'FAIL')}")
 
 
-def print_disks(results: dict[str, RunResult], clients: int) -> None:
-    print(f"\n== 2. disk configurations, TPC-C standard, {clients} clients ==")
-    for dilate in (False, True):
-        single = tpm(results, f"disk-hdd15k-{dilate}")
-        factors = ", ".join(f"{results[f'disk-{d}-{dilate}'].dilation:.1f}" for d in ("hdd15k", "array", "raid5",
-                                                                                       "ssd"))
-        print("  disk model in real time (the guest's CPU is emulated: TCG here)" if not dilate else
-              f"  disk model time-dilated by each guest's measured CPU slowdown (x{factors})")
-        for disk in ("hdd15k", "array", "raid5", "ssd"):
-            value = tpm(results, f"disk-{disk}-{dilate}")
-            print(f"    {disk:7} {value:8.1f} transactions/min  x{value / single:5.2f} of the single disk")
-        print(f"    array > single: {'PASS' if tpm(results, f'disk-array-{dilate}') > single else 'FAIL'}; "
-              f"raid5 > single: {'PASS' if tpm(results, f'disk-raid5-{dilate}') > single else 'FAIL'}; "
-              f"ssd >= 5x single: {'PASS' if tpm(results, f'disk-ssd-{dilate}') >= 5 * single else 'FAIL'}")
+def print_disks(results: dict[str, RunResult], clients: int, rounds: int) -> None:
+    print(f"\n== 2. disk configurations, TPC-C standard, {clients} clients, real time ==")
+    single = mean_tpm(results, "disk-hdd15k", rounds)
+    for disk in DISKS:
+        each = ", ".join(f"{tpm(results, f'disk-{disk}-{rep}'):.1f}" for rep in range(1, rounds + 1))
+        value = mean_tpm(results, f"disk-{disk}", rounds)
+        print(f"    {disk:7} mean {value:8.1f} transactions/min ({each})  x{value / single:5.2f} of the single disk")
+    print(f"    array > single: {'PASS' if mean_tpm(results, 'disk-array', rounds) > single else 'FAIL'}; "
+          f"raid5 > single: {'PASS' if mean_tpm(results, 'disk-raid5', rounds) > single else 'FAIL'}; "
+          f"ssd >= 5x single: {'PASS' if mean_tpm(results, 'disk-ssd', rounds) >= 5 * single else 'FAIL'}")
 
 
-def print_overhead(results: dict[str, RunResult], disk: str) -> None:
+def print_overhead(results: dict[str, RunResult], disk: str, rounds: int) -> None:
     off_path = ("QEMU opens the qcow2 overlay itself" if disk == "none"
                 else "our NBD server applies the model without recording")
     print(f"\n== 3. tracing overhead, TPC-C standard, disk model {disk} ==")
-    on = [tpm(results, f"trace-True-{rep}") for rep in (1, 2)]
-    off = [tpm(results, f"trace-False-{rep}") for rep in (1, 2)]
-    mean_on, mean_off = sum(on) / 2, sum(off) / 2
-    print(f"  tracing on: {on[0]:.1f}, {on[1]:.1f}  off ({off_path}): {off[0]:.1f}, {off[1]:.1f} transactions/min")
+    on = [tpm(results, f"trace-True-{rep}") for rep in range(1, rounds + 1)]
+    off = [tpm(results, f"trace-False-{rep}") for rep in range(1, rounds + 1)]
+    mean_on, mean_off = sum(on) / rounds, sum(off) / rounds
+    print(f"  tracing on: {', '.join(f'{x:.1f}' for x in on)}  off ({off_path}): "
+          f"{', '.join(f'{x:.1f}' for x in off)} transactions/min")
     print(f"  mean on {mean_on:.1f}, off {mean_off:.1f}: difference {(mean_on - mean_off) / mean_off * 100:+.1f}%  "
           f"{'PASS' if abs(mean_on - mean_off) <= 0.10 * mean_off else 'FAIL'}")
 
