@@ -37,7 +37,8 @@ FAKE_DENSEVM = textwrap.dedent('''\
     touched = []  # faults begin once the touch (bracketed by "disk" requests) has filled memory
     def stats():
         t = time.monotonic() - t0
-        paging = max(0.0, t - touched[0]) if touched else 0.0
+        early = os.environ.get("FAKE_DENSEVM_PAGES_EARLY")  # paging from boot on: the calibration pages
+        paging = max(0.0, t - touched[0]) if touched else (t if early else 0.0)
         per = [{{"id": i, "addr": "", "state": "running", "requests": int(t * 100) if i < 10 else 0,
                  "resident_bytes": 1 << 20 if i < 10 else 4096, "faults": 0,
                  "swap_read_bytes": 0, "swap_write_bytes": 0}} for i in range(vms)]
@@ -224,6 +225,18 @@ def test_cli_reports_failure_with_exit_1(fakes, monkeypatch):
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("scalebench: error: zipfperf")
     assert json.loads((fakes / "copy.json").read_text())["status"] == "failed"
+
+
+def test_a_calibration_phase_that_paged_gives_way_to_the_stored_one(fakes, monkeypatch):
+    from scalebench import calibration
+    calibration.store_cpu_us("small", 250.0, 100, "an earlier run")
+    monkeypatch.setenv("FAKE_DENSEVM_PAGES_EARLY", "1")
+    result = run(small_config(fakes), bins=Binaries.find())
+    assert result.status == "ok", result.error
+    doc = json.loads((fakes / "run" / "result.json").read_text())
+    assert doc["calibration"] == {"cpu_us": 250.0, "source": "stored"}
+    assert any("calibration phase paged" in w for w in doc["warnings"])
+    assert calibration.load_cpu_us("small") == 250.0  # the overestimate was not stored
 
 
 def test_regime_definition():
