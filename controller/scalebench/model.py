@@ -14,13 +14,12 @@ accurate approximation for LRU cache performance", ITC 24, 2012):
 
 A miss costs what Denali's model charged: the working set read back with
 random reads of the block size (footprint / block of them) and the evicted VM
-written out with one sequential write (of its dirty blocks: the pager keeps the
-swap copy of a block whose content did not change). `wsswap` reads the working
-set back sequentially instead, as the pager does it: the first `after - 1`
-faults after an eviction are single random block reads (the policy waits for
-the VM to run again), then the rest comes in one read per extent (the blocks
-rewritten at the last eviction lie in one extent of the log, the unchanged ones
-where they were written before). Each I/O costs what the swap device measured
+written out with one sequential write (of its dirty blocks: the per-VM layout
+keeps the swap copy of a block whose content did not change). `wsswap` writes
+the whole set (its log rewrites every evicted block that holds data, so the set
+lies in one extent) and reads it back sequentially, as the pager does it: the
+first `after - 1` faults after an eviction are single random block reads (the
+policy waits for the VM to run again), then the rest comes in one read. Each I/O costs what the swap device measured
 (diskbench) plus the service time of the modeled disk (disks.py), exactly as the
 pager adds it.
 
@@ -236,12 +235,10 @@ def miss_cost(inp: ModelInput) -> tuple[float, float]:
         # about one footprint per VM (each VM's set written once, holes not yet reused),
         # and a working set is wherever the log was when it was evicted: random in there.
         spread = UNIFORM_SQRT_DISTANCE * math.sqrt(inp.used_fraction(inp.vms * fp))
-        write = disk.request_s(inp.dirty, spread) + (bench.sequential_write_s if bench else 0.0)
+        write = disk.request_s(fp, spread) + (bench.sequential_write_s if bench else 0.0)
         singles = inp.single_faults * (disk.request_s(block, spread) + random_read)
         rest = fp - inp.single_faults * block
-        extents = [rest] if inp.dirty >= fp else [rest * inp.dirty // fp, rest - rest * inp.dirty // fp]
-        read = singles + sum(disk.request_s(e, spread) + (bench.sequential_read_s if bench else 0.0)
-                             for e in extents if e > 0)
+        read = singles + (disk.request_s(rest, spread) + (bench.sequential_read_s if bench else 0.0) if rest > 0 else 0.0)
         return read, write
     # Consecutive requests on the drive come from different cold VMs (the pager's
     # threads interleave them): each read seeks between two misses' regions, and so

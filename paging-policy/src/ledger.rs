@@ -559,13 +559,15 @@ impl Ledger {
             while j < victims.len() && victims[j].0 == vm {
                 j += 1;
             }
-            // Dirty blocks of this VM, in block order, get consecutive swap
-            // places (one sequential write for the log layout).
+            // Blocks of this VM to write, in block order, get consecutive
+            // swap places (one sequential write for the log layout).
+            let whole = self.space.layout().rewrites_whole_batches();
             let v = self.vms[vm as usize].as_mut().expect("validated");
+            let to_write = |e: &Block| e.dirty || (whole && e.loc != NO_LOC);
             let dirty: Vec<BlockId> = victims[i..j]
                 .iter()
                 .map(|&(_, b)| b)
-                .filter(|&b| v.blocks[b as usize].dirty)
+                .filter(|&b| to_write(&v.blocks[b as usize]))
                 .collect();
             if result.is_ok() {
                 result = self.space.place(vm, &dirty, &mut places);
@@ -579,7 +581,7 @@ impl Ledger {
                 let e = &mut v.blocks[b as usize];
                 e.state = State::Evict;
                 v.busy += 1;
-                let (loc, dirty) = if e.dirty {
+                let (loc, dirty) = if to_write(&*e) {
                     let loc = places.get(k).copied().unwrap_or(NO_LOC);
                     k += 1;
                     (loc, true)

@@ -110,6 +110,9 @@ pub struct Pager {
     threads: Mutex<Vec<JoinHandle<()>>>,
     /// Keyed hash (SipHash with per-process random keys) of block contents.
     hasher: RandomState,
+    /// The layout rewrites whole eviction batches (`SwapLayout::rewrites_whole_batches`):
+    /// an unchanged block is written all the same, where the ledger placed it.
+    whole_batches: bool,
 }
 
 impl Pager {
@@ -167,6 +170,7 @@ impl Pager {
             stop_fd,
             threads: Mutex::new(Vec::new()),
             hasher: RandomState::new(),
+            whole_batches: layout.rewrites_whole_batches(),
             cfg,
         });
         let mut threads = Vec::with_capacity(SERVICE_THREADS);
@@ -614,9 +618,10 @@ impl Pager {
             i = j;
         }
         // 2. Blocks flagged dirty whose content is what was installed need
-        //    no write: their swap copy (or zero) is still right.
+        //    no write: their swap copy (or zero) is still right. Not for a
+        //    layout that rewrites whole batches: the batch stays one extent.
         for (i, v) in victims.iter_mut().enumerate() {
-            if v.dirty && v.sum != 0 {
+            if v.dirty && v.sum != 0 && !self.whole_batches {
                 // SAFETY: resident, write-protected block of `bs` bytes.
                 let data = unsafe { std::slice::from_raw_parts(addr(i) as *const u8, bs) };
                 if self.content_sum(data) == v.sum {

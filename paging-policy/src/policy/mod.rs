@@ -38,6 +38,18 @@ pub enum SwapLayout {
     Log = 1,
 }
 
+impl SwapLayout {
+    /// Whether an eviction rewrites every block of the batch that holds data
+    /// (changed, or with a swap copy), not only the changed ones. The log
+    /// does: a batch left partly in older extents would come back with one
+    /// read per fragment instead of one sequential read, which is the
+    /// layout's point; a sequential write of the unchanged blocks costs
+    /// little beside the reads it saves.
+    pub fn rewrites_whole_batches(self) -> bool {
+        self == SwapLayout::Log
+    }
+}
+
 /// An eviction and fetch policy.
 pub trait Policy: Send {
     /// Short name for stats and errors.
