@@ -171,15 +171,25 @@ fn integrity_fifo_plugin() {
 /// Clean blocks already on swap are dropped without being written again.
 /// Two VMs of 16 blocks share a 16-block budget, so touching one evicts the
 /// other entirely.
-fn dirty_tracking(policy: &str) {
-    let block = 32u64 << 10;
-    let blocks = 16usize;
-    let cfg = config(policy, block, blocks as u64 * block, "dirty");
-    let pager = Pager::new(cfg, 2, blocks as u64 * block).unwrap();
-    let a = Region::new(blocks * block as usize);
-    let b = Region::new(blocks * block as usize);
+/// Block size and blocks per VM of the two-VM tests.
+const PAIR_BLOCK: u64 = 32 << 10;
+const PAIR_BLOCKS: usize = 16;
+
+/// A pager with `policy` and a budget of `budget_blocks`, serving two VMs of
+/// `PAIR_BLOCKS` blocks (VM 0 and VM 1).
+fn pager_for_two_vms(policy: &str, budget_blocks: u64, tag: &str) -> (Arc<Pager>, Region, Region) {
+    let cfg = config(policy, PAIR_BLOCK, budget_blocks * PAIR_BLOCK, tag);
+    let pager = Pager::new(cfg, 2, PAIR_BLOCKS as u64 * PAIR_BLOCK).unwrap();
+    let a = Region::new(PAIR_BLOCKS * PAIR_BLOCK as usize);
+    let b = Region::new(PAIR_BLOCKS * PAIR_BLOCK as usize);
     pager.register_vm(0, a.ptr(), a.len).unwrap();
     pager.register_vm(1, b.ptr(), b.len).unwrap();
+    (pager, a, b)
+}
+
+fn dirty_tracking(policy: &str) {
+    let (block, blocks) = (PAIR_BLOCK, PAIR_BLOCKS);
+    let (pager, a, b) = pager_for_two_vms(policy, blocks as u64, "dirty");
     let wpb = block as usize / 8;
     let fill = |r: &Region, tag: u64| {
         for i in 0..blocks {
@@ -236,14 +246,8 @@ fn dirty_tracking_demand() {
 /// back with one read; the data survive every round.
 #[test]
 fn wsswap_rewrites_whole_batches() {
-    let block = 32u64 << 10;
-    let blocks = 16usize;
-    let cfg = config("wsswap,after=1", block, blocks as u64 * block, "whole");
-    let pager = Pager::new(cfg, 2, blocks as u64 * block).unwrap();
-    let a = Region::new(blocks * block as usize);
-    let b = Region::new(blocks * block as usize);
-    pager.register_vm(0, a.ptr(), a.len).unwrap();
-    pager.register_vm(1, b.ptr(), b.len).unwrap();
+    let (block, blocks) = (PAIR_BLOCK, PAIR_BLOCKS);
+    let (pager, a, b) = pager_for_two_vms("wsswap,after=1", blocks as u64, "whole");
     let wpb = block as usize / 8;
     for i in 0..blocks {
         a.write(i * wpb, 0xA000 + i as u64);
@@ -270,14 +274,8 @@ fn wsswap_rewrites_whole_batches() {
 /// wsswap brings a VM's working set back with one fault and one read
 /// (`after=1`), or with its third fault (default).
 fn wsswap_swap_in(policy: &str, faults_to_swap_in: u64) {
-    let block = 32u64 << 10;
-    let blocks = 16usize;
-    let cfg = config(policy, block, 20 * block, "ws");
-    let pager = Pager::new(cfg, 2, blocks as u64 * block).unwrap();
-    let a = Region::new(blocks * block as usize);
-    let b = Region::new(blocks * block as usize);
-    pager.register_vm(0, a.ptr(), a.len).unwrap();
-    pager.register_vm(1, b.ptr(), b.len).unwrap();
+    let block = PAIR_BLOCK;
+    let (pager, a, b) = pager_for_two_vms(policy, 20, "ws");
     let wpb = block as usize / 8;
     for i in 0..10 {
         a.write(i * wpb, i as u64 + 1);
