@@ -398,15 +398,7 @@ impl Monitor {
         let ids: Vec<u32> = std::mem::take(&mut *self.crashed.lock().expect("crash queue"));
         for id in ids {
             let reason = match self.live(id as usize) {
-                Some(vm) => {
-                    let ctrl = vm.ctrl();
-                    let base = vm.vcpu_state().reason().unwrap_or_default();
-                    if ctrl.state == abi::STATE_PANICKED {
-                        format!("{base}: vector {} at rip {:#x}, error code {:#x}", ctrl.panic_vector, ctrl.panic_rip, ctrl.panic_error_code)
-                    } else {
-                        base
-                    }
-                }
+                Some(vm) => vm.stop_reason().unwrap_or_default(),
                 None => continue,
             };
             self.kill_vm(id as usize, "crashed", reason);

@@ -6,7 +6,14 @@ use serde_json::{json, Value};
 /// One VM's summary for `list`.
 pub fn vm_summary(entry: &VmEntry) -> Value {
     match entry {
-        VmEntry::Live(vm) => json!({ "id": vm.id, "addr": vm.addr.to_string(), "state": entry.state_name() }),
+        VmEntry::Live(vm) => {
+            let mut value = json!({ "id": vm.id, "addr": vm.addr.to_string(), "state": entry.state_name() });
+            // A vCPU that stopped is reported with its reason before the monitor reaps the VM.
+            if let Some(reason) = vm.stop_reason() {
+                value["reason"] = json!(reason);
+            }
+            value
+        }
         VmEntry::Dead(dead) => json!({ "id": dead.id, "addr": dead.addr.to_string(), "state": dead.state, "reason": dead.reason }),
     }
 }
@@ -36,6 +43,9 @@ pub fn collect(vms: &[VmEntry], connections: usize) -> Value {
                 let mut value = json!({ "id": vm.id, "addr": vm.addr.to_string(), "state": state, "ram_resident_bytes": ram, "sys_resident_bytes": sys });
                 if let Some(counters) = vm.kvm_stats.as_ref().and_then(|s| s.read().ok()) {
                     value["kvm"] = counters.into();
+                }
+                if let Some(reason) = vm.stop_reason() {
+                    value["reason"] = json!(reason);
                 }
                 (vm.ctrl(), value)
             }

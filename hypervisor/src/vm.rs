@@ -173,6 +173,18 @@ impl MicroVm {
         self.vcpu.shared()
     }
 
+    /// Why the VM stopped, once its vCPU has: the vCPU's reason, with the
+    /// vector and address the guest reported if it panicked.
+    pub fn stop_reason(&self) -> Option<String> {
+        let base = self.vcpu_state().reason()?;
+        let ctrl = self.ctrl();
+        Some(if ctrl.state == abi::STATE_PANICKED {
+            format!("{base}: vector {} at rip {:#x}, error code {:#x}", ctrl.panic_vector, ctrl.panic_rip, ctrl.panic_error_code)
+        } else {
+            base
+        })
+    }
+
     /// Stops the vCPU and destroys the KVM VM, keeping the memory. Once no
     /// KVM VM is left, releasing memory no longer visits MMU notifiers.
     pub fn release_kvm(&mut self) {
