@@ -53,6 +53,7 @@ class RunResult:
     swap_read_mbps: float | None = None   # MB/s = 10^6 bytes/s
     swap_write_mbps: float | None = None
     disk_busy: float | None = None        # densevm io_seconds per wall second
+    drive: dict = field(default_factory=dict)  # the modeled drives over the measurement, see RESULTS.md
     fault_latency_us: dict = field(default_factory=dict)
     regime: str | None = None             # "in-core" | "disk-bound", see RESULTS.md
     hit_ratio: float | None = None        # 1 - (swap-in bytes / footprint) / requests: against model.hit_ratio

@@ -22,7 +22,9 @@ def summary(r: RunResult) -> str:
         f"  memory:      resident {_num(r.resident_bytes and r.resident_bytes / MIB)} MiB of "
         f"{_num(r.budget_bytes and r.budget_bytes / MIB)} MiB budget   boot {_num(r.boot_seconds, '{:.2f}')} s",
         f"  paging:      {_num(r.faults_per_s)} faults/s   swap in {_num(r.swap_read_mbps, '{:.1f}')} MB/s, "
-        f"out {_num(r.swap_write_mbps, '{:.1f}')} MB/s",
+        f"out {_num(r.swap_write_mbps, '{:.1f}')} MB/s" +
+        (f"   modeled drive busy {r.drive['utilization']:.0%}, {r.drive['positioning_ms']:.1f} ms a seek"
+         if r.drive else ""),
         f"  regime:      {r.regime or 'n/a'}" + (f"   hit ratio {r.hit_ratio:.3f} (resident VMs draw "
                                                  f"{r.resident_mass:.3f} of requests)" if r.hit_ratio is not None else ""),
     ]

@@ -241,6 +241,32 @@ impl DiskSpec {
     }
 }
 
+/// What the modeled drives did: how a model's time splits into positioning
+/// and transfer, so a run can tell a busier drive from an idle one.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DiskUsage {
+    /// Requests served (RAID read-modify-writes count once per drive).
+    pub requests: u64,
+    /// Requests that paid a seek and rotation (not sequential, rotating drives).
+    pub positioned: u64,
+    /// Seconds of seek and rotational latency, over all drives.
+    pub positioning_s: f64,
+    /// Service seconds of the busiest drive: the disk-bound limit of a run.
+    pub busiest_s: f64,
+}
+
+impl DiskUsage {
+    /// The usage as JSON, for the pager's stats.
+    pub fn to_json(&self) -> serde_json::Value {
+        json!({
+            "requests": self.requests,
+            "positioned": self.positioned,
+            "positioning_seconds": self.positioning_s,
+            "busy_seconds": self.busiest_s,
+        })
+    }
+}
+
 /// One drive's queue and head state.
 #[derive(Debug, Clone)]
 pub struct Drive {
@@ -250,6 +276,9 @@ pub struct Drive {
     head: u64,
     busy_until: f64,
     busy_total: f64,
+    requests: u64,
+    positioned: u64,
+    positioning_total: f64,
     rng: u64,
 }
 
@@ -263,6 +292,9 @@ impl Drive {
             head: u64::MAX,
             busy_until: 0.0,
             busy_total: 0.0,
+            requests: 0,
+            positioned: 0,
+            positioning_total: 0.0,
             rng: seed,
         }
     }
@@ -308,10 +340,13 @@ impl Drive {
             DriveKind::Flash => self.p.lat_ms / 1e3 + self.transfer_s(len),
             DriveKind::Rotating if offset == self.head => self.p.overhead_ms / 1e3 + self.transfer_s(len),
             DriveKind::Rotating => {
-                let rot = self.next_unit() * self.revolution_s();
-                self.p.overhead_ms / 1e3 + self.seek_s(self.head, offset) + rot + self.transfer_s(len)
+                let positioning = self.seek_s(self.head, offset) + self.next_unit() * self.revolution_s();
+                self.positioned += 1;
+                self.positioning_total += positioning;
+                self.p.overhead_ms / 1e3 + positioning + self.transfer_s(len)
             }
         };
+        self.requests += 1;
         self.head = offset + len;
         t
     }
@@ -471,6 +506,16 @@ impl DiskModel {
         self.drives.iter().map(|d| d.busy_total).fold(0.0, f64::max)
     }
 
+    /// What the drives have done so far.
+    pub fn usage(&self) -> DiskUsage {
+        DiskUsage {
+            requests: self.drives.iter().map(|d| d.requests).sum(),
+            positioned: self.drives.iter().map(|d| d.positioned).sum(),
+            positioning_s: self.drives.iter().map(|d| d.positioning_total).sum(),
+            busiest_s: self.max_busy_seconds(),
+        }
+    }
+
     /// Parameters as JSON, for stats and reports.
     pub fn describe(&self, spec: &DiskSpec) -> serde_json::Value {
         let p = &spec.drive;
@@ -515,6 +560,10 @@ mod tests {
         let t2 = m.submit(t1, 32768, 32768, false);
         let transfer = 32768.0 / 40e6;
         assert!(approx(t2 - t1, 0.1e-3 + transfer, 1e-9), "{}", t2 - t1);
+        let u = m.usage();
+        assert_eq!((u.requests, u.positioned), (2, 1), "only the first request seeks");
+        assert!(approx(u.positioning_s, t1 - 0.1e-3 - transfer, 1e-9), "{u:?}");
+        assert!(approx(u.busiest_s, t2, 1e-9), "{u:?}");
     }
 
     #[test]

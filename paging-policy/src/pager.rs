@@ -340,6 +340,7 @@ impl Pager {
         t.insert("policy".into(), json!(l.policy_name()));
         t.insert("disk".into(), self.disk.clone());
         t.insert("disk_modeled".into(), json!(self.swap.modeled()));
+        t.insert("disk_usage".into(), self.swap.disk_usage().to_json());
         t.insert("swap_path".into(), json!(self.swap.path()));
         t.insert("swap_capacity_bytes".into(), json!(self.swap.capacity()));
         t.insert("swap_used_bytes".into(), json!(l.swap_used_bytes()));

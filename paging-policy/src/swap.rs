@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::disk::DiskModel;
+use crate::disk::{DiskModel, DiskUsage};
 use crate::error::PagerError;
 
 /// Alignment of O_DIRECT buffers (covers 4 KiB logical sectors).
@@ -158,6 +158,11 @@ impl SwapDevice {
     /// Whether the disk model's service times are being charged.
     pub fn modeled(&self) -> bool {
         self.modeled.load(Ordering::Relaxed)
+    }
+
+    /// What the modeled drives have done so far.
+    pub fn disk_usage(&self) -> DiskUsage {
+        self.model.lock().unwrap_or_else(|e| e.into_inner()).usage()
     }
 
     /// Waits out the modeled completion of a request issued at `issued`
