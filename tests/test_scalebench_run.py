@@ -34,7 +34,7 @@ FAKE_DENSEVM = textwrap.dedent('''\
     with open(os.environ["FAKE_PIDS"] + ".cgroup", "w") as f:
         f.write(open("/proc/self/cgroup").read())
     t0 = time.monotonic()
-    touched = []  # faults begin once the touch (bracketed by "disk" requests) has filled memory
+    touched = []  # faults begin with the touch (bracketed by "disk" requests), after the calibration
     def stats():
         t = time.monotonic() - t0
         early = os.environ.get("FAKE_DENSEVM_PAGES_EARLY")  # paging from boot on: the calibration pages
@@ -46,6 +46,8 @@ FAKE_DENSEVM = textwrap.dedent('''\
                  "resident_bytes": 512 << 20, "budget_bytes": 1 << 30, "block_bytes": 32768,
                  "faults": int(paging * 100), "blocks_in": 0, "blocks_out": 0,
                  "swap_read_bytes": int(paging * 100) * 32768, "swap_write_bytes": 0, "io_seconds": t * 0.1,
+                 "disk_usage": {{"busy_seconds": paging * 0.5, "requests": int(paging * 100),
+                                "positioned": int(paging * 50), "positioning_seconds": int(paging * 50) * 0.01}},
                  "fault_latency_us": {{"p50": 100, "p90": 200, "p99": 300, "max": 400, "count": 1}},
                  "selfcheck_errors": 0}}, "vms": per}}
     def serve():
@@ -53,7 +55,7 @@ FAKE_DENSEVM = textwrap.dedent('''\
         while True:
             c, _ = srv.accept()
             req = json.loads(c.makefile().readline())
-            if req["cmd"] == "disk" and req["modeled"] and not touched:
+            if req["cmd"] == "disk" and not req["modeled"] and not touched:
                 touched.append(time.monotonic() - t0)
             reply = stats() if req["cmd"] == "stats" else {{"ok": True, "block": 32768}}
             c.sendall(json.dumps(reply).encode() + b"\\n"); c.close()
@@ -80,15 +82,21 @@ FAKE_DENSEVM = textwrap.dedent('''\
 
 FAKE_ZIPFPERF = textwrap.dedent('''\
     #!{python}
-    # FAKE zipfperf for orchestration tests: sleeps --duration, writes a zipfperf/1 document.
-    import json, os, sys, time
+    # FAKE zipfperf for orchestration tests: sleeps --duration (SIGINT ends it early, as it ends the
+    # real one's run), writes a zipfperf/1 document.
+    import json, os, signal, sys, time
     argv = sys.argv[1:]
     opt = lambda name: argv[argv.index(name) + 1]
     with open(os.environ["FAKE_PIDS"], "a") as f:
         f.write(f"zipfperf {{os.getpid()}}\\n")
     if os.environ.get("FAKE_ZIPFPERF_FAIL"):
         print("zipfperf: error: simulated failure", file=sys.stderr); sys.exit(1)
-    d = float(opt("--duration")); time.sleep(d)
+    interrupted = []
+    signal.signal(signal.SIGINT, lambda *_: interrupted.append(1))
+    t0, d = time.monotonic(), float(opt("--duration"))
+    while time.monotonic() - t0 < d and not interrupted:
+        time.sleep(0.02)
+    d = time.monotonic() - t0
     doc = {{"schema": "zipfperf/1", "config": {{"argv": argv}}, "duration_s": d,
            "connections": {{"total": 1000, "rate": 1000 / d}}, "requests": {{"total": 1000, "rate": 1000 / d}},
            "replies": {{"total": 1000, "rate": 1000 / d, "status": {{"2xx": 1000}}}},
@@ -146,11 +154,17 @@ def test_run_completes_and_records_everything(fakes):
     assert doc["boot_seconds"] == 0.3
     # The fake serves 1000 requests/s and 100 faults/s with swap reads: disk-bound by definition.
     assert doc["regime"] == "disk-bound"
+    # Its modeled drive works half of each second, 10 ms per positioning.
+    assert doc["drive"]["utilization"] == pytest.approx(0.5, rel=0.1)
+    assert doc["drive"]["positioning_ms"] == pytest.approx(10.0, rel=0.1)
     assert doc["footprint_bytes"] == 1 << 20
     assert doc["calibration"]["source"].startswith("calibration phase")
     assert doc["measured_over_model"] == pytest.approx(doc["throughput_rps"] / doc["model_rps"])
     assert [s["phase"] for s in doc["timeseries"]].count("measure") >= 2
     assert "touch" in [s["phase"] for s in doc["timeseries"]] and doc["warnings"] == []
+    # 20 VMs of ~1 MiB in 8 MiB: the settle phase ran until 1.5 times the 8 that fit were swapped in.
+    assert "settle" in [s["phase"] for s in doc["timeseries"]]
+    assert doc["phases"]["settle"]["target"] == 12 and doc["phases"]["settle"]["swap_ins"] >= 12
     assert (fakes / "run" / "run.png").stat().st_size > 0
     # Containment: densevm was started inside the run's memory group, which is gone now.
     group = doc["containment"]["memory_group"]

@@ -46,6 +46,13 @@ class Child:
     def poll(self) -> int | None:
         return self.popen.poll()
 
+    def interrupt(self) -> None:
+        """SIGINT the leader: a program that ends early on it (zipfperf) finishes its report."""
+        try:
+            os.kill(self.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM the group, wait up to grace_s, then SIGKILL it; returns the exit status."""
         self._signal_group(signal.SIGTERM)

@@ -1,8 +1,8 @@
 """One run, end to end: densevm contained and booted, warmed up, measured, modeled.
 
 Phases: disk microbenchmark -> cgroup -> densevm boot -> calibration (runs out
-of core by construction) -> touch (one request per VM) -> warm-up and
-measurement (one zipfperf run). Whatever happens, densevm and zipfperf are stopped,
+of core by construction) -> touch (one request per VM) -> settle (the pager's
+policy brought to its steady state) -> warm-up and measurement (one zipfperf run). Whatever happens, densevm and zipfperf are stopped,
 the cgroup is removed and the result is written: status "ok", or "failed" with
 the error and everything measured until then.
 """
@@ -40,6 +40,14 @@ FAULTS_PER_REQUEST_DISK_BOUND = 0.05
 # Calibration phase: how many resident VMs it drives and for how long.
 CALIBRATION_MAX_VMS = 256
 SAMPLE_INTERVAL_S = 1.0
+# The settle phase after the touch: the pager's clock reaches its steady state once its
+# hand has gone round the resident VMs, about k swap-ins (k: the VMs the budget holds);
+# the touch leaves an LRU state instead, and with every reference bit set. With the disk
+# model suspended this takes seconds; the warm-up alone managed half a turn at 32k and a
+# few VMs at 4k, and measured hit ratios 2-10% under the steady state's.
+SETTLE_TURNS = 1.5
+SETTLE_MAX_S = 120.0
+SETTLE_CONCURRENCY = 64
 # The stats totals the measurement is computed from (INTERFACES.md, densevm control API).
 CONTRACT_TOTALS = ("requests", "resident_bytes", "budget_bytes", "faults", "swap_read_bytes", "swap_write_bytes",
                    "io_seconds")
@@ -98,6 +106,8 @@ class Sampler:
     """densevm totals about once a second, tagged by phase: the run's time series."""
 
     KEYS = ("requests", "faults", "resident_bytes", "swap_read_bytes", "swap_write_bytes", "io_seconds")
+    # The modeled drives' counters (totals.disk_usage), sampled as disk_<name>.
+    DISK_KEYS = ("busy_seconds", "requests", "positioned", "positioning_seconds")
 
     def __init__(self, dvm: DenseVM, samples: list) -> None:
         self.dvm, self.samples, self.t0, self.last = dvm, samples, time.monotonic(), -1e9
@@ -107,8 +117,10 @@ class Sampler:
         totals = self.dvm.stats()["totals"]
         now = time.monotonic()
         # A busy densevm can take seconds to answer: date the figures mid-call, keep the delay.
+        usage = totals.get("disk_usage") or {}
         row = {"t": round((asked + now) / 2 - self.t0, 3), "stats_s": round(now - asked, 3), "phase": phase,
-               **{k: totals.get(k, 0) for k in self.KEYS}}
+               **{k: totals.get(k, 0) for k in self.KEYS},
+               **{f"disk_{k}": usage.get(k, 0) for k in self.DISK_KEYS}}
         self.samples.append(row)
         self.last = now
         return row
@@ -133,6 +145,19 @@ class Sampler:
         if dt <= 0 or dreq <= 0:
             return None
         return dreq / dt, (last["faults"] - first["faults"]) / dreq
+
+
+def drive_usage(delta: dict, wall: float) -> dict:
+    """The modeled drives over a window: how busy the busiest was, and what a positioning cost.
+
+    Beside the model's miss cost this tells a drive that idles (the pager did not
+    keep it fed) from one that worked harder per miss than the model charges.
+    """
+    if wall <= 0 or delta["requests"] <= 0:
+        return {}
+    positioned = delta["positioned"]
+    return {"utilization": delta["busy_seconds"] / wall, "requests": delta["requests"], "positioned": positioned,
+            "positioning_ms": 1e3 * delta["positioning_seconds"] / positioned if positioned else 0.0}
 
 
 def summarize_load(doc: dict) -> dict:
@@ -320,6 +345,7 @@ class Run:
         self.dvm.set_disk_modeled(False)
         try:
             self._touch_all()
+            self._settle()
         finally:
             if self.dvm.failure() is None:
                 self.dvm.set_disk_modeled(True)
@@ -338,6 +364,32 @@ class Run:
         if failed:
             self.result.warnings.append(f"{len(failed)} VM(s) did not answer the touch request "
                                         f"(first: {', '.join(map(str, failed[:5]))})")
+
+    def _settle(self) -> None:
+        """Zipf load until the pager has swapped in SETTLE_TURNS times the VMs the budget holds
+        (at most SETTLE_MAX_S): its policy then starts the warm-up in its own steady state."""
+        cfg = self.cfg
+        footprint = estimate_footprint(cfg.ws_bytes, cfg.block_bytes)
+        fit = cfg.mem_bytes // footprint
+        if cfg.vms <= fit:
+            return  # everything fits: nothing is ever evicted
+        target = int(SETTLE_TURNS * fit)
+        first = self.sampler.sample("settle")
+        swapped_in = lambda: int((self.sampler.samples[-1]["swap_read_bytes"] - first["swap_read_bytes"]) / footprint)
+        spec = replace(self.load, duration_s=SETTLE_MAX_S, concurrency=max(cfg.concurrency, SETTLE_CONCURRENCY))
+        with self.reporter.phase("settle", target, "swap-ins") as update:
+            def tick(_elapsed: float) -> None:
+                self.sampler.maybe("settle")
+                update(min(swapped_in(), target))
+            doc = run_load(self.bins.zipfperf, spec, self.out, "settle", tick=tick, alive=self._alive,
+                           until=lambda: swapped_in() >= target)
+        self.sampler.sample("settle")
+        done = swapped_in()
+        self.result.phases["settle"] = {**summarize_load(doc), "swap_ins": done, "target": target}
+        if done < target:
+            self.result.warnings.append(f"the settle phase swapped in {done} VMs in {SETTLE_MAX_S:.0f} s, not "
+                                        f"{target}: the pager's policy may start the warm-up short of its "
+                                        f"steady state")
 
     def _calibrate_before_touch(self) -> None:
         """The calibration phase of a run that is out of core by construction: the
@@ -420,6 +472,7 @@ class Run:
         r.swap_read_mbps = d["swap_read_bytes"] / wall / 1e6
         r.swap_write_mbps = d["swap_write_bytes"] / wall / 1e6
         r.disk_busy = d["io_seconds"] / wall
+        r.drive = drive_usage({k: after[f"disk_{k}"] - before[f"disk_{k}"] for k in Sampler.DISK_KEYS}, wall)
         r.fault_latency_us = totals.get("fault_latency_us", {})
         r.footprint_bytes = hot_footprint(stats.get("vms", []))
         if r.footprint_bytes and d["requests"] > 0:

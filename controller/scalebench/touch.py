@@ -17,7 +17,9 @@ VMs). The pager keeps recently used VMs, like LRU, and an LRU cache holds the
 k VMs requested most recently. So the touch follows a simulated Zipf(alpha)
 request stream (zipfperf gives rank r to VM r): VMs in the order of their last
 request in that stream, those never requested first. The VMs left resident are
-then a sample of the LRU steady state the model assumes.
+then a sample of the LRU steady state the model assumes. The pager's clock
+needs one more turn of its hand to reach its own steady state: the run's
+settle phase that follows (runner.py).
 """
 from __future__ import annotations
 

@@ -54,12 +54,13 @@ class LoadSpec:
 
 
 def run_load(binary: Path, spec: LoadSpec, workdir: Path, name: str, tick=lambda elapsed: None,
-             alive=lambda: None) -> dict:
+             alive=lambda: None, until=lambda: False) -> dict:
     """Run one phase to completion and return zipfperf's JSON document.
 
     tick(elapsed_s) is called about ten times a second for progress; alive() is
     called as often and may raise to abort the phase (densevm died): zipfperf is
-    then stopped before the exception propagates.
+    then stopped before the exception propagates. When until() turns true the
+    phase ends early: zipfperf is interrupted and still writes its document.
     """
     json_path = workdir / f"zipfperf-{name}.json"
     log_path = workdir / f"zipfperf-{name}.log"
@@ -71,6 +72,13 @@ def run_load(binary: Path, spec: LoadSpec, workdir: Path, name: str, tick=lambda
             while child.poll() is None:
                 alive()
                 tick(time.monotonic() - start)
+                if until():
+                    child.interrupt()
+                    try:
+                        child.popen.wait(30)
+                    except subprocess.TimeoutExpired:
+                        pass  # stopped below; no document, so the phase fails
+                    break
                 time.sleep(0.1)  # the end-of-phase sample should follow zipfperf's end closely
         finally:
             child.stop()
