@@ -66,7 +66,8 @@ def _domain_names(conn) -> list[str]:  # type: ignore[no-untyped-def]
 @guest_timeout
 def test_short_tpcc_run_traces_reads_and_writes_inside_the_disk(image, libvirt_conn, tmp_path: Path) -> None:
     from scalebench.db.guest import DbGuest, GuestConfig
-    from scalebench.db.run import RunOptions, run_on_guest
+    from scalebench.db.run import WORKLOADS, RunOptions, run_on_guest
+    from scalebench.db.workload import run_workload
 
     before = _base_state(image.rootfs)
     opts = RunOptions(workload="tpcc", mix="standard", clients=2, duration_s=15, disk="ssd", out_dir=tmp_path)
@@ -74,6 +75,16 @@ def test_short_tpcc_run_traces_reads_and_writes_inside_the_disk(image, libvirt_c
         name = guest.name
         assert name in _domain_names(libvirt_conn)
         result = run_on_guest(guest, opts, tmp_path)
+        # Recording switched off: the guest's commits (WAL writes and flushes) still reach the
+        # disk, and none is recorded; switched on again, they are.
+        tpcc = WORKLOADS["tpcc"]
+        guest.set_tracing(False)
+        recorded = len(guest.server.records)
+        run_workload(tpcc, "standard", guest.port, 1, 3.0, check=guest.check_alive)
+        assert len(guest.server.records) == recorded
+        guest.set_tracing(True)
+        run_workload(tpcc, "standard", guest.port, 1, 3.0, check=guest.check_alive)
+        assert len(guest.server.records) > recorded
     assert name not in _domain_names(libvirt_conn)
     assert result.throughput.completed > 0
     assert set(result.throughput.by_interaction) <= {"new_order", "payment", "order_status", "delivery",
@@ -187,6 +198,7 @@ def test_image_build_failure_is_a_clear_error(tmp_path: Path) -> None:
     (["dbtrace", "--workload", "rubis", "--mix", "bidding", "--duration", "-5"], "--duration must be positive"),
     (["dbtrace", "--workload", "tpcc", "--mix", "standard", "--disk", "floppy"], "invalid choice: 'floppy'"),
     (["dbtrace", "--clients", "many"], "invalid int value"),
+    (["dbtrace", "--workload", "tpcc", "--mix", "standard", "--dilate", "0.5"], "--dilate must be at least 1"),
     (["dbtrace", "--mix", "standard"], "--workload and --mix are required"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -197,6 +209,27 @@ def test_bad_flags_exit_2_with_one_line(argv: list[str], message: str, capsys: p
     err = capsys.readouterr().err
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and message in err
+
+
+@pytest.mark.parametrize("configured, expected", [(None, 31.5), (12.0, 12.0)])
+def test_dilation_is_the_configured_factor_else_the_measured_slowdown(configured: float | None,
+                                                                       expected: float) -> None:
+    from scalebench.db.guest import DbGuest, GuestConfig
+
+    class FakeTracedDisk:
+        """FAKE stand-in for the NBD tracer: records the factor it is told (dilation's own arithmetic is
+        tested in test_db_diskmodel.py; this is about which factor reaches it)."""
+        factor = 0.0
+
+        def dilate(self, factor: float) -> None:
+            self.factor = factor
+
+    guest = DbGuest(GuestConfig(image=None, run_dir=Path("."), dilate=True, dilation=configured,  # type: ignore[arg-type]
+                                domain_type="qemu"), conn=None)
+    guest.server = FakeTracedDisk()  # type: ignore[assignment]
+    guest.measure_cpu_slowdown = lambda: 31.5  # type: ignore[method-assign]
+    guest.apply_dilation()
+    assert guest.dilation == expected and guest.server.factor == expected  # type: ignore[union-attr]
 
 
 def test_python_m_entry_point_reports_bad_input() -> None:

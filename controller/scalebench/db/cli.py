@@ -2,7 +2,7 @@
 
     scalebench dbtrace --workload tpcc|tpcw|rubis --mix NAME --clients N --duration S
                        [--disk none|hdd15k|array|raid5|ssd] [--json PATH] [--out DIR]
-                       [--warmup S] [--no-trace] [--dilate] [--memory MIB] [--boot-timeout S]
+                       [--warmup S] [--no-trace] [--dilate [FACTOR]] [--memory MIB] [--boot-timeout S]
     scalebench dbtrace --compare [--results JSON ...] [--study-load heavy|light]
                        [--clients N --duration S --disk MODEL]
 
@@ -53,8 +53,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--out", type=Path, help="directory for the trace CSV and the LBA plot (default runs/dbtrace-*)")
     p.add_argument("--warmup", type=float, default=0.0, help="unmeasured seconds of the same mix first")
     p.add_argument("--no-trace", action="store_true", help="do not record the trace (throughput only)")
-    p.add_argument("--dilate", action="store_true",
-                   help="time-dilate the disk model by the guest's measured CPU slowdown (TCG guests)")
+    p.add_argument("--dilate", nargs="?", type=float, const=0.0, metavar="FACTOR",
+                   help="time-dilate the disk model by FACTOR, or without one by the guest's measured CPU "
+                        "slowdown (TCG guests)")
     p.add_argument("--memory", type=int, default=256, help="guest memory in MiB (default 256)")
     p.add_argument("--boot-timeout", type=float, default=240.0, help="seconds to wait for the guest's database")
     p.add_argument("--compare", action="store_true", help="print our metrics beside the study's")
@@ -76,12 +77,14 @@ def _options(args: argparse.Namespace, workload: str, mix: str) -> Any:
         raise _Usage(f"--warmup must not be negative, not {args.warmup}")
     if args.memory < 128:
         raise _Usage(f"--memory must be at least 128 MiB, not {args.memory}")
+    if args.dilate is not None and 0 < args.dilate < 1:
+        raise _Usage(f"--dilate must be at least 1, not {args.dilate}")
     if args.boot_timeout <= 0:
         raise _Usage(f"--boot-timeout must be positive, not {args.boot_timeout}")
     return RunOptions(workload=workload, mix=mix, clients=args.clients, duration_s=args.duration, disk=args.disk,
                       trace=not args.no_trace, warmup_s=args.warmup, memory_mib=args.memory,
                       boot_timeout_s=args.boot_timeout, out_dir=args.out or default_out_dir("dbtrace"),
-                      dilate=args.dilate)
+                      dilate=args.dilate is not None, dilation=args.dilate or None)
 
 
 def _print_run(doc: dict[str, Any]) -> None:

@@ -43,6 +43,9 @@ class GuestConfig:
     memory_mib: int = 256
     boot_timeout_s: float = 240.0
     dilate: bool = False   # slow the disk model down by the guest's measured CPU slowdown (see diskmodel.Dilated)
+    # With dilate: this factor instead of the measured slowdown, so that runs compared with each
+    # other share one time base (a slowdown measured per run varies with the host's load).
+    dilation: float | None = None
     domain_type: str = field(default_factory=pick_domain_type)
 
     def __post_init__(self) -> None:
@@ -180,11 +183,19 @@ class DbGuest:
         return self.cpu_slowdown
 
     def apply_dilation(self) -> None:
-        """Run the disk model in time dilated by the measured CPU slowdown (at least 1)."""
+        """Run the disk model in time dilated by the configured factor, else by the measured CPU
+        slowdown (at least 1). The slowdown is measured either way, for the record."""
         if self.server is None:
             raise DbTraceError("time dilation needs a disk model on the traced path")
-        self.dilation = max(1.0, self.measure_cpu_slowdown())
+        slowdown = self.measure_cpu_slowdown()
+        self.dilation = max(1.0, self.config.dilation or slowdown)
         self.server.dilate(self.dilation)
+
+    def set_tracing(self, on: bool) -> None:
+        """Record the guest's block requests from now on, or not (the disk model applies either way)."""
+        if self.server is None:
+            raise DbTraceError("tracing needs our NBD server on the disk path")
+        self.server.set_recording(on)
 
     def trace_clock(self) -> float:
         """The tracer's clock (seconds), to mark the measurement window."""

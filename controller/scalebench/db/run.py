@@ -45,6 +45,7 @@ class RunOptions:
     out_dir: Path = field(default_factory=lambda: default_out_dir("dbtrace"))
     seed: int = 1
     dilate: bool = False
+    dilation: float | None = None  # with dilate: this factor, not the slowdown measured in the run
 
 
 @dataclass
@@ -127,7 +128,8 @@ def run_dbtrace(opts: RunOptions, image: GuestImage | None = None) -> RunResult:
     run_dir = opts.out_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     config = GuestConfig(image=image, run_dir=run_dir, disk=opts.disk, trace=opts.trace, memory_mib=opts.memory_mib,
-                         boot_timeout_s=opts.boot_timeout_s, dilate=opts.dilate)
+                         boot_timeout_s=opts.boot_timeout_s, dilate=opts.dilate,
+                         dilation=opts.dilation)
     with Libvirt() as lv:
         with DbGuest(config, lv.conn) as guest:
             return run_on_guest(guest, opts, run_dir)

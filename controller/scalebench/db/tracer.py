@@ -5,8 +5,8 @@ it would compete for the interpreter lock with the database clients and the
 guest would wait for its disk behind them. Here it runs in a child Python
 process (``python -m scalebench.db.tracer``: a fresh interpreter that imports
 nothing of the caller's main module) driven over a socket pair: records,
-status, disk-model changes, stop. The trace clock is CLOCK_MONOTONIC in both
-processes, so the parent reads it directly.
+status, disk-model changes, recording on or off, stop. The trace clock is
+CLOCK_MONOTONIC in both processes, so the parent reads it directly.
 """
 from __future__ import annotations
 
@@ -50,6 +50,9 @@ def _child(conn: Connection, socket_path: str, base: str, overlay: str, disk: st
             conn.send((server.alive(), server.error))
         elif command == "dilate":
             server.model = Dilated(make_model(disk), float(args[0]))
+            conn.send(True)
+        elif command == "record":
+            server.record = bool(args[0])
             conn.send(True)
         elif command == "stop":
             server.stop()
@@ -121,6 +124,10 @@ class TracedDisk:
     def dilate(self, factor: float) -> None:
         """Run the disk model in time dilated by ``factor`` from now on (a fresh model)."""
         self._ask("dilate", factor)
+
+    def set_recording(self, on: bool) -> None:
+        """Record requests from now on, or serve them (disk model and all) without recording."""
+        self._ask("record", on)
 
     def stop(self) -> None:
         """Stop the server process (records stay readable); idempotent."""
