@@ -189,6 +189,11 @@ def test_stats_report_each_vm(monitor):
     assert vm0["state"] == "running"
     assert vm0["requests"] >= 1
     assert reply["totals"]["requests"] == sum(v["requests"] for v in reply["vms"])
+    # The light request: the same totals, no per-VM list and no mincore pass.
+    light = monitor.control({"cmd": "stats", "vms": False})
+    assert "vms" not in light and "ram_resident_bytes" not in light["totals"]
+    assert light["totals"]["requests"] == reply["totals"]["requests"]
+    assert light["totals"]["running"] == reply["totals"]["running"]
 
 
 def test_a_crashing_guest_stops_only_its_vm(tmp_path):

@@ -58,6 +58,8 @@ FAKE_DENSEVM = textwrap.dedent('''\
             if req["cmd"] == "disk" and not req["modeled"] and not touched:
                 touched.append(time.monotonic() - t0)
             reply = stats() if req["cmd"] == "stats" else {{"ok": True, "block": 32768}}
+            if req.get("vms") is False:
+                reply.pop("vms")
             c.sendall(json.dumps(reply).encode() + b"\\n"); c.close()
     threading.Thread(target=serve, daemon=True).start()
     def vm(addr):

@@ -128,7 +128,7 @@ class DenseVM:
                 raise DenseVMError(why)
             if self.args.api.exists():
                 try:
-                    on_progress(self.stats()["totals"].get("running", 0))
+                    on_progress(self.totals().get("running", 0))
                 except DenseVMError:
                     pass  # the API may not answer until the monitor is set up
         raise DenseVMError(f"densevm did not report ready within {timeout_s:.0f} s")
@@ -144,7 +144,13 @@ class DenseVM:
             raise
 
     def stats(self) -> dict:
+        """Totals and every VM's figures."""
         return self.request({"cmd": "stats"})
+
+    def totals(self) -> dict:
+        """The totals alone: cheap enough to ask every second (no pass over the VMs' memory,
+        the pager's lock held only for its counters)."""
+        return self.request({"cmd": "stats", "vms": False})["totals"]
 
     def pager(self) -> dict:
         return self.request({"cmd": "pager"})

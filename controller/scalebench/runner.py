@@ -114,7 +114,7 @@ class Sampler:
 
     def sample(self, phase: str) -> dict:
         asked = time.monotonic()
-        totals = self.dvm.stats()["totals"]
+        totals = self.dvm.totals()
         now = time.monotonic()
         # A busy densevm can take seconds to answer: date the figures mid-call, keep the delay.
         usage = totals.get("disk_usage") or {}

@@ -8,8 +8,13 @@ use serde::Deserialize;
 /// A parsed control request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Request {
-    /// Per-VM and total statistics.
-    Stats,
+    /// Total statistics, and with `per_vm` each VM's (a light request for
+    /// frequent sampling leaves them out: they cost a pass over every VM's
+    /// memory map and the pager's lock while each VM's entry is built).
+    Stats {
+        /// Include the per-VM list.
+        per_vm: bool,
+    },
     /// The VMs with their addresses and states.
     List,
     /// Boot `count` more VMs.
@@ -49,6 +54,7 @@ struct Raw {
     count: Option<u32>,
     how: Option<String>,
     modeled: Option<bool>,
+    vms: Option<bool>,
 }
 
 /// Parses one request line.
@@ -60,7 +66,7 @@ pub fn parse(line: &[u8]) -> Result<Request, String> {
     let raw: Raw = serde_json::from_str(text).map_err(|e| format!("malformed request: {e}"))?;
     let need_vm = || raw.vm.ok_or_else(|| format!("'{}' needs \"vm\"", raw.cmd));
     match raw.cmd.as_str() {
-        "stats" => Ok(Request::Stats),
+        "stats" => Ok(Request::Stats { per_vm: raw.vms.unwrap_or(true) }),
         "list" => Ok(Request::List),
         "pager" => Ok(Request::Pager),
         "disk" => Ok(Request::Disk { modeled: raw.modeled.ok_or("'disk' needs \"modeled\": true|false")? }),
@@ -88,7 +94,8 @@ mod tests {
 
     #[test]
     fn parses_every_command() {
-        assert_eq!(parse(br#"{"cmd":"stats"}"#), Ok(Request::Stats));
+        assert_eq!(parse(br#"{"cmd":"stats"}"#), Ok(Request::Stats { per_vm: true }));
+        assert_eq!(parse(br#"{"cmd":"stats","vms":false}"#), Ok(Request::Stats { per_vm: false }));
         assert_eq!(parse(b"{\"cmd\":\"list\"}\n"), Ok(Request::List));
         assert_eq!(parse(br#"{"cmd":"create","count":3}"#), Ok(Request::Create { count: 3 }));
         assert_eq!(parse(br#"{"cmd":"destroy","vm":7}"#), Ok(Request::Destroy { vm: 7 }));

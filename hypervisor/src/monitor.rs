@@ -47,8 +47,8 @@ pub enum VmEntry {
     Dead(DeadVm),
 }
 
-/// Adds another component's figures to a stats reply.
-pub type StatsHook = Box<dyn Fn(&mut Value)>;
+/// Adds another component's figures to a stats reply (true: with its per-VM figures).
+pub type StatsHook = Box<dyn Fn(&mut Value, bool)>;
 
 /// What the stats report about a VM that no longer runs.
 #[derive(Debug, Clone)]
@@ -650,7 +650,7 @@ impl Monitor {
 
     fn handle(&mut self, request: Request) -> Value {
         match request {
-            Request::Stats => self.stats(),
+            Request::Stats { per_vm } => self.stats(per_vm),
             Request::List => json!({ "ok": true, "vms": self.vms.iter().map(stats::vm_summary).collect::<Vec<_>>() }),
             Request::Create { count } => self.create(count),
             Request::Destroy { vm } => match self.live(vm as usize) {
@@ -671,7 +671,7 @@ impl Monitor {
             Request::Pager => {
                 let mut reply = json!({ "ok": true });
                 if let Some(f) = self.extra_stats.as_ref() {
-                    f(&mut reply);
+                    f(&mut reply, false);
                 }
                 json!({ "ok": true, "pager": reply.get("pager").cloned().unwrap_or(Value::Null) })
             }
@@ -716,10 +716,10 @@ impl Monitor {
         json!({ "ok": true, "created": created })
     }
 
-    fn stats(&self) -> Value {
-        let mut reply = stats::collect(&self.vms, self.conns.len());
+    fn stats(&self, per_vm: bool) -> Value {
+        let mut reply = stats::collect(&self.vms, self.conns.len(), per_vm);
         if let Some(f) = self.extra_stats.as_ref() {
-            f(&mut reply);
+            f(&mut reply, per_vm);
         }
         reply
     }

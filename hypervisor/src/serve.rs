@@ -315,8 +315,8 @@ fn attach_pager(monitor: &mut Monitor, pager: &Arc<Pager>, mut trace: Option<Tra
     let disk = Arc::clone(pager);
     monitor.disk_control(Box::new(move |on| disk.set_disk_modeled(on)));
     let stats = Arc::clone(pager);
-    monitor.extra_stats(Box::new(move |reply| {
-        let paging = stats.stats();
+    monitor.extra_stats(Box::new(move |reply, per_vm| {
+        let paging = if per_vm { stats.stats() } else { stats.totals() };
         if let (Some(totals), Some(ours)) = (paging.get("totals").and_then(|t| t.as_object()), reply.get_mut("totals")) {
             for (key, value) in totals {
                 ours[key] = value.clone();

@@ -18,9 +18,10 @@ pub fn vm_summary(entry: &VmEntry) -> Value {
     }
 }
 
-/// The `stats` reply: every VM and the totals.
-pub fn collect(vms: &[VmEntry], connections: usize) -> Value {
-    let mut per_vm = Vec::with_capacity(vms.len());
+/// The `stats` reply: the totals, and with `per_vm` every VM and the kernel's
+/// count of resident memory (mincore over every VM's mappings).
+pub fn collect(vms: &[VmEntry], connections: usize, per_vm: bool) -> Value {
+    let mut list = Vec::with_capacity(if per_vm { vms.len() } else { 0 });
     let (mut requests, mut errors, mut tx_bytes, mut wakeups) = (0u64, 0u64, 0u64, 0u64);
     let (mut selfcheck_pages, mut selfcheck_errors) = (0u64, 0u64);
     let (mut running, mut stopped, mut crashed, mut booting) = (0, 0, 0, 0);
@@ -34,7 +35,20 @@ pub fn collect(vms: &[VmEntry], connections: usize) -> Value {
             "crashed" => crashed += 1,
             _ => stopped += 1,
         }
-        let (ctrl, mut value) = match entry {
+        let ctrl = match entry {
+            VmEntry::Live(vm) => vm.ctrl(),
+            VmEntry::Dead(dead) => dead.ctrl,
+        };
+        requests += ctrl.requests;
+        errors += ctrl.responses_4xx;
+        tx_bytes += ctrl.tx_bytes;
+        wakeups += ctrl.wakeups;
+        selfcheck_pages += ctrl.selfcheck_pages;
+        selfcheck_errors += ctrl.selfcheck_errors;
+        if !per_vm {
+            continue;
+        }
+        let mut value = match entry {
             VmEntry::Live(vm) => {
                 let ram = vm.ram.resident_bytes();
                 let sys = vm.sys.resident_bytes();
@@ -47,24 +61,18 @@ pub fn collect(vms: &[VmEntry], connections: usize) -> Value {
                 if let Some(reason) = vm.stop_reason() {
                     value["reason"] = json!(reason);
                 }
-                (vm.ctrl(), value)
+                value
             }
-            VmEntry::Dead(dead) => (dead.ctrl, json!({ "id": dead.id, "addr": dead.addr.to_string(), "state": state, "reason": dead.reason })),
+            VmEntry::Dead(dead) => json!({ "id": dead.id, "addr": dead.addr.to_string(), "state": state, "reason": dead.reason }),
         };
         value["requests"] = json!(ctrl.requests);
         value["errors_4xx"] = json!(ctrl.responses_4xx);
         value["tx_bytes"] = json!(ctrl.tx_bytes);
         value["wakeups"] = json!(ctrl.wakeups);
         value["selfcheck_errors"] = json!(ctrl.selfcheck_errors);
-        requests += ctrl.requests;
-        errors += ctrl.responses_4xx;
-        tx_bytes += ctrl.tx_bytes;
-        wakeups += ctrl.wakeups;
-        selfcheck_pages += ctrl.selfcheck_pages;
-        selfcheck_errors += ctrl.selfcheck_errors;
-        per_vm.push(value);
+        list.push(value);
     }
-    json!({
+    let mut reply = json!({
         "ok": true,
         "totals": {
             "vms": vms.len(),
@@ -79,9 +87,12 @@ pub fn collect(vms: &[VmEntry], connections: usize) -> Value {
             "wakeups": wakeups,
             "selfcheck_pages": selfcheck_pages,
             "selfcheck_errors": selfcheck_errors,
-            "ram_resident_bytes": ram_resident,
-            "sys_resident_bytes": sys_resident,
         },
-        "vms": per_vm,
-    })
+    });
+    if per_vm {
+        reply["totals"]["ram_resident_bytes"] = json!(ram_resident);
+        reply["totals"]["sys_resident_bytes"] = json!(sys_resident);
+        reply["vms"] = Value::Array(list);
+    }
+    reply
 }

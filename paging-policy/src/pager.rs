@@ -325,18 +325,30 @@ impl Pager {
     /// `{"totals":{...},"vms":{"<id>":{...}},"config":{...}}`.
     pub fn stats(&self) -> Value {
         let st = self.lock();
-        let l = &st.ledger;
         let mut vms = Map::new();
-        for vm in l.vm_ids() {
+        for vm in st.ledger.vm_ids() {
             vms.insert(vm.to_string(), self.vm_json(&st, vm));
         }
+        let mut reply = self.totals_json(&st);
+        reply["vms"] = Value::Object(vms);
+        reply
+    }
+
+    /// Totals and settings without the per-VM stats (cheap enough to sample
+    /// often): `{"totals":{...},"config":{...}}`.
+    pub fn totals(&self) -> Value {
+        self.totals_json(&self.lock())
+    }
+
+    fn totals_json(&self, st: &State) -> Value {
+        let l = &st.ledger;
         let mut totals = l.totals.to_json();
         let t = totals.as_object_mut().expect("object");
         t.insert("resident_bytes".into(), json!(l.resident_blocks() * self.block as u64));
         t.insert("budget_bytes".into(), json!(self.cfg.budget_bytes));
         t.insert("block_bytes".into(), json!(self.block));
         t.insert("fault_latency_us".into(), st.latency.to_json());
-        t.insert("vms".into(), json!(vms.len()));
+        t.insert("vms".into(), json!(l.vm_ids().count()));
         t.insert("policy".into(), json!(l.policy_name()));
         t.insert("disk".into(), self.disk.clone());
         t.insert("disk_modeled".into(), json!(self.swap.modeled()));
@@ -357,7 +369,7 @@ impl Pager {
             "disk": self.disk,
             "service_threads": SERVICE_THREADS,
         });
-        json!({"totals": totals, "vms": vms, "config": config})
+        json!({"totals": totals, "config": config})
     }
 
     fn vm_json(&self, st: &State, vm: VmId) -> Value {
