@@ -331,6 +331,15 @@ def test_touch_order_leaves_an_lru_steady_state():
     assert 0 in resident  # the most popular VM
 
 
+def test_nightly_names_a_busy_host(monkeypatch):
+    from scalebench import nightly
+    monkeypatch.setattr(nightly.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(nightly.os, "getloadavg", lambda: (7.5, 6.0, 5.0))
+    assert "load average 7.5 on 2 CPUs" in nightly.busy_host()
+    monkeypatch.setattr(nightly.os, "getloadavg", lambda: (1.5, 6.0, 5.0))
+    assert nightly.busy_host() is None
+
+
 def test_nightly_takes_each_points_best_run():
     from scalebench.nightly import best_of
     runs = [{"points": {"a": {"status": "ok", "throughput_rps": 90.0}, "b": {"status": "failed"}}},

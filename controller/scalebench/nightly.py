@@ -9,6 +9,7 @@ by up to 40%). The baseline is experiments/baselines/nightly.json, written by
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -20,6 +21,17 @@ from .sweep import load_experiment, run_sweep
 EXPERIMENT = REPO_ROOT / "experiments" / "nightly.toml"
 BASELINE = REPO_ROOT / "experiments" / "baselines" / "nightly.json"
 REPEATS = 3
+
+
+def busy_host() -> str | None:
+    """Why throughput measured now would not be comparable, or None: a load average above the
+    number of CPUs means other work takes CPU time from the runs (both best-of-3 nightly runs
+    made under other sweeps measured ~20% slow)."""
+    load, cpus = os.getloadavg()[0], os.cpu_count() or 1
+    if load > cpus:
+        return (f"the host is busy (load average {load:.1f} on {cpus} CPUs): throughput will read low "
+                f"and a baseline written now would be too")
+    return None
 
 
 def best_of(docs: list[dict]) -> dict:
@@ -38,11 +50,14 @@ def nightly(out_dir: Path | None, update_baseline: bool, tolerance_pct: float, r
     check_addresses_free(max((cfg for _, cfg in exp.points()), key=lambda cfg: cfg.vms))
     if not update_baseline and not baseline.exists():
         raise ConfigError(f"no baseline at {baseline}: run `scalebench nightly --update-baseline` on a good build")
+    busy = busy_host()
+    if busy:
+        reporter.note(f"[yellow]warning:[/] {busy}")
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
     out_dir = out_dir or Path.cwd() / "runs" / f"nightly-{stamp}"
     docs = [run_sweep(exp, out_dir / f"run{i + 1}", lambda cfg: runner.run(cfg, reporter), reporter)
             for i in range(repeats)]
-    doc = best_of(docs)
+    doc = {**best_of(docs), "host_load": list(os.getloadavg()), "busy_host": busy}
     (out_dir / "nightly.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
     failed = [k for k, p in doc["points"].items() if p.get("status") != "ok"]
     if update_baseline:
