@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from scalebench.disks import HDD, disk_model
-from scalebench.model import (ModelInput, che_hit_ratio, estimate_dirty, estimate_footprint, miss_sqrt_distance,
+from scalebench.model import (ModelInput, che_hit_ratio, estimate_written, estimate_footprint, miss_sqrt_distance,
                               predict, zipf_popularity)
 from scalebench.units import GIB, KIB, MIB
 
@@ -123,15 +123,18 @@ def test_disk_model_difference_report():
     assert differences(disk_model("none"), {**pager_hdd, "model": "none", "drives": 0}) == []
 
 
-def test_dirty_blocks_follow_the_write_stride():
-    # 4k: 56 of the 224 working-set pages are written (every 4th), + 2 of connection state + 8 of stack.
-    assert estimate_dirty(896 * KIB, 4 * KIB) == (56 + 2 + 8) * 4 * KIB
+def test_written_blocks_follow_the_write_stride_joined_across_short_gaps():
+    # 4k: every 4th of the 224 working-set pages is written, 0 to 220, and the pager joins them
+    # into one write of pages 0..220; + 2 blocks of connection state + 8 of stack, far from them.
+    assert estimate_written(896 * KIB, 4 * KIB) == (221 + 2 + 8) * 4 * KIB
+    # A stride wider than the gap the pager bridges: only the changed blocks.
+    assert estimate_written(896 * KIB, 4 * KIB, stride=100) == (3 + 2 + 8) * 4 * KIB
     # 16k: every block holds a written page but the last, whose 3 pages follow the last written one.
-    assert estimate_dirty(896 * KIB, 16 * KIB) == estimate_footprint(896 * KIB, 16 * KIB) - 16 * KIB
+    assert estimate_written(896 * KIB, 16 * KIB) == estimate_footprint(896 * KIB, 16 * KIB) - 16 * KIB
     for block in (32 * KIB, 128 * KIB):
-        assert estimate_dirty(896 * KIB, block) == estimate_footprint(896 * KIB, block)
-    # Only dirty blocks are written back, so small blocks write less per eviction.
-    small = hdd_input(block_bytes=4 * KIB, dirty_bytes=estimate_dirty(896 * KIB, 4 * KIB))
+        assert estimate_written(896 * KIB, block) == estimate_footprint(896 * KIB, block)
+    # Only changed blocks are written back (joined): a sparse writer writes less per eviction.
+    small = hdd_input(block_bytes=4 * KIB, written_bytes=estimate_written(896 * KIB, 4 * KIB, stride=100))
     assert predict(small).miss_write_s < predict(hdd_input(block_bytes=4 * KIB)).miss_write_s
 
 
@@ -142,11 +145,11 @@ def test_wsswap_miss_is_two_single_faults_then_one_read_of_the_set():
     assert whole.footprint_bytes == fp
     assert whole.miss_read_s == pytest.approx(2 * random_block + disk_model("hdd").request_s(fp - 2 * 32 * KIB))
     # Partly dirty: the log rewrites the whole set all the same (one extent, one write of all of it).
-    half = predict(hdd_input(policy="wsswap", dirty_bytes=fp // 2, swap_bytes=4000 * fp))
+    half = predict(hdd_input(policy="wsswap", written_bytes=fp // 2, swap_bytes=4000 * fp))
     assert half.miss_read_s == pytest.approx(whole.miss_read_s, rel=1e-9)
     assert half.miss_write_s == pytest.approx(whole.miss_write_s, rel=1e-9)
     # demand keeps unchanged blocks' copies: a half-dirty VM costs a shorter write.
-    assert predict(hdd_input(dirty_bytes=fp // 2)).miss_write_s < predict(hdd_input()).miss_write_s
+    assert predict(hdd_input(written_bytes=fp // 2)).miss_write_s < predict(hdd_input()).miss_write_s
 
 
 def test_seeks_span_only_the_used_part_of_the_swap_device():

@@ -107,7 +107,7 @@ def cmd_run(argv: list[str]) -> int:
 def cmd_model(argv: list[str]) -> int:
     from . import calibration, diskbench
     from .disks import disk_model
-    from .model import ModelInput, estimate_dirty, estimate_footprint, predict
+    from .model import ModelInput, estimate_written, estimate_footprint, predict
     from .units import parse_size
     p = Parser(prog="scalebench model", description="Predict throughput with Denali's model.")
     _workload_flags(p)
@@ -137,7 +137,7 @@ def cmd_model(argv: list[str]) -> int:
             raise ConfigError(f"--bench-dir: {e}") from None
     pred = predict(ModelInput(cfg.vms, cfg.alpha, cfg.block_bytes, cfg.mem_bytes, footprint, cfg.policy,
                               disk_model(cfg.disk), cpu_us * 1e-6, bench, cfg.fault_us * 1e-6,
-                              estimate_dirty(cfg.ws_bytes, cfg.block_bytes)))
+                              estimate_written(cfg.ws_bytes, cfg.block_bytes)))
     if args.json:
         print(json.dumps({"prediction": pred.as_dict(), "cpu_source": source,
                           "diskbench": bench.as_dict() if bench else None}, indent=2))

@@ -14,8 +14,9 @@ accurate approximation for LRU cache performance", ITC 24, 2012):
 
 A miss costs what Denali's model charged: the working set read back with
 random reads of the block size (footprint / block of them) and the evicted VM
-written out with one sequential write (of its dirty blocks: the per-VM layout
-keeps the swap copy of a block whose content did not change). `wsswap` writes
+written out with one sequential write (of its changed blocks: the per-VM layout
+keeps the swap copy of a block whose content did not change, and the pager
+joins the writes across short gaps of unchanged blocks). `wsswap` writes
 the whole set (its log rewrites every evicted block that holds data, so the set
 lies in one extent) and reads it back sequentially, as the pager does it: the
 first `after - 1` faults after an eviction are single random block reads (the
@@ -54,6 +55,9 @@ GUEST_BSS_HEAD_BYTES = 8 * KIB
 GUEST_STACK_BYTES = 32 * KIB
 # densevm's default --ws-write-stride: a request writes every 4th working-set page, reads the rest.
 GUEST_WS_WRITE_STRIDE = 4
+# The pager rewrites unchanged blocks to join two writes across a gap up to this
+# (paging-policy/src/ledger.rs, WRITE_CLUSTER_GAP_BYTES).
+WRITE_CLUSTER_GAP_BYTES = 256 * KIB
 PAGE_BYTES = 4 * KIB
 # wsswap's default `after` (paging-policy/src/policy/wsswap.rs): the fault that prefetches the set.
 WSSWAP_AFTER = 3
@@ -158,12 +162,21 @@ def estimate_footprint(ws_bytes: int, block_bytes: int, ram_bytes: int = GUEST_R
     return len(_blocks(_request_regions(pages, ram_bytes), block_bytes)) * block_bytes
 
 
-def estimate_dirty(ws_bytes: int, block_bytes: int, stride: int = GUEST_WS_WRITE_STRIDE,
-                   ram_bytes: int = GUEST_RAM_BYTES) -> int:
-    """Bytes of one VM's footprint that a request changes: the blocks holding its connection
-    state, its stack and every `stride`-th working-set page (densevm's --ws-write-stride)."""
-    pages = list(range(0, -(-ws_bytes // PAGE_BYTES), stride))
-    return len(_blocks(_request_regions(pages, ram_bytes), block_bytes)) * block_bytes
+def estimate_written(ws_bytes: int, block_bytes: int, stride: int = GUEST_WS_WRITE_STRIDE,
+                     ram_bytes: int = GUEST_RAM_BYTES) -> int:
+    """Bytes the eviction of one VM writes under the per-VM layout: the blocks a request
+    changes (its connection state, its stack and every `stride`-th working-set page,
+    densevm's --ws-write-stride), joined across gaps of resident blocks of up to
+    WRITE_CLUSTER_GAP_BYTES as the pager joins its writes (paging-policy ledger.rs)."""
+    pages = list(range(-(-ws_bytes // PAGE_BYTES)))
+    resident = _blocks(_request_regions(pages, ram_bytes), block_bytes)
+    changed = sorted(_blocks(_request_regions(pages[::stride], ram_bytes), block_bytes))
+    written = set(changed)
+    for a, b in zip(changed, changed[1:]):
+        gap = range(a + 1, b)
+        if len(gap) * block_bytes <= WRITE_CLUSTER_GAP_BYTES and all(x in resident for x in gap):
+            written.update(gap)
+    return len(written) * block_bytes
 
 
 @dataclass(frozen=True)
@@ -180,7 +193,7 @@ class ModelInput:
     cpu_s: float              # in-core aggregate CPU time per request (1 / in-core throughput)
     bench: DiskBench | None   # None: the real device's time is left out (modeled time only)
     fault_s: float = DEFAULT_FAULT_US * 1e-6  # pager CPU per fault served (aggregate)
-    dirty_bytes: int | None = None  # of the footprint, what a request changes (None: all of it)
+    written_bytes: int | None = None  # of the footprint, what an eviction writes (None: all of it)
     after: int = WSSWAP_AFTER       # wsswap: the fault after an eviction that prefetches the set
     swap_bytes: int | None = None   # the swap device the drives' seeks span (None: as densevm sizes it)
 
@@ -190,8 +203,8 @@ class ModelInput:
         return min(1.0, used_bytes / span)
 
     @property
-    def dirty(self) -> int:
-        return min(self.footprint_bytes, self.dirty_bytes if self.dirty_bytes is not None else self.footprint_bytes)
+    def written(self) -> int:
+        return min(self.footprint_bytes, self.written_bytes if self.written_bytes is not None else self.footprint_bytes)
 
     @property
     def single_faults(self) -> int:
@@ -246,7 +259,7 @@ def miss_cost(inp: ModelInput) -> tuple[float, float]:
     # regions, one of RAM size per VM in creation order, fill only part of the drive.
     spread = (miss_sqrt_distance(inp.vms, inp.budget_bytes // inp.footprint_bytes, inp.alpha) *
               math.sqrt(inp.used_fraction(inp.vms * GUEST_RAM_BYTES)))
-    write = disk.request_s(inp.dirty, spread) + (bench.sequential_write_s if bench else 0.0)
+    write = disk.request_s(inp.written, spread) + (bench.sequential_write_s if bench else 0.0)
     read = (fp // block) * (disk.request_s(block, spread) + random_read)
     return read, write
 

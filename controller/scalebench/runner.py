@@ -24,7 +24,7 @@ from .cgroup import Containment, memory_limit
 from .config import RunConfig, binary
 from .densevm import DenseVM, DenseVMArgs, DenseVMError
 from .disks import differences, disk_model
-from .model import ModelInput, estimate_dirty, estimate_footprint, predict, zipf_popularity
+from .model import ModelInput, estimate_written, estimate_footprint, predict, zipf_popularity
 from .procs import Terminated
 from .progress import Reporter
 from .result import RunResult, now_iso
@@ -510,7 +510,7 @@ def apply_model(r: RunResult, cfg: RunConfig, cpu_us: float, bench: diskbench.Di
     p = predict(ModelInput(vms=cfg.vms, alpha=cfg.alpha, block_bytes=cfg.block_bytes,
                            budget_bytes=cfg.mem_bytes, footprint_bytes=footprint, policy=cfg.policy,
                            disk=disk_model(cfg.disk), cpu_s=cpu_us * 1e-6, bench=bench,
-                           fault_s=cfg.fault_us * 1e-6, dirty_bytes=estimate_dirty(cfg.ws_bytes, cfg.block_bytes),
+                           fault_s=cfg.fault_us * 1e-6, written_bytes=estimate_written(cfg.ws_bytes, cfg.block_bytes),
                            swap_bytes=(r.pager.get("pager") or {}).get("swap_bytes")))
     r.model = p.as_dict()
     r.model["footprint_source"] = "measured" if r.footprint_bytes else "estimated"

@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 
 from scalebench.disks import disk_model
-from scalebench.model import ModelInput, estimate_dirty, estimate_footprint, predict
+from scalebench.model import ModelInput, estimate_written, estimate_footprint, predict
 from scalebench.units import KIB, parse_size
 
 PAGESIM = Path(__file__).resolve().parents[2] / "target" / "release" / "pagesim"
@@ -43,7 +43,7 @@ def main() -> None:
             b = parse_size(block)
             p = predict(ModelInput(args.vms, alpha, b, parse_size("1G"), estimate_footprint(896 * KIB, b), policy,
                                    disk_model(args.disk), args.cpu_us * 1e-6, None, args.fault_us * 1e-6,
-                                   estimate_dirty(896 * KIB, b)))
+                                   estimate_written(896 * KIB, b)))
             print(f"{policy:7} {alpha:5.2f} {block:>5} {p.hit_ratio:8.3f} {sim['hit_ratio']:8.3f} "
                   f"{p.model_rps:10.1f} {sim['predicted_rps']:9.1f}")
 

@@ -130,6 +130,44 @@ pub enum Admission {
 /// Blocks whose ranges must be woken, as (VM, block).
 pub type Wakes = Vec<(VmId, BlockId)>;
 
+/// Largest run of unchanged blocks an eviction rewrites to join two writes
+/// (see [`cluster_writes`]): on the modeled disks one positioning (5-13 ms)
+/// costs what moving 200-500 KiB does.
+pub const WRITE_CLUSTER_GAP_BYTES: u64 = 256 << 10;
+
+/// Joins an eviction's writes across short gaps: unchanged blocks whose swap
+/// copy lies exactly between two blocks to be written, contiguous on swap, are
+/// written too (with their own content, which is their swap copy's). With a
+/// small block the changed blocks of a working set are scattered (at 4 KiB,
+/// one in four), and each would be a write of its own, each paying a seek and
+/// a rotation: 61 positionings per evicted VM beside its 233 reads. Joined,
+/// the VM goes out in one sequential write, as Denali's model has it. Gaps up
+/// to [`WRITE_CLUSTER_GAP_BYTES`] are joined. The pager and pagesim call this
+/// before [`write_runs`].
+pub fn cluster_writes(victims: &mut [PlanBlock], block_bytes: u64) {
+    let offset = |p: &PlanBlock, at: u64| p.old_loc == at && (p.loc == NO_LOC || p.loc == at);
+    let mut last: Option<usize> = None;
+    for i in 0..victims.len() {
+        if !victims[i].dirty || victims[i].loc == NO_LOC {
+            continue;
+        }
+        if let Some(w) = last.filter(|&w| i > w + 1) {
+            let base = victims[w].loc;
+            let gap = (i - w - 1) as u64;
+            if gap * block_bytes <= WRITE_CLUSTER_GAP_BYTES
+                && victims[i].loc == base + (gap + 1) * block_bytes
+                && (w + 1..i).all(|k| offset(&victims[k], base + (k - w) as u64 * block_bytes))
+            {
+                for p in &mut victims[w + 1..i] {
+                    p.dirty = true;
+                    p.loc = p.old_loc;
+                }
+            }
+        }
+        last = Some(i);
+    }
+}
+
 /// Groups the swap writes of an eviction plan: the ranges of `victims` that
 /// are dirty and contiguous on swap, each one write. The pager and pagesim
 /// batch writes alike through this.
@@ -717,5 +755,36 @@ mod write_runs_tests {
         let runs: Vec<_> = write_runs(&victims, bs).collect();
         assert_eq!(runs, vec![0..2, 3..4, 4..6]);
         assert_eq!(write_runs(&[victim(NO_LOC, false)], bs).count(), 0);
+    }
+
+    fn unchanged(old_loc: u64) -> PlanBlock {
+        PlanBlock { old_loc, ..victim(NO_LOC, false) }
+    }
+
+    #[test]
+    fn short_gaps_of_unchanged_blocks_are_rewritten_to_join_writes() {
+        let bs = 4096;
+        // Written blocks at 0 and 4 with three unchanged ones in between, in place: one write.
+        let mut victims = [victim(0, true), unchanged(bs), unchanged(2 * bs), unchanged(3 * bs), victim(4 * bs, true)];
+        cluster_writes(&mut victims, bs);
+        assert!(victims.iter().all(|p| p.dirty));
+        assert_eq!(victims[2].loc, 2 * bs, "an unchanged block is rewritten where its copy is");
+        assert_eq!(write_runs(&victims, bs).collect::<Vec<_>>(), vec![0..5]);
+        // Not joined: a block without a swap copy in the gap, a copy elsewhere,
+        // a gap longer than WRITE_CLUSTER_GAP_BYTES, nothing written after the gap.
+        let far = WRITE_CLUSTER_GAP_BYTES / bs + 1;
+        let mut long = vec![victim(0, true)];
+        long.extend((1..=far).map(|k| unchanged(k * bs)));
+        long.push(victim((far + 1) * bs, true));
+        for mut case in [
+            vec![victim(0, true), victim(NO_LOC, false), victim(2 * bs, true)],
+            vec![victim(0, true), unchanged(7 * bs), victim(2 * bs, true)],
+            long,
+            vec![victim(0, true), unchanged(bs)],
+        ] {
+            let before: Vec<bool> = case.iter().map(|p| p.dirty).collect();
+            cluster_writes(&mut case, bs);
+            assert_eq!(case.iter().map(|p| p.dirty).collect::<Vec<_>>(), before);
+        }
     }
 }

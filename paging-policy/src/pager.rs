@@ -42,7 +42,7 @@ use serde_json::{json, Map, Value};
 use crate::config::{check_block, default_swap_path, PagerConfig};
 use crate::disk::DiskSpec;
 use crate::error::PagerError;
-use crate::ledger::{read_runs, write_runs, Access, Admission, Classified, Ledger, PlanBlock, Wakes, NO_LOC};
+use crate::ledger::{cluster_writes, read_runs, write_runs, Access, Admission, Classified, Ledger, PlanBlock, Wakes, NO_LOC};
 use crate::policy::{build_policy, BlockId, SwapLayout, VmId};
 use crate::space::SwapSpace;
 use crate::stats::TotalLatency;
@@ -642,7 +642,9 @@ impl Pager {
                 }
             }
         }
-        // 3. Copy dirty blocks out, one write per run contiguous on swap.
+        // 3. Copy dirty blocks out, one write per run contiguous on swap,
+        //    runs joined across short gaps of unchanged blocks.
+        cluster_writes(victims, bs as u64);
         let mut io = 0.0;
         for std::ops::Range { start: i, end: j } in write_runs(victims, bs as u64) {
             s.write.reserve((j - i) * bs);

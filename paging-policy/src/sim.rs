@@ -25,7 +25,7 @@ use serde::Serialize;
 use crate::config::check_block;
 use crate::disk::{DiskModel, DiskSpec};
 use crate::error::PagerError;
-use crate::ledger::{read_runs, write_runs, Admission, Ledger, PlanBlock, Wakes};
+use crate::ledger::{cluster_writes, read_runs, write_runs, Admission, Ledger, PlanBlock, Wakes};
 use crate::policy::{build_policy, SwapLayout, VmId};
 use crate::space::SwapSpace;
 
@@ -286,7 +286,8 @@ impl Simulator {
                         reason: "made no room (nothing in flight in a simulation)".into(),
                     })
                 }
-                Admission::Evict(victims) => {
+                Admission::Evict(mut victims) => {
+                    cluster_writes(&mut victims, bs);
                     for run in write_runs(&victims, bs) {
                         let bytes = run.len() as u64 * bs;
                         self.model.submit(0.0, victims[run.start].loc, bytes, true);
