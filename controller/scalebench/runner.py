@@ -2,9 +2,10 @@
 
 Phases: disk microbenchmark -> cgroup -> densevm boot -> calibration (runs out
 of core by construction) -> touch (one request per VM) -> settle (the pager's
-policy brought to its steady state) -> warm-up and measurement (one zipfperf run). Whatever happens, densevm and zipfperf are stopped,
-the cgroup is removed and the result is written: status "ok", or "failed" with
-the error and everything measured until then.
+policy brought to its steady state) -> warm-up and measurement (one zipfperf
+run). Whatever happens, densevm and zipfperf are stopped, the cgroup is removed
+and the result is written: status "ok", or "failed" with the error and
+everything measured until then.
 """
 from __future__ import annotations
 
