@@ -254,7 +254,8 @@ def test_sigterm_tears_everything_down(tmp_path):
         (["--vms", "2", "--addr-base", "10.0.0.1"], "127.0.0.0/8"),
         (["--vms", "2", "--guest", "/nonexistent/webguest.elf"], "cannot read guest image"),
         (["--vms", "2", "--ws", "lots"], "invalid size"),
-        (["--vms", "100000"], "file descriptors"),
+        (["--vms", "100000"], "kernel memory"),
+        (["--vms", "2", "--cell-vms", "0"], "--cell-vms must be at least 1"),
         (["--vms", "2", "--bogus-flag"], "--bogus-flag"),
     ],
 )

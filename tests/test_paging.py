@@ -35,8 +35,9 @@ def drive(m, rounds: int) -> None:
 def test_guest_memory_survives_eviction(tmp_path, policy, block):
     # A quarter of what the VMs touch: every request evicts someone.
     budget = VMS * (1 << 20) // 4
+    # Three cells share the pager's budget.
     m = start(tmp_path, VMS, "127.211.0.0", "--selfcheck", "--policy", policy, "--block", block,
-              "--mem", str(budget), "--guest-mem", str(GUEST_MEM))
+              "--mem", str(budget), "--guest-mem", str(GUEST_MEM), "--cell-vms", "2")
     try:
         drive(m, 6)
         totals = m.control({"cmd": "stats"})["totals"]
@@ -51,7 +52,7 @@ def test_guest_memory_survives_eviction(tmp_path, policy, block):
 
 def test_resident_memory_stays_within_budget_during_the_run(tmp_path):
     budget = VMS * (1 << 20) // 4
-    m = start(tmp_path, VMS, "127.212.0.0", "--mem", str(budget), "--block", "32k")
+    m = start(tmp_path, VMS, "127.212.0.0", "--mem", str(budget), "--block", "32k", "--cell-vms", "2")
     samples: list[tuple[int, int]] = []
     stop = threading.Event()
 

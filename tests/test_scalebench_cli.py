@@ -37,7 +37,7 @@ BAD = [
     (["--mem", "64T"], "not within this host's memory"),
     (["--disk", "floppy"], "unknown disk model"),
     (["--object", "medium"], "invalid choice"),
-    (["--vms", "6000"], "file descriptors"),
+    (["--vms", "100000"], "more than this host's memory"),
     (["run", "--policy", "lru"], "--policy must be"),
     (["model", "--block", "3k", "--cpu-us", "10"], "power of two"),
     (["sweep", "/nonexistent/fig.toml"], "cannot read experiment file"),

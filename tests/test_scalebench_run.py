@@ -250,9 +250,29 @@ def test_a_calibration_phase_that_paged_gives_way_to_the_stored_one(fakes, monke
     result = run(small_config(fakes), bins=Binaries.find())
     assert result.status == "ok", result.error
     doc = json.loads((fakes / "run" / "result.json").read_text())
-    assert doc["calibration"] == {"cpu_us": 250.0, "source": "stored"}
+    assert {k: doc["calibration"][k] for k in ("cpu_us", "source")} == {"cpu_us": 250.0, "source": "stored"}
     assert any("calibration phase paged" in w for w in doc["warnings"])
     assert calibration.load_cpu_us("small") == 250.0  # the overestimate was not stored
+
+
+def test_the_host_time_per_fault_is_calibrated_by_the_settle_phase(fakes):
+    from scalebench import calibration
+    result = run(small_config(fakes), bins=Binaries.find())
+    assert result.status == "ok", result.error
+    cal = result.calibration
+    assert cal["fault_source"].startswith("settle phase"), cal
+    # What the requests left of the settle phase's time, shared by its faults.
+    settle = [row for row in result.timeseries if row["phase"] == "settle"]
+    first, last = settle[len(settle) // 2], settle[-1]
+    dt = last["t"] - first["t"]
+    rps, faults_s = (last["requests"] - first["requests"]) / dt, (last["faults"] - first["faults"]) / dt
+    expected = (1 - rps * cal["cpu_us"] * 1e-6) / faults_s * 1e6
+    assert cal["fault_us"] == pytest.approx(expected, rel=0.35)
+    assert result.model["fault_us"] == pytest.approx(cal["fault_us"])
+    assert calibration.load_fault_us(result.config["block_bytes"]) == pytest.approx(cal["fault_us"])
+    # A flag still wins.
+    flagged = run(small_config(fakes, fault_us=40.0), bins=Binaries.find())
+    assert flagged.calibration["fault_source"] == "flag" and flagged.model["fault_us"] == 40.0
 
 
 def test_regime_definition():

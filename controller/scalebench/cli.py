@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from .config import ConfigError, RunConfig, check_addresses_free, validate
+from .model import DEFAULT_FAULT_US
 
 # `scalebench model` without --cpu-us on a host with no stored calibration: about
 # what the 4,000-VM main job calibrated on a (busy) development host, 527 us.
@@ -47,8 +48,9 @@ def _workload_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--object", choices=("small", "large"), default=d.object, help="2,258 or 134,007 bytes")
     p.add_argument("--cpu-us", type=float, default=None,
                    help="in-core CPU microseconds per request for the model (default: calibrated)")
-    p.add_argument("--fault-us", type=float, default=d.fault_us,
-                   help=f"the model's pager CPU microseconds per fault (default {d.fault_us:g})")
+    p.add_argument("--fault-us", type=float, default=None,
+                   help="the model's host microseconds per pager fault (default: calibrated by the run's "
+                   f"settle phase, else the host's stored calibration, else {DEFAULT_FAULT_US:g})")
 
 
 def run_parser() -> Parser:
@@ -129,6 +131,11 @@ def cmd_model(argv: list[str]) -> int:
     if cpu_us is None:
         # Out of core the disk decides and this hardly matters; in core it is the whole answer.
         cpu_us, source = UNCALIBRATED_CPU_US, "uncalibrated guess: pass --cpu-us or do one in-core run"
+    fault_us, fault_source = cfg.fault_us, "flag"
+    if fault_us is None:
+        fault_us, fault_source = calibration.load_fault_us(cfg.block_bytes), "stored calibration"
+    if fault_us is None:
+        fault_us, fault_source = DEFAULT_FAULT_US, "default"
     bench = None
     if args.bench_dir != "none":
         try:
@@ -136,10 +143,10 @@ def cmd_model(argv: list[str]) -> int:
         except OSError as e:
             raise ConfigError(f"--bench-dir: {e}") from None
     pred = predict(ModelInput(cfg.vms, cfg.alpha, cfg.block_bytes, cfg.mem_bytes, footprint, cfg.policy,
-                              disk_model(cfg.disk), cpu_us * 1e-6, bench, cfg.fault_us * 1e-6,
+                              disk_model(cfg.disk), cpu_us * 1e-6, bench, fault_us * 1e-6,
                               estimate_written(cfg.ws_bytes, cfg.block_bytes)))
     if args.json:
-        print(json.dumps({"prediction": pred.as_dict(), "cpu_source": source,
+        print(json.dumps({"prediction": pred.as_dict(), "cpu_source": source, "fault_source": fault_source,
                           "diskbench": bench.as_dict() if bench else None}, indent=2))
         return 0
     print(f"model: {cfg.vms} VMs, alpha {cfg.alpha}, block {cfg.block}, mem {cfg.mem}, {cfg.policy}, disk {cfg.disk}")
@@ -148,7 +155,7 @@ def cmd_model(argv: list[str]) -> int:
     print(f"  hit ratio {pred.hit_ratio:.4f} (Che's approximation of LRU under Zipf)")
     print(f"  miss: read {pred.miss_read_s * 1e3:.2f} ms + write {pred.miss_write_s * 1e3:.2f} ms"
           + (f" (device: {bench.random_read_s * 1e6:.0f} us per random {cfg.block} read)" if bench else ""))
-    print(f"  cpu {cpu_us:.1f} us/request ({source}) + {cfg.fault_us:g} us per fault "
+    print(f"  cpu {cpu_us:.1f} us/request ({source}) + {fault_us:.0f} us per fault ({fault_source}) "
           f"-> CPU bound {pred.cpu_rps:,.0f} requests/s, swap I/O bound {pred.disk_rps:,.0f} requests/s")
     print(f"  predicted {pred.model_rps:,.1f} requests/s, {pred.regime}")
     return 0

@@ -7,19 +7,16 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import resource
 import socket
 from dataclasses import dataclass, asdict, field, fields, replace
 from pathlib import Path
 
+from .cgroup import memory_limit
 from .disks import disk_model
-from .model import DEFAULT_FAULT_US
 from .units import KIB, is_power_of_two, parse_size
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MIN_BLOCK, MAX_BLOCK = 4 * KIB, 256 * KIB
-FDS_PER_VM = 4          # densevm: per VM a KVM VM fd, a vCPU fd, a listener and an eventfd
-FDS_SPARE = 256         # densevm's own files, the API socket, connections in flight
 OBJECTS = ("small", "large")
 
 
@@ -48,7 +45,7 @@ class RunConfig:
     timeout: float = 60.0           # zipfperf --timeout: a cold VM on a modeled disk takes seconds
     cpu_us: float | None = None
     calibration_s: float = 10.0     # calibration phase of out-of-core runs; its second half is measured
-    fault_us: float = DEFAULT_FAULT_US  # the model's pager CPU per fault
+    fault_us: float | None = None   # the model's host time per fault; None: calibrated by the run
     addr_base: str = "127.1.0.0"
     port: int = 8080
     out: str | None = None          # run directory; default runs/<run-id>
@@ -111,6 +108,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     host = host_memory_bytes()
     if mem <= 0 or mem > host:
         raise ConfigError(f"--mem {cfg.mem} is not within this host's memory ({host // 2**20} MiB)")
+    if memory_limit(mem, cfg.vms) > host:
+        raise ConfigError(f"--vms {cfg.vms} with --mem {cfg.mem} needs about {memory_limit(mem, cfg.vms) / 2**30:.1f} GiB "
+                          f"(the budget, the VMs' kernel memory and the monitor): more than this host's memory "
+                          f"({host / 2**30:.1f} GiB)")
     if _size("ws", cfg.ws) <= 0:
         raise ConfigError(f"--ws must be positive (got {cfg.ws})")
     if cfg.policy not in ("demand", "wsswap") and not (cfg.policy.endswith(".so") and os.path.isfile(cfg.policy)):
@@ -127,7 +128,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"--object must be small or large (got {cfg.object})")
     if cfg.timeout <= 0:
         raise ConfigError(f"--timeout must be positive (got {cfg.timeout})")
-    if cfg.fault_us < 0:
+    if cfg.fault_us is not None and cfg.fault_us < 0:
         raise ConfigError(f"--fault-us must be >= 0 (got {cfg.fault_us})")
     if cfg.cpu_us is not None and cfg.cpu_us <= 0:
         raise ConfigError(f"--cpu-us must be positive (got {cfg.cpu_us})")
@@ -137,10 +138,6 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"--addr-base is not an IPv4 address: {cfg.addr_base}") from None
     if first not in ipaddress.IPv4Network("127.0.0.0/8") or int(first) + cfg.vms - 1 > int(ipaddress.IPv4Address("127.255.255.254")):
         raise ConfigError(f"--vms {cfg.vms} from {cfg.addr_base} does not fit in 127.0.0.0/8")
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    need = cfg.vms * FDS_PER_VM + FDS_SPARE
-    if hard != resource.RLIM_INFINITY and need > hard:
-        raise ConfigError(f"--vms {cfg.vms} needs about {need} file descriptors; the hard limit is {hard}")
     if cfg.db_guests < 0 or (cfg.db_guests > 0 and not cfg.db_workload):
         raise ConfigError("--db-guests K needs K >= 0 and --db-workload NAME")
     return cfg

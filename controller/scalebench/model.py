@@ -71,9 +71,10 @@ IN_CORE_LOSS = 0.05
 # The pager serves faults on this many threads (paging-policy/src/pager.rs,
 # SERVICE_THREADS): at most that many swap I/Os are in flight, whatever the drives.
 PAGER_SERVICE_THREADS = 8
-# Pager CPU time per fault served, aggregate over the host: a fault resolved
-# with one 32 KiB UFFDIO_COPY takes 84-131 us here (host-notes.md), about the
-# 3,000-10,000 faults/s the pager sustains on these 2 cores. Overridable with --fault-us.
+# Host time per fault served, aggregate over the host, when a run has nothing
+# better: runs calibrate it in their settle phase (runner.py) and `scalebench
+# model` uses the stored value. A fault resolved with one 32 KiB UFFDIO_COPY
+# takes 84-131 us here (host-notes.md). Overridable with --fault-us.
 DEFAULT_FAULT_US = 100.0
 
 

@@ -25,7 +25,7 @@ from .cgroup import Containment, memory_limit
 from .config import RunConfig, binary
 from .densevm import DenseVM, DenseVMArgs, DenseVMError
 from .disks import differences, disk_model
-from .model import ModelInput, estimate_written, estimate_footprint, predict, zipf_popularity
+from .model import DEFAULT_FAULT_US, ModelInput, estimate_written, estimate_footprint, predict, zipf_popularity
 from .procs import Terminated
 from .progress import Reporter
 from .result import RunResult, now_iso
@@ -250,7 +250,8 @@ class Run:
         window = [row for row in r.timeseries if row["phase"] == "measure"]
         self._record_measurement(doc, window[0], window[-1], stats)
         cpu_us, source = self._cpu_us()
-        r.calibration = {"cpu_us": cpu_us, "source": source}
+        fault_us, fault_source = self._fault_us(cpu_us)
+        r.calibration = {"cpu_us": cpu_us, "source": source, "fault_us": fault_us, "fault_source": fault_source}
         if cpu_us is None:
             r.model = {"error": f"no in-core CPU cost: {source}"}
             r.warnings.append(r.model["error"])
@@ -445,6 +446,31 @@ class Run:
             return self.calibration["cpu_us"], self.calibration["source"] + ", paged: an overestimate"
         return None, "none: the warm-up paged and no calibration is stored (pass --cpu-us, or run once in core)"
 
+    def _fault_us(self, cpu_us: float | None) -> tuple[float, str]:
+        """Host microseconds per pager fault: --fault-us, this run's settle phase, the host's
+        stored calibration, or the default, in that order.
+
+        The settle phase pages with the disk model off and enough requests in flight to keep
+        the host busy, so its second half spends the host's time on requests and faults alone:
+        1 s = requests/s x cpu_us + faults/s x fault_us. That is what bounds throughput with
+        --disk none, and the CPU side of a modeled disk's misses.
+        """
+        cfg = self.cfg
+        if cfg.fault_us is not None:
+            return cfg.fault_us, "flag"
+        window = self.sampler.late_window("settle")
+        if window and cpu_us is not None and window[1] > 0:
+            rps, faults_per_request = window
+            spare = 1.0 - rps * cpu_us * 1e-6
+            if spare > 0:
+                fault_us = spare / (rps * faults_per_request) * 1e6
+                calibration.store_fault_us(cfg.block_bytes, fault_us, cfg.vms, "settle phase")
+                return fault_us, f"settle phase ({rps * faults_per_request:,.0f} faults/s, disk model off)"
+        stored = calibration.load_fault_us(cfg.block_bytes)
+        if stored is not None:
+            return stored, "stored"
+        return DEFAULT_FAULT_US, "default"
+
     # -- results ---------------------------------------------------------------
 
     def _record_measurement(self, doc: dict, before: dict, after: dict, stats: dict) -> None:
@@ -511,13 +537,22 @@ def apply_model(r: RunResult, cfg: RunConfig, cpu_us: float, bench: diskbench.Di
     p = predict(ModelInput(vms=cfg.vms, alpha=cfg.alpha, block_bytes=cfg.block_bytes,
                            budget_bytes=cfg.mem_bytes, footprint_bytes=footprint, policy=cfg.policy,
                            disk=disk_model(cfg.disk), cpu_s=cpu_us * 1e-6, bench=bench,
-                           fault_s=cfg.fault_us * 1e-6, written_bytes=estimate_written(cfg.ws_bytes, cfg.block_bytes),
+                           fault_s=recorded_fault_us(r, cfg) * 1e-6, written_bytes=estimate_written(cfg.ws_bytes, cfg.block_bytes),
                            swap_bytes=(r.pager.get("pager") or {}).get("swap_bytes")))
     r.model = p.as_dict()
     r.model["footprint_source"] = "measured" if r.footprint_bytes else "estimated"
     r.model_rps = p.model_rps
     if r.throughput_rps is not None and p.model_rps > 0:
         r.measured_over_model = r.throughput_rps / p.model_rps
+
+
+def recorded_fault_us(r: RunResult, cfg: RunConfig) -> float:
+    """The host time per fault a run's model uses: its calibration (runs before it was
+    calibrated recorded none), else the configuration's, else the default."""
+    for value in ((r.calibration or {}).get("fault_us"), cfg.fault_us):
+        if value is not None:
+            return value
+    return DEFAULT_FAULT_US
 
 
 def remodel(path: Path) -> RunResult | None:

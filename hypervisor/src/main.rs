@@ -1,23 +1,31 @@
-//! densevm: one process hosting thousands of tiny web-server microVMs on
-//! /dev/kvm. See hypervisor/README.md.
+//! densevm: thousands of tiny web-server microVMs on /dev/kvm, spread over
+//! worker processes (cells) that share one pager. See hypervisor/README.md.
 
 mod abi;
 mod api;
 mod boot;
+mod cell;
+mod cells;
 mod devices;
+mod framing;
 mod loader;
 mod memory;
 mod monitor;
+mod pager_link;
 mod platform;
+mod protocol;
+mod proxy;
 mod serve;
 mod stats;
+mod supervisor;
 mod vm;
+mod vmtable;
 mod vstate;
 
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "densevm", version, about = "Thousands of tiny web-server microVMs in one KVM monitor")]
+#[command(name = "densevm", version, about = "Thousands of tiny web-server microVMs on KVM, in cells that share one pager")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -26,7 +34,10 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Boot N VMs and serve HTTP on their loopback addresses until SIGTERM.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
+    /// A worker process of `serve` (started by it; its stdin is the link).
+    #[command(hide = true)]
+    Cell,
 }
 
 /// Keeps the allocator from changing memory protections.
@@ -58,7 +69,8 @@ fn main() {
         }
     };
     let code = match cli.command {
-        Command::Serve(args) => serve::run(args),
+        Command::Serve(args) => serve::run(*args),
+        Command::Cell => cell::run(),
     };
     std::process::exit(code);
 }

@@ -1,20 +1,35 @@
 //! Host mappings that back guest memory.
 //!
 //! A VM has three regions (see `abi`): its private system pages, the image
-//! shared read-only by every VM, and its RAM. All are anonymous mappings
-//! with MAP_NORESERVE: nothing is allocated until touched.
+//! shared read-only by every VM, and its RAM. System pages and vCPU stacks
+//! are anonymous mappings with MAP_NORESERVE: nothing is allocated until
+//! touched. RAM is a slot of the cell's memfd-backed [`GuestMemory`], which
+//! the pager (in the parent process) holds too and alone frees.
 
 use std::io;
 use std::ptr::NonNull;
 use std::sync::atomic::AtomicU32;
 
-/// Anonymous host memory: a mapping of its own (unmapped on drop) or a slot
-/// of an [`Arena`] (released to the kernel on drop).
+use paging_policy::GuestMemory;
+
+/// What dropping a [`Mapping`] does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Release {
+    /// A mapping of its own: unmapped.
+    Unmap,
+    /// A slot of an [`Arena`]: its pages go back to the kernel.
+    DontNeed,
+    /// A slot of [`RamSlots`]: the pager frees it when the VM is unregistered.
+    Pager,
+}
+
+/// Host memory: a mapping of its own, a slot of an [`Arena`], or a VM's
+/// slot of the cell's guest RAM.
 #[derive(Debug)]
 pub struct Mapping {
     base: NonNull<u8>,
     len: usize,
-    owned: bool,
+    release: Release,
 }
 
 // SAFETY: the mapping is plain memory; concurrent access from the guest and
@@ -41,7 +56,7 @@ impl Mapping {
         if ptr == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        Ok(Mapping { base: NonNull::new(ptr.cast()).expect("mmap returned null"), len, owned: true })
+        Ok(Mapping { base: NonNull::new(ptr.cast()).expect("mmap returned null"), len, release: Release::Unmap })
     }
 
     /// Host address of the first byte.
@@ -107,11 +122,11 @@ impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: we own the mapping, or this slot of an arena.
         unsafe {
-            if self.owned {
-                libc::munmap(self.base.as_ptr().cast(), self.len);
-            } else {
-                libc::madvise(self.base.as_ptr().cast(), self.len, libc::MADV_DONTNEED);
-            }
+            match self.release {
+                Release::Unmap => libc::munmap(self.base.as_ptr().cast(), self.len),
+                Release::DontNeed => libc::madvise(self.base.as_ptr().cast(), self.len, libc::MADV_DONTNEED),
+                Release::Pager => 0,
+            };
         }
     }
 }
@@ -145,6 +160,36 @@ impl Arena {
             chunks[chunk] = Some(Mapping::anonymous(self.slot_bytes * self.slots_per_chunk, false)?);
         }
         let base = chunks[chunk].as_ref().expect("chunk mapped").at((within * self.slot_bytes) as u64);
-        Ok(Mapping { base: NonNull::new(base).expect("non-null slot"), len: self.slot_bytes, owned: false })
+        Ok(Mapping { base: NonNull::new(base).expect("non-null slot"), len: self.slot_bytes, release: Release::DontNeed })
+    }
+}
+
+/// The cell's guest RAM: one memfd-backed mapping registered with the cell's
+/// userfaultfd, cut into one slot per VM (VM `first_id + i` in slot `i`).
+///
+/// One mapping for all VMs keeps the VMA count constant, and the memfd lets
+/// the pager in the parent process read, protect and free the VMs' blocks.
+pub struct RamSlots {
+    memory: GuestMemory,
+    slot_bytes: usize,
+}
+
+impl RamSlots {
+    /// Room for `slots` VMs of `slot_bytes` each.
+    pub fn new(slot_bytes: usize, slots: usize) -> Result<Self, paging_policy::PagerError> {
+        Ok(RamSlots { memory: GuestMemory::new(slot_bytes * slots)?, slot_bytes })
+    }
+
+    /// The memory itself, for the hand-over to the pager.
+    pub fn memory(&self) -> &GuestMemory {
+        &self.memory
+    }
+
+    /// Slot `index`; `None` past the end.
+    pub fn slot(&self, index: usize) -> Option<Mapping> {
+        let offset = index.checked_mul(self.slot_bytes).filter(|o| o + self.slot_bytes <= self.memory.len())?;
+        // SAFETY: in bounds of the mapping, which lives as long as the cell.
+        let base = unsafe { self.memory.as_ptr().add(offset) };
+        Some(Mapping { base: NonNull::new(base).expect("non-null slot"), len: self.slot_bytes, release: Release::Pager })
     }
 }

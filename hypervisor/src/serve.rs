@@ -1,38 +1,45 @@
-//! `densevm serve`: validate the configuration, boot the VMs, run the
-//! monitor until a signal, tear everything down.
+//! `densevm serve`: validate the configuration, start the pager and the
+//! cells that hold the VMs, supervise them until a signal, tear down.
 
 use crate::boot::RamLayout;
-use crate::loader;
-use paging_policy::trace::{TraceHeader, TraceWriter};
-use paging_policy::{parse_size, Pager, PagerConfig};
-use crate::memory::Arena;
-use crate::monitor::{Exit, Monitor, MonitorSetup};
+use crate::cells::PendingCell;
+use crate::loader::{self, GuestImage};
 use crate::platform;
-use crate::vm::{self, BuildContext, MicroVm, DOORBELL_GROUP};
-use crate::vstate::vm::VmCaps;
+use crate::supervisor::{Exit, Supervisor, SupervisorSetup};
 use clap::Args;
 use kvm_ioctls::Kvm;
+use paging_policy::trace::{TraceHeader, TraceWriter};
+use paging_policy::{parse_size, Pager, PagerConfig};
+use serde::{Deserialize, Serialize};
 use serde_json::json;
+use std::io::Write;
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-/// File descriptors each VM holds: VM, vCPU, irqfd, listener.
+/// File descriptors each VM holds in its cell: VM, vCPU, irqfd, listener.
 const FDS_PER_VM: u64 = 4;
 /// Descriptors kept free for connections, the API and the pager.
 const FD_HEADROOM: u64 = 1024;
-const KVM_MAX_CPUID_ENTRIES: usize = 256;
+/// Descriptors the parent holds per cell: link, userfaultfd, memfd, pidfd slack.
+const FDS_PER_CELL: u64 = 4;
+/// Kernel memory a 1-vCPU KVM VM holds (0.55-0.6 MB measured, host-notes.md):
+/// a VM count the host cannot hold is refused up front.
+const KERNEL_BYTES_PER_VM: u64 = 600 << 10;
 /// Longest orderly teardown before the process just exits.
 const TEARDOWN_GRACE: Duration = Duration::from_secs(30);
 
 /// Flags of `densevm serve`.
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone, Serialize, Deserialize)]
 pub struct ServeArgs {
     /// Number of VMs to boot.
     #[arg(long, default_value_t = 16)]
     pub vms: u32,
+    /// VMs per worker process (cell): each cell has its own address space,
+    /// so a change to guest memory visits only its VMs' MMU notifiers.
+    #[arg(long, default_value_t = 250)]
+    pub cell_vms: u32,
     /// Address of VM 0; VM i listens on this address plus i.
     #[arg(long, default_value = "127.1.0.0")]
     pub addr_base: Ipv4Addr,
@@ -90,14 +97,18 @@ pub struct ServeArgs {
     /// Report KVM's per-vCPU counters in the stats (one more fd per VM).
     #[arg(long)]
     pub vcpu_stats: bool,
-    /// Threads that create VMs at boot.
+    /// Threads that create VMs at boot, per cell.
     #[arg(long, default_value_t = 2)]
     pub boot_threads: u32,
+    /// Busy CPU work per served request, in microseconds: a known slowdown of
+    /// the in-core path, only for checking regression detection.
+    #[arg(long, default_value_t = 0)]
+    pub inject_request_us: u64,
 }
 
 /// A configuration or set-up error: one line, exit code 2.
 #[derive(Debug)]
-struct ConfigError(String);
+pub struct ConfigError(pub String);
 
 fn default_guest() -> PathBuf {
     std::env::current_exe()
@@ -106,8 +117,14 @@ fn default_guest() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("webguest.elf"))
 }
 
-/// Raises the soft fd limit to the hard one; checks it covers `vms` VMs.
-fn ensure_fd_budget(vms: u32, fds_per_vm: u64) -> Result<(), ConfigError> {
+/// Descriptors a VM holds in its cell with these flags.
+pub fn fds_per_vm(args: &ServeArgs) -> u64 {
+    FDS_PER_VM + args.vcpu_stats as u64
+}
+
+/// Raises the soft fd limit to the hard one; checks it covers `count`
+/// holders of `fds_each` descriptors.
+pub fn ensure_fd_budget(count: u32, fds_each: u64) -> Result<(), ConfigError> {
     let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: plain getrlimit/setrlimit on our own process.
     unsafe {
@@ -115,35 +132,57 @@ fn ensure_fd_budget(vms: u32, fds_per_vm: u64) -> Result<(), ConfigError> {
         limit.rlim_cur = limit.rlim_max;
         libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
     }
-    let needed = vms as u64 * fds_per_vm + FD_HEADROOM;
+    let needed = count as u64 * fds_each + FD_HEADROOM;
     if needed > limit.rlim_max {
-        let most = (limit.rlim_max.saturating_sub(FD_HEADROOM)) / fds_per_vm;
         return Err(ConfigError(format!(
-            "--vms {vms} needs about {needed} file descriptors but RLIMIT_NOFILE allows {} (at most {most} VMs here)",
+            "{count} x {fds_each} file descriptors need about {needed} but RLIMIT_NOFILE allows {}",
             limit.rlim_max
         )));
     }
     Ok(())
 }
 
-struct Prepared {
-    ctx: BuildContext,
-    api: std::os::unix::net::UnixListener,
-    api_path: PathBuf,
-    crashed: Arc<Mutex<Vec<u32>>>,
-    waker_slot: Arc<Mutex<Option<Arc<mio::Waker>>>>,
-    pager: Arc<Pager>,
-    trace: Option<TraceWriter>,
+/// The guest image and the RAM layout of every VM.
+pub fn load_guest(args: &ServeArgs) -> Result<(GuestImage, RamLayout), ConfigError> {
+    let ws = size("--ws", &args.ws)?;
+    let guest_mem = size("--guest-mem", &args.guest_mem)?;
+    let guest = args.guest.clone().unwrap_or_else(default_guest);
+    let image = loader::load(&guest).map_err(|e| ConfigError(e.to_string()))?;
+    let layout = RamLayout::new(guest_mem, image.bss_end, image.rx_buffers, ws).ok_or_else(|| {
+        ConfigError(format!(
+            "--guest-mem {} cannot hold the guest ({} KiB of bss), a {} KiB working set and its stack: needs at least {} KiB",
+            args.guest_mem,
+            image.bss_end / 1024,
+            ws / 1024,
+            RamLayout::min_ram_bytes(image.bss_end, ws) / 1024
+        ))
+    })?;
+    Ok((image, layout))
 }
 
-fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
+fn size(flag: &str, text: &str) -> Result<u64, ConfigError> {
+    parse_size(text).map_err(|e| ConfigError(format!("{flag}: {e}")))
+}
+
+struct Prepared {
+    api: std::os::unix::net::UnixListener,
+    api_path: PathBuf,
+    pager: Arc<Pager>,
+    trace: Option<TraceWriter>,
+    layout: RamLayout,
+    platform: &'static str,
+}
+
+fn check_flags(args: &ServeArgs) -> Result<(), ConfigError> {
     if args.vms == 0 {
         return Err(ConfigError("--vms must be at least 1".into()));
+    }
+    if args.cell_vms == 0 {
+        return Err(ConfigError("--cell-vms must be at least 1".into()));
     }
     if args.ws_write_stride == 0 {
         return Err(ConfigError("--ws-write-stride must be at least 1".into()));
     }
-    let size = |flag: &str, text: &str| parse_size(text).map_err(|e| ConfigError(format!("{flag}: {e}")));
     let ws = size("--ws", &args.ws)?;
     let guest_mem = size("--guest-mem", &args.guest_mem)?;
     if ws % 4096 != 0 || guest_mem % 4096 != 0 {
@@ -157,20 +196,35 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
         Some(addr) if addr.is_loopback() && args.addr_base.is_loopback() => {}
         _ => return Err(ConfigError(format!("--addr-base {} + {} VMs leaves 127.0.0.0/8", args.addr_base, args.vms))),
     }
-    ensure_fd_budget(args.vms, FDS_PER_VM + args.vcpu_stats as u64)?;
+    let needed = args.vms as u64 * KERNEL_BYTES_PER_VM;
+    match mem_available() {
+        Some(available) if needed > available => Err(ConfigError(format!(
+            "--vms {} needs about {:.1} GiB of kernel memory ({} KiB a VM) but {:.1} GiB is available",
+            args.vms,
+            needed as f64 / GIB,
+            KERNEL_BYTES_PER_VM >> 10,
+            available as f64 / GIB
+        ))),
+        _ => Ok(()),
+    }
+}
 
-    let guest = args.guest.clone().unwrap_or_else(default_guest);
-    let image = loader::load(&guest).map_err(|e| ConfigError(e.to_string()))?;
-    let layout = RamLayout::new(guest_mem, image.bss_end, image.rx_buffers, ws).ok_or_else(|| {
-        ConfigError(format!(
-            "--guest-mem {} cannot hold the guest ({} KiB of bss), a {} KiB working set and its stack: needs at least {} KiB",
-            args.guest_mem,
-            image.bss_end / 1024,
-            ws / 1024,
-            RamLayout::min_ram_bytes(image.bss_end, ws) / 1024
-        ))
-    })?;
+const GIB: f64 = (1u64 << 30) as f64;
 
+/// MemAvailable from /proc/meminfo, in bytes.
+fn mem_available() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib << 10)
+}
+
+fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
+    check_flags(args)?;
+    // The parent holds a few descriptors per cell; each cell checks its own VMs.
+    ensure_fd_budget(args.vms.div_ceil(args.cell_vms), FDS_PER_CELL)?;
+    ensure_fd_budget(args.cell_vms.min(args.vms), fds_per_vm(args))
+        .map_err(|ConfigError(e)| ConfigError(format!("--cell-vms {}: {e}", args.cell_vms)))?;
+    let (_, layout) = load_guest(args)?;
     let pager_config = PagerConfig {
         budget_bytes: size("--mem", &args.mem)?,
         block_bytes: size("--block", &args.block)?,
@@ -193,11 +247,10 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
         }
         None => None,
     };
-
+    // The cells open /dev/kvm; checking it here gives a configuration error
+    // before anything starts.
     let kvm = Kvm::new().map_err(|e| ConfigError(format!("cannot open /dev/kvm: {e}")))?;
-    let caps = VmCaps::probe(&kvm).map_err(ConfigError)?;
-    let platform = platform::detect(&kvm).map_err(|e| ConfigError(format!("probe the host: {e}")))?;
-    let cpuid = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(|e| ConfigError(format!("get supported CPUID: {e}")))?;
+    let platform = platform::detect(&kvm).map_err(|e| ConfigError(format!("probe the host: {e}")))?.name();
 
     let api_path = args.api.clone().unwrap_or_else(|| PathBuf::from(format!("densevm-{}.sock", std::process::id())));
     if api_path.exists() {
@@ -212,128 +265,14 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
     let api = std::os::unix::net::UnixListener::bind(&api_path)
         .map_err(|e| ConfigError(format!("cannot bind control socket {}: {e}", api_path.display())))?;
     api.set_nonblocking(true).map_err(|e| ConfigError(format!("control socket: {e}")))?;
-
-    let crashed = Arc::new(Mutex::new(Vec::new()));
-    let waker_slot: Arc<Mutex<Option<Arc<mio::Waker>>>> = Arc::new(Mutex::new(None));
-    let on_exit = {
-        let crashed = Arc::clone(&crashed);
-        let waker_slot = Arc::clone(&waker_slot);
-        Arc::new(move |vm: u32| {
-            crashed.lock().expect("crash queue").push(vm);
-            if let Some(waker) = waker_slot.lock().expect("waker").as_ref() {
-                let _ = waker.wake();
-            }
-        })
-    };
-    let ctx = BuildContext {
-        kvm,
-        caps,
-        cpuid,
-        platform,
-        image,
-        layout,
-        extra_flags: if args.selfcheck { crate::abi::FLAG_SELFCHECK } else { 0 },
-        ws_write_stride: args.ws_write_stride,
-        addr_base: args.addr_base,
-        port: args.port,
-        halt_poll_ns: args.halt_poll_ns,
-        on_exit,
-        register_ram: {
-            let pager = Arc::clone(&pager);
-            Box::new(move |vm, ram| pager.register_vm(vm, ram.as_ptr(), ram.len()).map_err(|e| e.to_string()))
-        },
-        unregister_ram: {
-            let pager = Arc::clone(&pager);
-            Box::new(move |vm| pager.unregister_vm(vm))
-        },
-        sys_arena: Arena::new(crate::abi::SYS_BYTES as usize, vm::ARENA_CHUNK_VMS),
-        ram_arena: Arena::new(layout.ram_bytes as usize, vm::ARENA_CHUNK_VMS),
-        stack_arena: Arena::new(crate::vstate::vcpu::VCPU_STACK_BYTES, vm::ARENA_CHUNK_VMS),
-        vcpu_stats: args.vcpu_stats,
-    };
-    Ok(Prepared { ctx, api, api_path, crashed, waker_slot, pager, trace })
+    Ok(Prepared { api, api_path, pager, trace, layout, platform })
 }
 
-/// Builds VMs `0..count` on `threads` threads, in index order.
-fn build_all(ctx: &BuildContext, doorbells: &[EventFd], count: u32, threads: u32) -> Result<Vec<MicroVm>, String> {
-    let threads = threads.clamp(1, 16);
-    let mut kvms = Vec::with_capacity(count as usize);
-    for id in 0..count {
-        kvms.push(vm::create(ctx, id).map_err(|e| e.to_string())?);
-    }
-    let mut parts = Vec::with_capacity(count as usize);
-    for (id, kvm) in (0..count).zip(kvms) {
-        let vcpu = vm::park_vcpu(ctx, id).map_err(|e| e.to_string())?;
-        parts.push(Mutex::new(Some(vm::Prebuilt { vcpu, kvm })));
-    }
-    let next = std::sync::atomic::AtomicU32::new(0);
-    let built: Mutex<Vec<Option<MicroVm>>> = Mutex::new((0..count).map(|_| None).collect());
-    let failure: Mutex<Option<String>> = Mutex::new(None);
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            scope.spawn(|| loop {
-                if failure.lock().expect("failure").is_some() {
-                    return;
-                }
-                let id = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                if id >= count {
-                    return;
-                }
-                let prebuilt = parts[id as usize].lock().expect("prebuilt").take().expect("each VM built once");
-                match vm::build(ctx, id, prebuilt, &doorbells[(id / DOORBELL_GROUP) as usize]) {
-                    Ok(vm) => built.lock().expect("built")[id as usize] = Some(vm),
-                    Err(e) => *failure.lock().expect("failure") = Some(e.to_string()),
-                }
-            });
-        }
-    });
-    if let Some(error) = failure.into_inner().expect("failure") {
-        return Err(error);
-    }
-    Ok(built.into_inner().expect("built").into_iter().map(|vm| vm.expect("every VM built")).collect())
-}
-
-/// Connects the monitor to the pager: reference bits and the request trace
-/// as guests serve, the pager's stats in every stats reply, and its fatal
-/// errors ending the run.
-fn attach_pager(monitor: &mut Monitor, pager: &Arc<Pager>, mut trace: Option<TraceWriter>) {
-    let noted = Arc::clone(pager);
-    monitor.on_requests(Box::new(move |vm, requests| {
-        noted.note_access(vm);
-        if let Some(writer) = trace.as_mut() {
-            for _ in 0..requests {
-                if let Err(e) = writer.record(vm) {
-                    eprintln!("densevm: error: trace: {e}; recording stops");
-                    trace = None;
-                    break;
-                }
-            }
-        }
-    }));
-    let failed = Arc::clone(pager);
-    monitor.fatal_check(Box::new(move || failed.fatal_error().map(|e| format!("pager: {e}"))));
-    let disk = Arc::clone(pager);
-    monitor.disk_control(Box::new(move |on| disk.set_disk_modeled(on)));
-    let stats = Arc::clone(pager);
-    monitor.extra_stats(Box::new(move |reply, per_vm| {
-        let paging = if per_vm { stats.stats() } else { stats.totals() };
-        if let (Some(totals), Some(ours)) = (paging.get("totals").and_then(|t| t.as_object()), reply.get_mut("totals")) {
-            for (key, value) in totals {
-                ours[key] = value.clone();
-            }
-        }
-        if let (Some(per_vm), Some(vms)) = (paging.get("vms"), reply.get_mut("vms").and_then(|v| v.as_array_mut())) {
-            for vm in vms {
-                let id = vm["id"].to_string();
-                if let Some(theirs) = per_vm.get(&id).and_then(|v| v.as_object()) {
-                    for (key, value) in theirs {
-                        vm[key] = value.clone();
-                    }
-                }
-            }
-        }
-        reply["pager"] = paging.get("config").cloned().unwrap_or(paging["totals"].clone());
-    }));
+/// Writes one JSON line to stdout; a reader that went away is not an error
+/// worth dying for.
+pub fn emit(line: &serde_json::Value) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}").and_then(|()| out.flush());
 }
 
 /// Runs `densevm serve`; returns the exit code.
@@ -345,70 +284,68 @@ pub fn run(args: ServeArgs) -> i32 {
             return 2;
         }
     };
-    let Prepared { ctx, api, api_path, crashed, waker_slot, pager, trace } = prepared;
+    let Prepared { api, api_path, pager, trace, layout, platform } = prepared;
+    let boot_started = Instant::now();
     let fail = |message: String| {
         eprintln!("densevm: error: {message}");
         let _ = std::fs::remove_file(&api_path);
         pager.shutdown();
         1
     };
-    let boot_started = Instant::now();
-    let groups = args.vms.div_ceil(DOORBELL_GROUP);
-    let doorbells: Result<Vec<EventFd>, _> = (0..groups).map(|_| EventFd::new(EFD_NONBLOCK)).collect();
-    let doorbells = match doorbells {
-        Ok(d) => d,
-        Err(e) => return fail(format!("doorbell eventfds: {e}")),
-    };
-    let vms = match build_all(&ctx, &doorbells, args.vms, args.boot_threads) {
-        Ok(vms) => vms,
-        Err(e) => return fail(e),
-    };
+    // Every cell starts (and initialises, in parallel) before the first
+    // handshake.
+    let mut pending = Vec::new();
+    let mut first = 0;
+    while first < args.vms {
+        let count = args.cell_vms.min(args.vms - first);
+        match PendingCell::spawn(&args, pending.len() as u32, first, count, args.cell_vms) {
+            Ok(cell) => pending.push(cell),
+            Err(e) => return fail(e),
+        }
+        first += count;
+    }
+    let mut cells = Vec::with_capacity(pending.len());
+    for cell in pending {
+        match cell.handshake(&pager, layout.ram_bytes as usize) {
+            Ok(cell) => cells.push(cell),
+            Err(e) => return fail(e),
+        }
+    }
     let ready_line = json!({
         "api": api_path.display().to_string(),
-        "platform": ctx.platform.name(),
-        "pvm": ctx.platform.name() == "pvm",
+        "platform": platform,
+        "pvm": platform == "pvm",
         "addr_base": args.addr_base.to_string(),
         "port": args.port,
         "pid": std::process::id(),
+        "cells": cells.len(),
+        "cell_vms": args.cell_vms,
     });
-    let setup = MonitorSetup {
-        ctx,
-        doorbells,
-        vms,
-        api,
-        api_path: api_path.clone(),
-        crashed,
-        boot_started,
-        boot_timeout: Duration::from_secs(args.boot_timeout),
-        ready_line,
-    };
-    let (mut monitor, waker) = match Monitor::new(setup) {
-        Ok(m) => m,
+    let setup = SupervisorSetup { args, cells, pager: Arc::clone(&pager), ram_bytes: layout.ram_bytes as usize, api, api_path: api_path.clone(), boot_started, ready_line, trace };
+    let mut supervisor = match Supervisor::new(setup) {
+        Ok(s) => s,
         Err(e) => return fail(format!("event loop: {e}")),
     };
-    attach_pager(&mut monitor, &pager, trace);
-    *waker_slot.lock().expect("waker") = Some(waker);
-    // A crash reported before the waker existed is still in the queue.
-    let _ = waker_slot.lock().expect("waker").as_ref().map(|w| w.wake());
-    match monitor.run() {
+    match supervisor.run() {
         Ok(Exit::Signal(signal)) => {
-            // A vCPU blocked in a fault the pager can no longer serve would
-            // hold the teardown forever; exiting releases everything anyway.
+            // A cell that does not stop would hold the teardown forever;
+            // exiting releases everything anyway.
             std::thread::spawn(|| {
                 std::thread::sleep(TEARDOWN_GRACE);
                 eprintln!("densevm: teardown took over {} s; exiting with VMs still held", TEARDOWN_GRACE.as_secs());
                 std::process::exit(1);
             });
-            monitor.shutdown();
+            supervisor.shutdown();
             pager.shutdown();
-            println!("{}", json!({ "event": "exit", "reason": "signal", "signal": signal }));
+            emit(&json!({ "event": "exit", "reason": "signal", "signal": signal }));
             0
         }
         Err(message) => {
             // The run is broken (the pager failed, say): report first, then
-            // leave without waiting for vCPUs that may never return.
+            // stop the cells without waiting for vCPUs that may never return.
             eprintln!("densevm: error: {message}");
-            println!("{}", json!({ "event": "exit", "reason": "error", "error": message }));
+            emit(&json!({ "event": "exit", "reason": "error", "error": message }));
+            supervisor.kill_cells();
             let _ = std::fs::remove_file(&api_path);
             pager.shutdown();
             std::process::exit(1);

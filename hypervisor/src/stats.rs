@@ -1,20 +1,20 @@
 //! Statistics replies: per VM and totals.
 
-use crate::monitor::VmEntry;
+use crate::vmtable::{VmEntry, VmState};
 use serde_json::{json, Value};
 
 /// One VM's summary for `list`.
 pub fn vm_summary(entry: &VmEntry) -> Value {
     match entry {
         VmEntry::Live(vm) => {
-            let mut value = json!({ "id": vm.id, "addr": vm.addr.to_string(), "state": entry.state_name() });
+            let mut value = json!({ "id": vm.id, "addr": vm.addr.to_string(), "state": entry.state().name() });
             // A vCPU that stopped is reported with its reason before the monitor reaps the VM.
             if let Some(reason) = vm.stop_reason() {
                 value["reason"] = json!(reason);
             }
             value
         }
-        VmEntry::Dead(dead) => json!({ "id": dead.id, "addr": dead.addr.to_string(), "state": dead.state, "reason": dead.reason }),
+        VmEntry::Dead(dead) => json!({ "id": dead.id, "addr": dead.addr.to_string(), "state": dead.state.name(), "reason": dead.reason }),
     }
 }
 
@@ -28,12 +28,12 @@ pub fn collect(vms: &[VmEntry], connections: usize, per_vm: bool) -> Value {
     let mut ram_resident = 0u64;
     let mut sys_resident = 0u64;
     for entry in vms {
-        let state = entry.state_name();
+        let state = entry.state();
         match state {
-            "running" => running += 1,
-            "booting" => booting += 1,
-            "crashed" => crashed += 1,
-            _ => stopped += 1,
+            VmState::Running => running += 1,
+            VmState::Booting => booting += 1,
+            VmState::Crashed => crashed += 1,
+            VmState::Stopped => stopped += 1,
         }
         let ctrl = match entry {
             VmEntry::Live(vm) => vm.ctrl(),
@@ -54,7 +54,7 @@ pub fn collect(vms: &[VmEntry], connections: usize, per_vm: bool) -> Value {
                 let sys = vm.sys.resident_bytes();
                 ram_resident += ram;
                 sys_resident += sys;
-                let mut value = json!({ "id": vm.id, "addr": vm.addr.to_string(), "state": state, "ram_resident_bytes": ram, "sys_resident_bytes": sys });
+                let mut value = json!({ "id": vm.id, "addr": vm.addr.to_string(), "state": state.name(), "ram_resident_bytes": ram, "sys_resident_bytes": sys });
                 if let Some(counters) = vm.kvm_stats.as_ref().and_then(|s| s.read().ok()) {
                     value["kvm"] = counters.into();
                 }
@@ -63,7 +63,7 @@ pub fn collect(vms: &[VmEntry], connections: usize, per_vm: bool) -> Value {
                 }
                 value
             }
-            VmEntry::Dead(dead) => json!({ "id": dead.id, "addr": dead.addr.to_string(), "state": state, "reason": dead.reason }),
+            VmEntry::Dead(dead) => json!({ "id": dead.id, "addr": dead.addr.to_string(), "state": state.name(), "reason": dead.reason }),
         };
         value["requests"] = json!(ctrl.requests);
         value["errors_4xx"] = json!(ctrl.responses_4xx);

@@ -4,7 +4,7 @@ use crate::abi::{self, BootInfo};
 use crate::boot::{self, RamLayout};
 use crate::devices::stream::StreamDevice;
 use crate::loader::GuestImage;
-use crate::memory::{Arena, Mapping};
+use crate::memory::{Arena, Mapping, RamSlots};
 use crate::platform::Platform;
 use crate::vstate::stats::VcpuStats;
 use crate::vstate::vcpu::{self, VcpuHandle, VcpuShared};
@@ -65,21 +65,18 @@ pub enum BuildError {
         /// The bind error.
         source: std::io::Error,
     },
-    /// The pager refused the VM's RAM.
-    #[error("VM {vm}: pager: {message}")]
-    Pager {
+    /// The cell's guest RAM has no slot for the VM.
+    #[error("VM {vm}: no RAM slot left in this cell")]
+    NoSlot {
         /// VM index.
         vm: u32,
-        /// The pager's error.
-        message: String,
     },
 }
 
-/// Hands a VM's RAM to the pager.
-pub type RegisterRam = Box<dyn Fn(u32, &Mapping) -> Result<(), String> + Send + Sync>;
-
-/// Everything shared by the VMs a monitor builds.
+/// Everything shared by the VMs a cell builds.
 pub struct BuildContext {
+    /// Id of the cell's first VM: VM `first_id + i` uses slot `i` of every arena.
+    pub first_id: u32,
     /// /dev/kvm.
     pub kvm: Kvm,
     /// Its capabilities.
@@ -104,14 +101,10 @@ pub struct BuildContext {
     pub halt_poll_ns: Option<u64>,
     /// Called from a vCPU thread whose guest died.
     pub on_exit: Arc<dyn Fn(u32) + Send + Sync>,
-    /// Registers a VM's RAM with the pager.
-    pub register_ram: RegisterRam,
-    /// Releases a destroyed VM's RAM from the pager.
-    pub unregister_ram: Box<dyn Fn(u32) + Send + Sync>,
     /// System pages of every VM.
     pub sys_arena: Arena,
-    /// RAM of every VM.
-    pub ram_arena: Arena,
+    /// RAM of every VM, shared with the pager.
+    pub ram: RamSlots,
     /// vCPU thread stacks.
     pub stack_arena: Arena,
     /// Open each vCPU's KVM statistics (one more fd per VM).
@@ -119,6 +112,11 @@ pub struct BuildContext {
 }
 
 impl BuildContext {
+    /// Slot of VM `id` in the cell's arenas.
+    pub fn slot_of(&self, id: u32) -> usize {
+        (id - self.first_id) as usize
+    }
+
     /// Address VM `id` listens on.
     pub fn addr_of(&self, id: u32) -> SocketAddrV4 {
         SocketAddrV4::new(Ipv4Addr::from(u32::from(self.addr_base).wrapping_add(id)), self.port)
@@ -200,7 +198,7 @@ pub fn create(ctx: &BuildContext, id: u32) -> Result<VmFd, BuildError> {
 
 /// Spawns the parked vCPU thread that [`build`] starts.
 pub fn park_vcpu(ctx: &BuildContext, id: u32) -> Result<VcpuHandle, BuildError> {
-    let stack = ctx.stack_arena.slot(id as usize).map_err(|source| BuildError::Memory { vm: id, source })?;
+    let stack = ctx.stack_arena.slot(ctx.slot_of(id)).map_err(|source| BuildError::Memory { vm: id, source })?;
     VcpuHandle::park(id, stack, Arc::clone(&ctx.on_exit)).map_err(|source| BuildError::Vcpu { vm: id, source })
 }
 
@@ -218,8 +216,8 @@ pub struct Prebuilt {
 pub fn build(ctx: &BuildContext, id: u32, parts: Prebuilt, doorbell: &EventFd) -> Result<MicroVm, BuildError> {
     let Prebuilt { mut vcpu, kvm } = parts;
     let layout = ctx.layout;
-    let sys = ctx.sys_arena.slot(id as usize).map_err(|source| BuildError::Memory { vm: id, source })?;
-    let ram = ctx.ram_arena.slot(id as usize).map_err(|source| BuildError::Memory { vm: id, source })?;
+    let sys = ctx.sys_arena.slot(ctx.slot_of(id)).map_err(|source| BuildError::Memory { vm: id, source })?;
+    let ram = ctx.ram.slot(ctx.slot_of(id)).ok_or(BuildError::NoSlot { vm: id })?;
     let info = BootInfo {
         magic: abi::BOOT_MAGIC,
         version: abi::BOOT_VERSION,
@@ -238,8 +236,6 @@ pub fn build(ctx: &BuildContext, id: u32, parts: Prebuilt, doorbell: &EventFd) -
     for page in [abi::VIF_GPA, abi::CTRL_GPA, abi::RINGHDR_GPA, abi::CREDIT_GPA] {
         sys.write_obj(page, 0u64);
     }
-    (ctx.register_ram)(id, &ram).map_err(|message| BuildError::Pager { vm: id, message })?;
-
     let addr = ctx.addr_of(id);
     let listener = std::net::TcpListener::bind(addr).map_err(|source| BuildError::Listen { vm: id, addr, source })?;
     listener.set_nonblocking(true).map_err(|source| BuildError::Listen { vm: id, addr, source })?;

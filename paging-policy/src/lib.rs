@@ -6,7 +6,8 @@
 //! * [`sim`]: the trace-driven simulator behind the `pagesim` binary; it
 //!   drives the same ledger and policies without real memory.
 //!
-//! Modules, one concern each: [`uffd`] (userfaultfd), [`ledger`] (budget and
+//! Modules, one concern each: [`uffd`] (userfaultfd), [`guest_memory`]
+//! (memfd-backed guest RAM handed to the pager), [`ledger`] (budget and
 //! block accounting), [`policy`] (trait, built-ins, plugin loader),
 //! [`space`] (swap layouts), [`swap`] (the O_DIRECT device), [`disk`] (disk
 //! models), [`stats`], [`trace`], [`config`], [`error`].
@@ -14,6 +15,7 @@
 pub mod config;
 pub mod disk;
 pub mod error;
+pub mod guest_memory;
 pub mod ledger;
 pub mod pager;
 pub mod policy;
@@ -26,4 +28,5 @@ pub mod uffd;
 
 pub use config::{parse_size, PagerConfig};
 pub use error::PagerError;
+pub use guest_memory::{GuestMemory, SpaceHandoff, SpaceId};
 pub use pager::Pager;

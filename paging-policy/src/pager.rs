@@ -1,5 +1,14 @@
-//! The fault service: one userfaultfd for all VMs, a pool of threads reading
-//! it, and the eviction / fetch I/O around the ledger.
+//! The fault service: a pool of threads reading the userfaultfds of every
+//! attached guest memory (one per densevm cell: see `guest_memory`), and the
+//! eviction / fetch I/O around the ledger.
+//!
+//! Guest memory is a memfd mapped in the process that runs the guests. The
+//! pager reaches it through that process's userfaultfd (install, protect,
+//! wake) and through the memfd (read victims with `pread`, free them with
+//! `fallocate(PUNCH_HOLE)`), so it maps no guest memory itself, and an
+//! operation on one cell's memory visits only that cell's KVM MMU notifiers.
+//! A cell that dies leaves its memory's operations failing with ESRCH: they
+//! are skipped, not fatal, until the caller detaches it.
 //!
 //! Locking: all bookkeeping (block states, budget, policy, stats) lives in
 //! one mutex that is held only between I/O steps, never across a swap read
@@ -27,10 +36,14 @@
 //! is dropped (`MADV_DONTNEED`) only after its copy is on swap, and then the
 //! blocked writer is woken, faults the block back in, and writes to the
 //! restored data.
+//!
+//! Memory freed by PUNCH_HOLE is gone from every mapping of the memfd, so the
+//! guest's next touch raises a missing fault again, as after MADV_DONTNEED on
+//! private memory (which would not free shared memory at all).
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasher, Hasher, RandomState};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -47,7 +60,8 @@ use crate::policy::{build_policy, BlockId, SwapLayout, VmId};
 use crate::space::SwapSpace;
 use crate::stats::TotalLatency;
 use crate::swap::{AlignedBuf, SwapDevice};
-use crate::uffd::{Fault, FaultKind, Uffd};
+use crate::guest_memory::{SpaceHandoff, SpaceId};
+use crate::uffd::{space_gone, Fault, FaultKind, Uffd};
 
 /// Fault-service threads. Faults mostly wait on I/O (or on the disk
 /// model's sleep), so more threads than cores keep the swap queue busy.
@@ -56,28 +70,70 @@ const SERVICE_THREADS: usize = 8;
 /// How long a fault waiting for room re-checks for a fatal error.
 const WAIT_SLICE: Duration = Duration::from_millis(50);
 
+/// epoll key of the stop eventfd (spaces use their id).
+const STOP_KEY: u64 = u64::MAX;
+
+/// An attached guest memory: a process's userfaultfd and the memfd behind
+/// the registered mapping.
+struct Space {
+    id: SpaceId,
+    uffd: Uffd,
+    memfd: OwnedFd,
+    /// Address of the mapping in its process.
+    base: usize,
+    len: usize,
+    /// Its process is gone: operations on it are skipped.
+    gone: AtomicBool,
+}
+
+/// Where a VM's RAM lives.
+#[derive(Clone)]
+struct Place {
+    space: Arc<Space>,
+    /// Address of its first byte in the space's process.
+    base: usize,
+    /// Offset of its first byte in the memfd.
+    offset: usize,
+    len: usize,
+}
+
+impl Place {
+    fn addr(&self, block: BlockId, bs: usize) -> usize {
+        self.base + block as usize * bs
+    }
+
+    fn offset(&self, block: BlockId, bs: usize) -> usize {
+        self.offset + block as usize * bs
+    }
+}
+
+/// A block to wake: the space whose userfaultfd it waits on, and its address.
+type WakeAddr = (Arc<Space>, usize);
+
 /// Bookkeeping under the pager's mutex.
 struct State {
     ledger: Ledger,
-    /// VM regions by base address: (VM, length).
-    regions: BTreeMap<usize, (VmId, usize)>,
-    /// Base address of each VM.
-    bases: HashMap<VmId, usize>,
+    /// VM regions by space and address: (VM, length).
+    regions: BTreeMap<(SpaceId, usize), (VmId, usize)>,
+    /// Where each VM's RAM lives.
+    places: HashMap<VmId, Place>,
+    spaces: HashMap<SpaceId, Arc<Space>>,
+    next_space: SpaceId,
     latency: TotalLatency,
 }
 
 impl State {
-    fn lookup(&self, addr: usize) -> Option<(VmId, usize)> {
-        let (&base, &(vm, len)) = self.regions.range(..=addr).next_back()?;
-        (addr < base + len).then_some((vm, base))
+    fn lookup(&self, space: SpaceId, addr: usize) -> Option<(VmId, Place)> {
+        let (&(_, base), &(vm, len)) = self.regions.range((space, 0)..=(space, addr)).next_back()?;
+        (addr < base + len).then(|| (vm, self.places[&vm].clone()))
     }
 
-    fn addrs(&self, wakes: &Wakes, block: usize, out: &mut Vec<usize>) {
+    fn addrs(&self, wakes: &Wakes, block: usize, out: &mut Vec<WakeAddr>) {
         out.clear();
         out.extend(
             wakes
                 .iter()
-                .filter_map(|(vm, b)| self.bases.get(vm).map(|&base| base + *b as usize * block)),
+                .filter_map(|(vm, b)| self.places.get(vm).map(|p| (Arc::clone(&p.space), p.addr(*b, block)))),
         );
     }
 }
@@ -88,7 +144,7 @@ struct Scratch {
     write: AlignedBuf,
     plan: Vec<PlanBlock>,
     wakes: Wakes,
-    addrs: Vec<usize>,
+    addrs: Vec<WakeAddr>,
     order: Vec<usize>,
     runs: Vec<(usize, usize)>,
 }
@@ -98,7 +154,8 @@ pub struct Pager {
     cfg: PagerConfig,
     block: usize,
     vm_ram: u64,
-    uffd: Uffd,
+    /// Every attached space's userfaultfd, and the stop eventfd.
+    epoll: OwnedFd,
     swap: SwapDevice,
     disk: Value,
     state: Mutex<State>,
@@ -116,9 +173,9 @@ pub struct Pager {
 }
 
 impl Pager {
-    /// Opens the swap device (O_DIRECT), loads the policy, creates the
-    /// process's userfaultfd and starts the fault-service threads. Every
-    /// configuration error surfaces here, before any VM exists.
+    /// Opens the swap device (O_DIRECT), loads the policy and starts the
+    /// fault-service threads. Every configuration error surfaces here,
+    /// before any VM exists.
     pub fn new(cfg: PagerConfig, max_vms: u32, vm_ram_bytes: u64) -> Result<Arc<Pager>, PagerError> {
         check_block(cfg.block_bytes)?;
         cfg.validate(vm_ram_bytes, cfg.block_bytes)?;
@@ -139,28 +196,32 @@ impl Pager {
         let disk = model.describe(&spec);
         let path: PathBuf = cfg.swap_path.clone().unwrap_or_else(default_swap_path);
         let swap = SwapDevice::open(&path, capacity, cfg.keep_swap, model)?;
-        let uffd = Uffd::new()?;
-        // SAFETY: plain syscall.
-        let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if efd < 0 {
-            return Err(PagerError::Mm {
-                op: "eventfd",
-                source: std::io::Error::last_os_error(),
-            });
-        }
-        // SAFETY: fresh descriptor we own.
-        let stop_fd = unsafe { OwnedFd::from_raw_fd(efd) };
+        // SAFETY: plain syscalls; the descriptors are fresh and ours.
+        let (epoll, stop_fd) = unsafe {
+            let epoll = libc::epoll_create1(libc::EPOLL_CLOEXEC);
+            let efd = libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK);
+            if epoll < 0 || efd < 0 {
+                return Err(PagerError::Mm {
+                    op: "epoll/eventfd",
+                    source: std::io::Error::last_os_error(),
+                });
+            }
+            (OwnedFd::from_raw_fd(epoll), OwnedFd::from_raw_fd(efd))
+        };
+        epoll_ctl(&epoll, libc::EPOLL_CTL_ADD, stop_fd.as_raw_fd(), STOP_KEY)?;
         let space = SwapSpace::new(layout, capacity, block, vm_ram_bytes);
         let pager = Arc::new(Pager {
             block: block as usize,
             vm_ram: vm_ram_bytes,
-            uffd,
+            epoll,
             swap,
             disk,
             state: Mutex::new(State {
                 ledger: Ledger::new(policy, space, block, cfg.budget_bytes),
                 regions: BTreeMap::new(),
-                bases: HashMap::new(),
+                places: HashMap::new(),
+                spaces: HashMap::new(),
+                next_space: 0,
                 latency: TotalLatency::default(),
             }),
             room: Condvar::new(),
@@ -212,49 +273,67 @@ impl Pager {
         self.fatal.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// Registers a VM's RAM: `base` is a page-aligned private anonymous
-    /// mapping of `len` bytes (a multiple of the block size, at most the
-    /// `vm_ram_bytes` given to [`Pager::new`]) not touched yet.
-    pub fn register_vm(&self, vm: u32, base: *mut u8, len: usize) -> Result<(), PagerError> {
-        let addr = base as usize;
+    /// Attaches a guest memory (see [`crate::GuestMemory::handoff`]): its
+    /// faults are served from now on; its VMs are registered one by one.
+    pub fn attach_space(&self, handoff: SpaceHandoff) -> Result<SpaceId, PagerError> {
+        if let Some(e) = self.fatal_error() {
+            return Err(PagerError::Stopped(e));
+        }
+        let mut st = self.lock();
+        let id = st.next_space;
+        let space = Arc::new(Space {
+            id,
+            uffd: Uffd::from_fd(handoff.uffd),
+            memfd: handoff.memfd,
+            base: handoff.base,
+            len: handoff.len,
+            gone: AtomicBool::new(false),
+        });
+        epoll_ctl(&self.epoll, libc::EPOLL_CTL_ADD, space.uffd.as_raw_fd(), id as u64)?;
+        st.next_space += 1;
+        st.spaces.insert(id, space);
+        Ok(id)
+    }
+
+    /// Registers a VM's RAM: bytes `[offset, offset + len)` of the space's
+    /// memfd, not touched yet; `len` is a non-zero multiple of the block
+    /// size, at most the `vm_ram_bytes` given to [`Pager::new`].
+    pub fn register_vm(&self, vm: u32, space: SpaceId, offset: usize, len: usize) -> Result<(), PagerError> {
         let bad = |reason: String| PagerError::BadVm { vm, reason };
-        if !addr.is_multiple_of(4096) || len == 0 || !len.is_multiple_of(self.block) || len as u64 > self.vm_ram {
+        if !offset.is_multiple_of(4096) || len == 0 || !len.is_multiple_of(self.block) || len as u64 > self.vm_ram {
             return Err(bad(format!(
-                "region {addr:#x}+{len:#x} must be page-aligned, a non-zero multiple of the block size and at most {} bytes",
+                "region at offset {offset:#x}+{len:#x} must be page-aligned, a non-zero multiple of the block size and at most {} bytes",
                 self.vm_ram
             )));
         }
         if let Some(e) = self.fatal_error() {
             return Err(PagerError::Stopped(e));
         }
-        // SAFETY: advice on a mapping the caller owns. Huge pages would turn
-        // one block's eviction into splitting a 2 MiB page.
-        unsafe { libc::madvise(base.cast(), len, libc::MADV_NOHUGEPAGE) };
-        // The ledger knows the VM before userfaultfd does, so that no fault
-        // can arrive for an address the service threads cannot place.
-        {
-            let mut st = self.lock();
-            let overlaps = st.regions.range(..addr + len).next_back().is_some_and(|(&b, &(_, l))| b + l > addr);
-            if overlaps || st.bases.contains_key(&vm) {
-                return Err(bad("region overlaps a registered VM or id in use".into()));
-            }
-            st.ledger.register(vm, (len / self.block) as u32)?;
-            st.regions.insert(addr, (vm, len));
-            st.bases.insert(vm, addr);
+        let mut st = self.lock();
+        let Some(space) = st.spaces.get(&space).cloned() else {
+            return Err(bad(format!("no attached space {space}")));
+        };
+        if offset.checked_add(len).is_none_or(|end| end > space.len) {
+            return Err(bad(format!("region {offset:#x}+{len:#x} ends past its space ({:#x} bytes)", space.len)));
         }
-        if let Err(e) = self.uffd.register(addr, len) {
-            let mut st = self.lock();
-            st.regions.remove(&addr);
-            st.bases.remove(&vm);
-            let _ = st.ledger.unregister(vm);
-            return Err(e);
+        let addr = space.base + offset;
+        let overlaps = st
+            .regions
+            .range((space.id, 0)..(space.id, addr + len))
+            .next_back()
+            .is_some_and(|(&(_, b), &(_, l))| b + l > addr);
+        if overlaps || st.places.contains_key(&vm) {
+            return Err(bad("region overlaps a registered VM or id in use".into()));
         }
+        st.ledger.register(vm, (len / self.block) as u32)?;
+        st.regions.insert((space.id, addr), (vm, len));
+        st.places.insert(vm, Place { space, base: addr, offset, len });
         Ok(())
     }
 
-    /// Forgets a destroyed VM: waits for its in-flight operations, drops its
-    /// resident accounting and frees its swap space. Call it before unmapping
-    /// the VM's RAM: an operation in flight may still copy into it.
+    /// Forgets a destroyed VM (its vCPU no longer runs): waits for its
+    /// in-flight operations, drops its resident accounting, frees its memory
+    /// and its swap space.
     pub fn unregister_vm(&self, vm: u32) {
         let mut st = self.lock();
         loop {
@@ -272,19 +351,39 @@ impl Pager {
                 }
             }
         }
-        let base = st.bases.remove(&vm);
-        let len = base.and_then(|b| st.regions.remove(&b)).map(|(_, l)| l);
-        if let Err(e) = st.ledger.unregister(vm) {
-            drop(st);
+        let place = st.places.remove(&vm);
+        if let Some(p) = &place {
+            st.regions.remove(&(p.space.id, p.base));
+        }
+        let unregistered = st.ledger.unregister(vm);
+        drop(st);
+        if let Err(e) = unregistered {
             self.fail(e.to_string());
-        } else {
-            drop(st);
         }
         self.room.notify_all();
-        if let (Some(b), Some(l)) = (base, len) {
-            // The mapping may already be gone; nothing to undo then.
-            let _ = self.uffd.unregister(b, l);
+        if let Some(p) = place {
+            if let Err(e) = punch_hole(&p.space, p.offset, p.len) {
+                self.fail(e.to_string());
+            }
         }
+    }
+
+    /// Forgets a guest memory whose process died or left: every VM in it is
+    /// unregistered (its budget and swap released); operations in flight on
+    /// it complete without error; its descriptors are closed.
+    pub fn detach_space(&self, space: SpaceId) {
+        let (target, vms) = {
+            let st = self.lock();
+            let Some(target) = st.spaces.get(&space).cloned() else { return };
+            let vms: Vec<VmId> = st.places.iter().filter(|(_, p)| p.space.id == space).map(|(&vm, _)| vm).collect();
+            (target, vms)
+        };
+        target.gone.store(true, Ordering::SeqCst);
+        for vm in vms {
+            self.unregister_vm(vm);
+        }
+        let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_DEL, target.uffd.as_raw_fd(), space as u64);
+        self.lock().spaces.remove(&space);
     }
 
     /// Tells the policy that a VM served a request (the clock's reference
@@ -399,22 +498,11 @@ impl Pager {
             order: Vec::new(),
             runs: Vec::new(),
         };
-        let mut fds = [
-            libc::pollfd {
-                fd: self.uffd.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: self.stop_fd.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-        ];
+        let mut ready = [libc::epoll_event { events: 0, u64: 0 }];
         while !self.stop.load(Ordering::SeqCst) {
-            // SAFETY: two valid pollfds.
-            let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
-            if r < 0 || self.stop.load(Ordering::SeqCst) {
+            // SAFETY: one valid event slot.
+            let r = unsafe { libc::epoll_wait(self.epoll.as_raw_fd(), ready.as_mut_ptr(), 1, -1) };
+            if r <= 0 || self.stop.load(Ordering::SeqCst) || ready[0].u64 == STOP_KEY {
                 continue;
             }
             if self.failed.load(Ordering::SeqCst) {
@@ -423,33 +511,38 @@ impl Pager {
                 std::thread::sleep(WAIT_SLICE);
                 continue;
             }
-            match self.uffd.read_fault() {
+            let Some(space) = self.lock().spaces.get(&(ready[0].u64 as SpaceId)).cloned() else { continue };
+            match space.uffd.read_fault() {
                 Ok(Some(f)) => {
-                    if let Err(e) = self.handle(f, &mut scratch) {
+                    if let Err(e) = self.handle(&space, f, &mut scratch) {
                         self.fail(e.to_string());
                     }
                 }
                 Ok(None) => {}
-                Err(e) => self.fail(e.to_string()),
+                Err(e) => {
+                    if let Err(e) = tolerate(&space, Err(e)) {
+                        self.fail(e.to_string());
+                    }
+                }
             }
         }
     }
 
-    fn wake(&self, addrs: &[usize]) {
-        for &a in addrs {
+    fn wake(&self, addrs: &[WakeAddr]) {
+        for (space, a) in addrs {
             // A failed wake means the range is gone (VM destroyed).
-            let _ = self.uffd.wake(a, self.block);
+            let _ = space.uffd.wake(*a, self.block);
         }
     }
 
-    fn handle(&self, f: Fault, s: &mut Scratch) -> Result<(), PagerError> {
+    fn handle(&self, space: &Arc<Space>, f: Fault, s: &mut Scratch) -> Result<(), PagerError> {
         let t0 = Instant::now();
         let mut st = self.lock();
-        let Some((vm, base)) = st.lookup(f.addr) else {
+        let Some((vm, place)) = st.lookup(space.id, f.addr) else {
             return Ok(());
         };
-        let block = ((f.addr - base) / self.block) as BlockId;
-        let baddr = base + block as usize * self.block;
+        let block = ((f.addr - place.base) / self.block) as BlockId;
+        let baddr = place.addr(block, self.block);
         let access = match f.kind {
             FaultKind::Missing { write: false } => Access::Read,
             FaultKind::Missing { write: true } => Access::Write,
@@ -459,17 +552,22 @@ impl Pager {
             Classified::Gone | Classified::Defer => Ok(()),
             Classified::Stale => {
                 drop(st);
-                self.wake(&[baddr]);
+                self.wake(&[(Arc::clone(space), baddr)]);
                 Ok(())
             }
             Classified::Unprotect { first_write } => {
                 drop(st);
                 // Still protected, so still the installed content.
-                let sum = first_write.then(|| {
-                    // SAFETY: resident block (busy in the ledger), read only.
-                    self.content_sum(unsafe { std::slice::from_raw_parts(baddr as *const u8, self.block) })
-                });
-                self.uffd.write_protect(baddr, self.block, false)?;
+                let sum = match first_write {
+                    true => {
+                        s.read.reserve(self.block);
+                        let data = &mut s.read.as_mut_slice()[..self.block];
+                        pread_exact(&place.space.memfd, data, place.offset(block, self.block))?;
+                        Some(self.content_sum(data))
+                    }
+                    false => None,
+                };
+                tolerate(space, space.uffd.write_protect(baddr, self.block, false))?;
                 let mut st = self.lock();
                 s.wakes.clear();
                 st.ledger.end_unprotect(vm, block, sum, &mut s.wakes);
@@ -479,7 +577,7 @@ impl Pager {
                 self.wake(&s.addrs);
                 Ok(())
             }
-            Classified::FaultIn => self.fault_in(st, vm, base, block, access == Access::Write, t0, s),
+            Classified::FaultIn => self.fault_in(st, vm, place, block, access == Access::Write, t0, s),
         }
     }
 
@@ -488,7 +586,7 @@ impl Pager {
         &'a self,
         mut st: MutexGuard<'a, State>,
         vm: VmId,
-        base: usize,
+        place: Place,
         block: BlockId,
         write: bool,
         t0: Instant,
@@ -507,9 +605,9 @@ impl Pager {
                     st = self.room.wait_timeout(st, WAIT_SLICE).unwrap_or_else(|e| e.into_inner()).0;
                 }
                 Admission::Evict(mut victims) => {
-                    let bases: Vec<usize> = victims.iter().map(|p| st.bases[&p.vm]).collect();
+                    let places: Vec<Place> = victims.iter().map(|p| st.places[&p.vm].clone()).collect();
                     drop(st);
-                    let io = self.evict(&mut victims, &bases, s)?;
+                    let io = self.evict(&mut victims, &places, s)?;
                     st = self.lock();
                     s.wakes.clear();
                     st.ledger.finish_eviction(&victims, io, &mut s.wakes);
@@ -532,7 +630,7 @@ impl Pager {
                 p.sum = self.content_sum(&s.read.as_slice()[i * bs..(i + 1) * bs]);
             }
         }
-        self.install(&plan, base, s)?;
+        self.install(&plan, &place, s)?;
         let latency = t0.elapsed().as_micros() as u64;
         let mut st = self.lock();
         s.wakes.clear();
@@ -550,7 +648,7 @@ impl Pager {
             while j < plan.len() && plan[j].block == plan[j - 1].block + 1 {
                 j += 1;
             }
-            let _ = self.uffd.wake(base + plan[i].block as usize * bs, (j - i) * bs);
+            let _ = place.space.uffd.wake(place.addr(plan[i].block, bs), (j - i) * bs);
             i = j;
         }
         s.plan = plan;
@@ -592,7 +690,7 @@ impl Pager {
 
     /// Installs the plan's blocks from `s.read` with one UFFDIO_COPY per run
     /// of adjacent blocks; clean blocks come in write-protected.
-    fn install(&self, plan: &[PlanBlock], base: usize, s: &Scratch) -> Result<(), PagerError> {
+    fn install(&self, plan: &[PlanBlock], place: &Place, s: &Scratch) -> Result<(), PagerError> {
         let bs = self.block;
         let buf = s.read.as_slice();
         let mut i = 0;
@@ -601,81 +699,129 @@ impl Pager {
             while j < plan.len() && plan[j].block == plan[j - 1].block + 1 && plan[j].dirty == plan[i].dirty {
                 j += 1;
             }
-            let dst = base + plan[i].block as usize * bs;
+            let dst = place.addr(plan[i].block, bs);
             // SAFETY: source is our buffer of (j-i) blocks; the destination
             // blocks are registered and absent (busy in the ledger).
-            unsafe { self.uffd.copy(dst, buf[i * bs..].as_ptr(), (j - i) * bs, !plan[i].dirty)? };
+            let copied = unsafe { place.space.uffd.copy(dst, buf[i * bs..].as_ptr(), (j - i) * bs, !plan[i].dirty) };
+            tolerate(&place.space, copied)?;
             i = j;
         }
         Ok(())
     }
 
     /// Evicts the victims: write-protect, write dirty ones to swap, drop.
-    /// `bases[i]` is the base address of `victims[i]`'s VM.
-    fn evict(&self, victims: &mut [PlanBlock], bases: &[usize], s: &mut Scratch) -> Result<f64, PagerError> {
+    /// `places[i]` is where `victims[i]`'s VM lives.
+    fn evict(&self, victims: &mut [PlanBlock], places: &[Place], s: &mut Scratch) -> Result<f64, PagerError> {
         let bs = self.block;
-        let addrs: Vec<usize> = victims.iter().zip(bases).map(|(v, &b)| b + v.block as usize * bs).collect();
         let adj: Vec<bool> = (0..victims.len())
             .map(|i| i > 0 && victims[i].vm == victims[i - 1].vm && victims[i].block == victims[i - 1].block + 1)
             .collect();
+        let addrs: Vec<usize> = victims.iter().zip(places).map(|(v, p)| p.addr(v.block, bs)).collect();
+        let offsets: Vec<usize> = victims.iter().zip(places).map(|(v, p)| p.offset(v.block, bs)).collect();
         let addr = |i: usize| addrs[i];
-        let adjacent = |i: usize| adj[i];
-        // 1. Stop writers: from here on a write blocks on the protection.
+        let offset = |i: usize| offsets[i];
+        // Runs of blocks adjacent in one VM's memory.
+        let mut adjacent_runs = Vec::new();
         let mut i = 0;
         while i < victims.len() {
             let mut j = i + 1;
-            while j < victims.len() && adjacent(j) {
+            while j < victims.len() && adj[j] {
                 j += 1;
             }
-            self.uffd.write_protect(addr(i), (j - i) * bs, true)?;
+            adjacent_runs.push(i..j);
             i = j;
+        }
+        // 1. Stop writers: from here on a write blocks on the protection.
+        for run in &adjacent_runs {
+            let space = &places[run.start].space;
+            tolerate(space, space.uffd.write_protect(addr(run.start), run.len() * bs, true))?;
         }
         // 2. Blocks flagged dirty whose content is what was installed need
         //    no write: their swap copy (or zero) is still right. Not for a
         //    layout that rewrites whole batches: the batch stays one extent.
-        for (i, v) in victims.iter_mut().enumerate() {
-            if v.dirty && v.sum != 0 && !self.whole_batches {
-                // SAFETY: resident, write-protected block of `bs` bytes.
-                let data = unsafe { std::slice::from_raw_parts(addr(i) as *const u8, bs) };
-                if self.content_sum(data) == v.sum {
-                    v.dirty = false;
+        if !self.whole_batches {
+            s.read.reserve(bs);
+            for (i, v) in victims.iter_mut().enumerate() {
+                if v.dirty && v.sum != 0 {
+                    let data = &mut s.read.as_mut_slice()[..bs];
+                    pread_exact(&places[i].space.memfd, data, offset(i))?;
+                    if self.content_sum(data) == v.sum {
+                        v.dirty = false;
+                    }
                 }
             }
         }
         // 3. Copy dirty blocks out, one write per run contiguous on swap,
-        //    runs joined across short gaps of unchanged blocks.
+        //    runs joined across short gaps of unchanged blocks. The blocks
+        //    are write-protected: nobody changes them while they are read.
         cluster_writes(victims, bs as u64);
         let mut io = 0.0;
         for std::ops::Range { start: i, end: j } in write_runs(victims, bs as u64) {
             s.write.reserve((j - i) * bs);
             let buf = s.write.as_mut_slice();
             for k in i..j {
-                // SAFETY: the block is resident (installed whole, busy in the
-                // ledger) and write-protected: nobody changes it while read.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(addr(k) as *const u8, buf[(k - i) * bs..].as_mut_ptr(), bs);
-                }
+                pread_exact(&places[k].space.memfd, &mut buf[(k - i) * bs..(k - i + 1) * bs], offset(k))?;
             }
             io += self.swap.write(victims[i].loc, &buf[..(j - i) * bs])?;
         }
-        // 4. Drop the blocks; their next touch faults them back in.
-        let mut i = 0;
-        while i < victims.len() {
-            let mut j = i + 1;
-            while j < victims.len() && adjacent(j) {
-                j += 1;
-            }
-            // SAFETY: dropping pages of a registered guest region whose
-            // contents are saved (or clean).
-            let r = unsafe { libc::madvise(addr(i) as *mut libc::c_void, (j - i) * bs, libc::MADV_DONTNEED) };
-            if r != 0 {
-                return Err(PagerError::Mm {
-                    op: "madvise(MADV_DONTNEED)",
-                    source: std::io::Error::last_os_error(),
-                });
-            }
-            i = j;
+        // 4. Free the blocks; their next touch faults them back in.
+        for run in adjacent_runs {
+            punch_hole(&places[run.start].space, offset(run.start), run.len() * bs)?;
         }
         Ok(io)
     }
+}
+
+fn epoll_ctl(epoll: &OwnedFd, op: libc::c_int, fd: RawFd, key: u64) -> Result<(), PagerError> {
+    let mut event = libc::epoll_event { events: libc::EPOLLIN as u32, u64: key };
+    // SAFETY: valid descriptors and event.
+    if unsafe { libc::epoll_ctl(epoll.as_raw_fd(), op, fd, &mut event) } != 0 {
+        return Err(PagerError::Mm { op: "epoll_ctl", source: std::io::Error::last_os_error() });
+    }
+    Ok(())
+}
+
+/// An operation on a space whose process is gone is skipped, not fatal: the
+/// space is marked, and detaching it releases its VMs.
+fn tolerate(space: &Space, result: Result<(), PagerError>) -> Result<(), PagerError> {
+    match result {
+        Err(e) if space.gone.load(Ordering::SeqCst) || space_gone(&e) => {
+            space.gone.store(true, Ordering::SeqCst);
+            Ok(())
+        }
+        other => other,
+    }
+}
+
+/// Reads guest memory at `offset` of a space's memfd.
+fn pread_exact(memfd: &OwnedFd, buf: &mut [u8], offset: usize) -> Result<(), PagerError> {
+    let mut done = 0;
+    while done < buf.len() {
+        // SAFETY: the destination is our buffer, `len - done` bytes long.
+        let n = unsafe {
+            libc::pread(memfd.as_raw_fd(), buf[done..].as_mut_ptr().cast(), buf.len() - done, (offset + done) as libc::off_t)
+        };
+        match n {
+            n if n > 0 => done += n as usize,
+            0 => return Err(PagerError::Mm { op: "pread(guest memory)", source: std::io::ErrorKind::UnexpectedEof.into() }),
+            _ => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(PagerError::Mm { op: "pread(guest memory)", source: e });
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Frees `len` bytes of a space's memory at `offset`: gone from every
+/// mapping of the memfd, so the next touch is a missing fault.
+fn punch_hole(space: &Space, offset: usize, len: usize) -> Result<(), PagerError> {
+    let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+    // SAFETY: fallocate on a memfd we hold.
+    if unsafe { libc::fallocate(space.memfd.as_raw_fd(), mode, offset as libc::off_t, len as libc::off_t) } != 0 {
+        return Err(PagerError::Mm { op: "fallocate(PUNCH_HOLE)", source: std::io::Error::last_os_error() });
+    }
+    Ok(())
 }

@@ -1,5 +1,7 @@
-//! A minimal userfaultfd wrapper: one descriptor for the whole process, with
-//! missing-page and write-protect modes.
+//! A minimal userfaultfd wrapper: missing-page and write-protect modes, on
+//! anonymous or shared (memfd) memory. A descriptor serves the address space
+//! that created it, from any process that holds it: a cell creates one for
+//! its guest RAM and hands it to the pager.
 //!
 //! The ioctls are issued directly instead of through the `userfaultfd` crate
 //! because the pager needs `UFFDIO_COPY_MODE_WP` (install a block already
@@ -21,6 +23,8 @@ const UFFDIO_COPY: libc::c_ulong = 0xC028_AA03;
 const UFFDIO_WRITEPROTECT: libc::c_ulong = 0xC018_AA06;
 
 const UFFD_FEATURE_PAGEFAULT_FLAG_WP: u64 = 1 << 0;
+/// Write protection on shared memory (memfd) as well as anonymous.
+const UFFD_FEATURE_WP_HUGETLBFS_SHMEM: u64 = 1 << 12;
 const UFFDIO_REGISTER_MODE_MISSING: u64 = 1;
 const UFFDIO_REGISTER_MODE_WP: u64 = 2;
 const UFFDIO_COPY_MODE_DONTWAKE: u64 = 1;
@@ -141,11 +145,21 @@ impl Uffd {
         let fd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
         let mut api = UffdioApi {
             api: UFFD_API,
-            features: UFFD_FEATURE_PAGEFAULT_FLAG_WP,
+            features: UFFD_FEATURE_PAGEFAULT_FLAG_WP | UFFD_FEATURE_WP_HUGETLBFS_SHMEM,
             ioctls: 0,
         };
         ioctl(fd.as_raw_fd(), UFFDIO_API, &mut api).map_err(uerr("UFFDIO_API"))?;
         Ok(Uffd { fd })
+    }
+
+    /// A descriptor created (and set up) by another process: a cell's.
+    pub fn from_fd(fd: OwnedFd) -> Uffd {
+        Uffd { fd }
+    }
+
+    /// A second descriptor for the same userfaultfd.
+    pub fn try_clone(&self) -> io::Result<OwnedFd> {
+        self.fd.try_clone()
     }
 
     /// Registers `[start, start+len)` for missing-page and write-protect
@@ -276,4 +290,10 @@ impl AsRawFd for Uffd {
     fn as_raw_fd(&self) -> RawFd {
         self.fd.as_raw_fd()
     }
+}
+
+/// Whether an error says the address space behind a descriptor is gone (its
+/// process exited): ioctls then fail with ESRCH.
+pub fn space_gone(error: &PagerError) -> bool {
+    matches!(error, PagerError::Uffd { source, .. } if source.raw_os_error() == Some(libc::ESRCH))
 }

@@ -33,7 +33,7 @@ fn integrity(policy: &'static str, block: u64) {
     let pager = Pager::new(cfg, vms as u32, vm_ram as u64).expect("pager");
     let regions: Vec<Region> = (0..vms).map(|_| Region::new(vm_ram)).collect();
     for (i, r) in regions.iter().enumerate() {
-        pager.register_vm(i as u32, r.ptr(), r.len).expect("register");
+        r.register(&pager, i as u32).expect("register");
     }
     let target = fault_target();
     let stop = Arc::new(AtomicBool::new(false));
@@ -182,8 +182,8 @@ fn pager_for_two_vms(policy: &str, budget_blocks: u64, tag: &str) -> (Arc<Pager>
     let pager = Pager::new(cfg, 2, PAIR_BLOCKS as u64 * PAIR_BLOCK).unwrap();
     let a = Region::new(PAIR_BLOCKS * PAIR_BLOCK as usize);
     let b = Region::new(PAIR_BLOCKS * PAIR_BLOCK as usize);
-    pager.register_vm(0, a.ptr(), a.len).unwrap();
-    pager.register_vm(1, b.ptr(), b.len).unwrap();
+    a.register(&pager, 0).unwrap();
+    b.register(&pager, 1).unwrap();
     (pager, a, b)
 }
 
@@ -311,7 +311,7 @@ fn stats_shape() {
     let cfg = config("demand", 32 << 10, 1 << 20, "stats");
     let pager = Pager::new(cfg, 2, 1 << 20).unwrap();
     let r = Region::new(1 << 20);
-    pager.register_vm(3, r.ptr(), r.len).unwrap();
+    r.register(&pager, 3).unwrap();
     r.write(0, 7);
     pager.note_access(3);
     let s = pager.stats();
@@ -389,7 +389,7 @@ fn swap_full_is_fatal_and_keeps_memory() {
     let pager = Pager::new(cfg, 3, vm_ram).unwrap();
     let rs: Vec<Region> = (0..3).map(|_| Region::new(vm_ram as usize)).collect();
     for (i, r) in rs.iter().enumerate() {
-        pager.register_vm(i as u32, r.ptr(), r.len).unwrap();
+        r.register(&pager, i as u32).unwrap();
     }
     let wpb = block as usize / 8;
     // The vCPU stays blocked once the run stops, so it runs detached.
@@ -419,7 +419,7 @@ fn misbehaving(mode: &str, want: &str) {
     let cfg = config(&policy, block, 4 * block, "plugin");
     let pager = Pager::new(cfg, 1, 16 * block).unwrap();
     let r = Region::new(16 * block as usize);
-    pager.register_vm(0, r.ptr(), r.len).unwrap();
+    r.register(&pager, 0).unwrap();
     let wpb = block as usize / 8;
     for b in 0..4 {
         r.write(b * wpb, 1000 + b as u64);
@@ -471,7 +471,7 @@ fn disk_model_adds_time() {
     cfg.disk = "hdd".into();
     let pager = Pager::new(cfg, 1, 16 * block).unwrap();
     let r = Region::new(16 * block as usize);
-    pager.register_vm(0, r.ptr(), r.len).unwrap();
+    r.register(&pager, 0).unwrap();
     let wpb = block as usize / 8;
     for b in 0..16 {
         r.write(b * wpb, b as u64 + 1);
@@ -521,10 +521,10 @@ fn unregister_frees_memory_and_swap() {
     let pager = Pager::new(cfg, 2, vm_ram).unwrap();
     let a = Region::new(vm_ram as usize);
     let b = Region::new(vm_ram as usize);
-    pager.register_vm(0, a.ptr(), a.len).unwrap();
-    pager.register_vm(1, b.ptr(), b.len).unwrap();
+    a.register(&pager, 0).unwrap();
+    b.register(&pager, 1).unwrap();
     let c = Region::new(vm_ram as usize);
-    let e = pager.register_vm(2, c.ptr(), c.len).unwrap_err().to_string();
+    let e = c.register(&pager, 2).unwrap_err().to_string();
     assert!(e.contains("swap device full"), "{e}");
     let wpb = block as usize / 8;
     for i in 0..blocks {
@@ -537,7 +537,7 @@ fn unregister_frees_memory_and_swap() {
     assert!(pager.vm_stats(0).is_null());
     assert_eq!(total(&pager, "resident_bytes"), pager.vm_stats(1)["resident_bytes"].as_u64().unwrap());
     // VM 0's swap region is free again.
-    pager.register_vm(2, c.ptr(), c.len).unwrap();
+    c.register(&pager, 2).unwrap();
     for i in 0..blocks {
         c.write(i * wpb, 30 + i as u64);
     }

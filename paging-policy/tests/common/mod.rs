@@ -1,38 +1,50 @@
-//! Helpers for the pager tests: anonymous "guest RAM" regions touched by
-//! plain host threads, which fault through userfaultfd exactly as KVM's
-//! accesses do.
+//! Helpers for the pager tests: "guest RAM" regions (memfd-backed
+//! `GuestMemory`, as a densevm cell has) touched by plain host threads, which
+//! fault through userfaultfd exactly as KVM's accesses do.
 
 #![allow(dead_code)]
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use paging_policy::PagerConfig;
+use std::sync::OnceLock;
 
-/// A private anonymous mapping, never touched before registration.
+use paging_policy::{GuestMemory, Pager, PagerConfig, PagerError, SpaceId};
+
+/// A region's memory and the space it is attached as (once).
+struct Backing {
+    memory: GuestMemory,
+    space: OnceLock<SpaceId>,
+}
+
+/// One VM's guest memory, never touched before registration.
 #[derive(Clone, Copy)]
 pub struct Region {
     pub addr: usize,
     pub len: usize,
+    backing: &'static Backing,
 }
 
 impl Region {
-    /// Maps `len` bytes (leaked at the end of the test process: unmapping a
-    /// region the pager may still serve is not what the tests are about).
+    /// Creates `len` bytes of guest memory (leaked at the end of the test
+    /// process: unmapping a region the pager may still serve is not what the
+    /// tests are about).
     pub fn new(len: usize) -> Region {
-        // SAFETY: fresh anonymous mapping.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
+        let memory = GuestMemory::new(len).expect("guest memory");
+        let backing: &'static Backing = Box::leak(Box::new(Backing { memory, space: OnceLock::new() }));
+        Region { addr: backing.memory.as_ptr() as usize, len, backing }
+    }
+
+    /// Attaches the region to `pager` (the first time) and registers it as VM `vm`.
+    pub fn register(&self, pager: &Pager, vm: u32) -> Result<(), PagerError> {
+        let space = match self.backing.space.get() {
+            Some(&space) => space,
+            None => {
+                let space = pager.attach_space(self.backing.memory.handoff()?)?;
+                *self.backing.space.get_or_init(|| space)
+            }
         };
-        assert_ne!(p, libc::MAP_FAILED, "mmap failed");
-        Region { addr: p as usize, len }
+        pager.register_vm(vm, space, 0, self.len)
     }
 
     pub fn ptr(&self) -> *mut u8 {

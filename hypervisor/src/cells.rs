@@ -1,0 +1,202 @@
+//! The parent's side of its cells: starting one, the handshake that hands
+//! its guest memory to the pager, and the link it is driven through.
+
+use crate::framing::{FrameError, LineStream};
+use crate::protocol::{CellConfig, FromCell, Hello, ToCell, MAX_LINK_LINE};
+use crate::serve::ServeArgs;
+use paging_policy::{Pager, SpaceHandoff, SpaceId};
+use std::io::{Read, Write};
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+
+/// Longest a cell may take to start and hand over its memory.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A cell started but not yet handed over.
+pub struct PendingCell {
+    index: u32,
+    child: Child,
+    link: UnixStream,
+    first_id: u32,
+    count: u32,
+    capacity: u32,
+}
+
+impl PendingCell {
+    /// Starts `densevm cell` for VMs `first_id..first_id + count`, with room
+    /// for `capacity`, and sends it its configuration.
+    pub fn spawn(args: &ServeArgs, index: u32, first_id: u32, count: u32, capacity: u32) -> Result<PendingCell, String> {
+        let exe = std::env::current_exe().map_err(|e| format!("cell {index}: find densevm: {e}"))?;
+        let (ours, theirs) = UnixStream::pair().map_err(|e| format!("cell {index}: socketpair: {e}"))?;
+        let child = Command::new(exe)
+            .arg("cell")
+            .stdin(Stdio::from(OwnedFd::from(theirs)))
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| format!("cell {index}: start: {e}"))?;
+        let config = CellConfig { args: args.clone(), cell: index, parent_pid: std::process::id(), first_id, count, capacity };
+        let mut line = serde_json::to_vec(&config).expect("config serializes");
+        line.push(b'\n');
+        let mut cell = PendingCell { index, child, link: ours, first_id, count, capacity };
+        if let Err(e) = (&cell.link).write_all(&line) {
+            let _ = cell.child.kill();
+            let _ = cell.child.wait();
+            return Err(format!("cell {index}: send its configuration: {e}"));
+        }
+        Ok(cell)
+    }
+
+    /// Receives the cell's guest memory, gives it to the pager with the
+    /// cell's VMs, and lets the cell boot them.
+    pub fn handshake(mut self, pager: &Pager, ram_bytes: usize) -> Result<Cell, String> {
+        match self.try_handshake(pager, ram_bytes) {
+            Ok(space) => {
+                self.link.set_nonblocking(true).map_err(|e| format!("cell {}: link: {e}", self.index))?;
+                let link = mio::net::UnixStream::from_std(self.link);
+                Ok(Cell {
+                    index: self.index,
+                    pid: self.child.id(),
+                    child: self.child,
+                    link: LineStream::new(link, MAX_LINK_LINE),
+                    space: Some(space),
+                    first_id: self.first_id,
+                    count: self.count,
+                    capacity: self.capacity,
+                    booted: None,
+                    dead: None,
+                })
+            }
+            Err(e) => {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                Err(format!("cell {}: {e}", self.index))
+            }
+        }
+    }
+
+    fn try_handshake(&mut self, pager: &Pager, ram_bytes: usize) -> Result<SpaceId, String> {
+        self.link.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(|e| e.to_string())?;
+        let mut buf = vec![0u8; 4096];
+        let mut fds = [-1; 2];
+        let mut iov = [libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() }];
+        // SAFETY: the iovec points into `buf`, which outlives the call.
+        let (bytes, nfds) = unsafe { self.link.recv_with_fds(&mut iov, &mut fds) }.map_err(|e| format!("receive its memory: {e}"))?;
+        // SAFETY: descriptors received are ours to own.
+        let received: Vec<OwnedFd> = fds[..nfds].iter().map(|&fd| unsafe { OwnedFd::from_raw_fd(fd) }).collect();
+        if bytes == 0 {
+            return Err(self.exit_reason().unwrap_or_else(|| "closed the link during start-up".into()));
+        }
+        let mut hello = buf[..bytes].to_vec();
+        while !hello.ends_with(b"\n") {
+            let n = self.link.read(&mut buf).map_err(|e| format!("receive its memory: {e}"))?;
+            if n == 0 {
+                return Err("closed the link during start-up".into());
+            }
+            hello.extend_from_slice(&buf[..n]);
+        }
+        // A cell that failed to start sends its reason instead of a hello.
+        if let Ok(FromCell::Failed { error }) = serde_json::from_slice::<FromCell>(&hello) {
+            return Err(error);
+        }
+        let hello: Hello = serde_json::from_slice(&hello).map_err(|e| format!("bad hello: {e}"))?;
+        let [uffd, memfd]: [OwnedFd; 2] = received.try_into().map_err(|_| "its hello lacks the guest-memory descriptors".to_string())?;
+        let space = pager.attach_space(SpaceHandoff { uffd, memfd, base: hello.base, len: hello.len }).map_err(|e| e.to_string())?;
+        for i in 0..self.count {
+            let id = self.first_id + i;
+            if let Err(e) = pager.register_vm(id, space, i as usize * ram_bytes, ram_bytes) {
+                pager.detach_space(space);
+                return Err(e.to_string());
+            }
+        }
+        let mut go = serde_json::to_vec(&ToCell::Go).expect("serializes");
+        go.push(b'\n');
+        self.link.write_all(&go).map_err(|e| format!("start it: {e}"))?;
+        Ok(space)
+    }
+
+    fn exit_reason(&mut self) -> Option<String> {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(describe_exit(status));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        None
+    }
+}
+
+/// How a cell process ended, in words.
+pub fn describe_exit(status: std::process::ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exited with status {code}"),
+        (None, Some(signal)) => format!("killed by signal {signal}"),
+        _ => "ended".into(),
+    }
+}
+
+/// A running cell, as the parent holds it.
+pub struct Cell {
+    /// Its index.
+    pub index: u32,
+    /// Its pid.
+    pub pid: u32,
+    child: Child,
+    /// The link (registered with the parent's event loop).
+    pub link: LineStream<mio::net::UnixStream>,
+    /// Its guest memory in the pager, until it is detached.
+    pub space: Option<SpaceId>,
+    /// Id of its first VM.
+    pub first_id: u32,
+    /// VMs it holds (ids `first_id..first_id + count`).
+    pub count: u32,
+    /// VMs it can hold.
+    pub capacity: u32,
+    /// Its first boot's outcome: (ready, failed).
+    pub booted: Option<(u32, u32)>,
+    /// Why it is gone, once it is.
+    pub dead: Option<String>,
+}
+
+impl Cell {
+    /// Whether VM `id` is one of this cell's.
+    pub fn holds(&self, id: u32) -> bool {
+        id >= self.first_id && id < self.first_id + self.count
+    }
+
+    /// Queues a request and writes what the socket takes.
+    pub fn send(&mut self, request: &ToCell) -> Result<(), FrameError> {
+        let line = serde_json::to_vec(request).expect("requests serialize");
+        self.link.queue(&line);
+        self.link.flush()?;
+        Ok(())
+    }
+
+    /// Waits for the process to end after its link closed (or kills it after
+    /// `grace`); returns how it ended.
+    pub fn reap(&mut self, grace: Duration) -> String {
+        let deadline = Instant::now() + grace;
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(status)) => return describe_exit(status),
+                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+                Ok(None) => {
+                    let _ = self.child.kill();
+                    return self.child.wait().map(describe_exit).unwrap_or_else(|e| format!("lost: {e}"));
+                }
+                Err(e) => return format!("lost: {e}"),
+            }
+        }
+    }
+
+    /// Kills the process at once (the run is failing).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,162 @@
+//! Newline-delimited framing over nonblocking streams: the control API's
+//! clients, and the links between the parent and its cells.
+
+use std::io::{self, ErrorKind, Read, Write};
+
+/// Runs a nonblocking I/O call: retried on EINTR, `Ok(None)` when it would block.
+pub fn nonblocking<T>(mut op: impl FnMut() -> io::Result<T>) -> io::Result<Option<T>> {
+    loop {
+        match op() {
+            Ok(value) => return Ok(Some(value)),
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(None),
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Why a framed stream cannot be used any more.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    /// The peer closed its end.
+    #[error("closed by the peer")]
+    Closed,
+    /// A line grew past the limit without a newline.
+    #[error("line longer than {0} bytes")]
+    TooLong(usize),
+    /// The socket failed.
+    #[error("{0}")]
+    Io(#[from] io::Error),
+}
+
+/// A nonblocking stream with line-buffered input and buffered output.
+#[derive(Debug)]
+pub struct LineStream<S> {
+    /// The stream itself (registered with the event loop by its owner).
+    pub stream: S,
+    input: Vec<u8>,
+    /// Bytes of `input` already searched for a newline.
+    scanned: usize,
+    output: Vec<u8>,
+    written: usize,
+    max_line: usize,
+}
+
+impl<S: Read + Write> LineStream<S> {
+    /// Frames `stream`, refusing lines longer than `max_line` bytes.
+    pub fn new(stream: S, max_line: usize) -> Self {
+        LineStream { stream, input: Vec::new(), scanned: 0, output: Vec::new(), written: 0, max_line }
+    }
+
+    /// Reads what the stream has now and appends every complete line (without
+    /// its newline) to `lines`. Lines already read are kept when it fails.
+    pub fn read_lines(&mut self, lines: &mut Vec<Vec<u8>>) -> Result<(), FrameError> {
+        let mut chunk = [0u8; 16 << 10];
+        loop {
+            let n = match nonblocking(|| self.stream.read(&mut chunk))? {
+                None => return Ok(()),
+                Some(0) => return Err(FrameError::Closed),
+                Some(n) => n,
+            };
+            self.input.extend_from_slice(&chunk[..n]);
+            self.split_lines(lines);
+            // Checked per chunk, so a client streaming a line without end is
+            // cut off at the limit, not when it stops sending.
+            if self.input.len() > self.max_line {
+                return Err(FrameError::TooLong(self.max_line));
+            }
+        }
+    }
+
+    fn split_lines(&mut self, lines: &mut Vec<Vec<u8>>) {
+        let mut start = 0;
+        while let Some(pos) = self.input[self.scanned..].iter().position(|b| *b == b'\n') {
+            let end = self.scanned + pos;
+            lines.push(self.input[start..end].to_vec());
+            start = end + 1;
+            self.scanned = start;
+        }
+        // One shift per read, not one per line.
+        self.input.drain(..start);
+        self.scanned = self.input.len();
+    }
+
+    /// Queues one line (a newline is added).
+    pub fn queue(&mut self, line: &[u8]) {
+        self.output.extend_from_slice(line);
+        self.output.push(b'\n');
+    }
+
+    /// Writes as much queued output as the stream takes now; true once all is out.
+    pub fn flush(&mut self) -> io::Result<bool> {
+        while self.written < self.output.len() {
+            match nonblocking(|| self.stream.write(&self.output[self.written..]))? {
+                Some(0) => return Err(io::Error::from(ErrorKind::WriteZero)),
+                Some(n) => self.written += n,
+                None => break,
+            }
+        }
+        if self.written == self.output.len() {
+            self.output.clear();
+            self.written = 0;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// Bytes queued and not yet written.
+    pub fn unsent(&self) -> usize {
+        self.output.len() - self.written
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixStream;
+
+    fn pair() -> (LineStream<UnixStream>, UnixStream) {
+        let (a, b) = UnixStream::pair().unwrap();
+        a.set_nonblocking(true).unwrap();
+        (LineStream::new(a, 64), b)
+    }
+
+    #[test]
+    fn splits_lines_across_reads() {
+        let (mut framed, mut peer) = pair();
+        let mut lines = Vec::new();
+        peer.write_all(b"one\ntw").unwrap();
+        framed.read_lines(&mut lines).unwrap();
+        peer.write_all(b"o\nthree\n").unwrap();
+        framed.read_lines(&mut lines).unwrap();
+        assert_eq!(lines, vec![b"one".to_vec(), b"two".to_vec(), b"three".to_vec()]);
+    }
+
+    #[test]
+    fn a_line_without_end_is_refused_at_the_limit() {
+        let (mut framed, mut peer) = pair();
+        peer.write_all(&[b'x'; 100]).unwrap();
+        assert!(matches!(framed.read_lines(&mut Vec::new()), Err(FrameError::TooLong(64))));
+    }
+
+    #[test]
+    fn reports_the_peer_closing_after_its_last_line() {
+        let (mut framed, mut peer) = pair();
+        peer.write_all(b"last\n").unwrap();
+        drop(peer);
+        let mut lines = Vec::new();
+        assert!(matches!(framed.read_lines(&mut lines), Err(FrameError::Closed)));
+        assert_eq!(lines, vec![b"last".to_vec()]);
+    }
+
+    #[test]
+    fn queued_output_is_flushed() {
+        let (mut framed, peer) = pair();
+        framed.queue(b"reply");
+        assert!(framed.flush().unwrap());
+        assert_eq!(framed.unsent(), 0);
+        let mut got = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(peer), &mut got).unwrap();
+        assert_eq!(got, "reply\n");
+    }
+}

@@ -1,0 +1,14 @@
+//! What a cell's monitor tells the pager. The pager lives in the parent
+//! process and holds the cell's guest memory; the monitor only reports what
+//! the pager cannot see from there.
+
+/// The pager, as a cell's monitor sees it.
+pub trait PagerLink {
+    /// VM `vm` served `requests` more requests: the policy's reference bit,
+    /// and the request trace when one is recorded.
+    fn requests_served(&mut self, vm: u32, requests: u64);
+
+    /// VM `vm` stopped for good (its vCPU no longer runs): the pager may
+    /// release its memory and swap.
+    fn vm_stopped(&mut self, vm: u32);
+}

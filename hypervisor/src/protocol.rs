@@ -1,0 +1,135 @@
+//! The link between densevm's parent process and its cells: one JSON object
+//! per line on a Unix stream socket (the cell's standard input), plus one
+//! message carrying descriptors.
+//!
+//! 1. parent -> cell: [`CellConfig`].
+//! 2. cell -> parent: [`Hello`], with the cell's userfaultfd and guest-RAM
+//!    memfd attached (SCM_RIGHTS).
+//! 3. parent -> cell: [`ToCell::Go`] once the pager holds the cell's memory
+//!    and knows its VMs; the cell boots them.
+//! 4. From then on the parent sends [`ToCell`] requests, one at a time, each
+//!    answered by one [`FromCell::Reply`]; the cell also sends events
+//!    ([`FromCell::Booted`], [`FromCell::Access`], [`FromCell::Stopped`],
+//!    [`FromCell::Failed`]) whenever they happen.
+
+use crate::serve::ServeArgs;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// Longest line either side accepts on a cell link (a full stats reply of a
+/// cell's VMs stays far below it).
+pub const MAX_LINK_LINE: usize = 64 << 20;
+
+/// What a cell runs: the serve flags, and its share of the VMs.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct CellConfig {
+    /// The parent's flags (already validated by the parent).
+    pub args: ServeArgs,
+    /// Index of the cell.
+    pub cell: u32,
+    /// The parent's pid: a cell whose parent is gone exits.
+    pub parent_pid: u32,
+    /// Id of the cell's first VM; its VMs have consecutive ids.
+    pub first_id: u32,
+    /// VMs to boot now.
+    pub count: u32,
+    /// VMs the cell can ever hold (slots of its guest-RAM memfd).
+    pub capacity: u32,
+}
+
+/// The cell's first message; its descriptors travel with it.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Hello {
+    /// The cell's pid.
+    pub pid: u32,
+    /// Address of its guest-RAM mapping in the cell.
+    pub base: usize,
+    /// Length of that mapping (capacity x RAM per VM).
+    pub len: usize,
+    /// "pvm" or "kvm".
+    pub platform: String,
+}
+
+/// A request from the parent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "cmd", rename_all = "snake_case")]
+pub enum ToCell {
+    /// The pager is ready: boot the VMs.
+    Go,
+    /// Totals, and with `per_vm` each VM's figures.
+    Stats {
+        /// Include the per-VM list.
+        per_vm: bool,
+    },
+    /// Each VM's address and state.
+    List,
+    /// Boot VMs `first..first + count` (the parent registered their RAM).
+    Create {
+        /// First id.
+        first: u32,
+        /// How many.
+        count: u32,
+    },
+    /// Stop a VM.
+    Destroy {
+        /// Its id.
+        vm: u32,
+    },
+    /// Make a guest fault (fault-containment tests).
+    Crash {
+        /// Its id.
+        vm: u32,
+        /// Triple fault rather than an invalid instruction.
+        triple: bool,
+    },
+    /// Stop every VM and exit.
+    Shutdown,
+}
+
+/// A message from a cell.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "ev", rename_all = "snake_case")]
+pub enum FromCell {
+    /// Every VM of the first boot answers or has died.
+    Booted {
+        /// VMs serving.
+        ready: u32,
+        /// VMs that died while booting.
+        failed: u32,
+    },
+    /// Requests served since the last report: (VM id, count).
+    Access {
+        /// Per VM.
+        counts: Vec<(u32, u64)>,
+    },
+    /// A VM stopped for good: the pager may release it.
+    Stopped {
+        /// Its id.
+        vm: u32,
+    },
+    /// The answer to the request in flight.
+    Reply {
+        /// As the control API would answer it.
+        reply: Value,
+    },
+    /// The cell cannot go on (its VMs did not boot in time, say).
+    Failed {
+        /// One line.
+        error: String,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_and_events_round_trip() {
+        for request in [ToCell::Go, ToCell::Stats { per_vm: false }, ToCell::Create { first: 5, count: 2 }, ToCell::Shutdown] {
+            let line = serde_json::to_string(&request).unwrap();
+            assert_eq!(serde_json::from_str::<ToCell>(&line).unwrap(), request);
+        }
+        let line = serde_json::to_string(&FromCell::Access { counts: vec![(3, 2)] }).unwrap();
+        assert_eq!(line, r#"{"ev":"access","counts":[[3,2]]}"#);
+    }
+}

@@ -1,0 +1,281 @@
+//! The TCP-to-ring proxy: host sockets on one side, each VM's rings on the
+//! other, with per-connection flow control.
+//!
+//! The host never sends a connection more request bytes than the guest's
+//! buffer for it holds (credit), and acknowledges response bytes only once
+//! the socket took them, so the guest never has more than its window of a
+//! connection's response unacknowledged. A slow client stalls only its own
+//! connection.
+
+use crate::abi;
+use crate::devices::stream::TxRecord;
+use crate::framing::nonblocking;
+use crate::vm::MicroVm;
+use crate::vmtable::VmTable;
+use mio::net::TcpStream;
+use mio::{Interest, Registry, Token};
+use slab::Slab;
+use std::io::{Read, Write};
+
+/// Most bytes moved from a socket into a ring at once.
+const READ_CHUNK: u32 = 64 << 10;
+
+/// One client connection to a VM.
+struct Conn {
+    /// Index of the VM in the cell's table.
+    vm: usize,
+    slot: Option<usize>,
+    stream: TcpStream,
+    out: Vec<u8>,
+    out_start: usize,
+    /// FIN (EOF or error) has reached the guest.
+    fin_sent: bool,
+    /// The socket failed: output is discarded.
+    broken: bool,
+    /// The guest released the slot: close once the output is flushed.
+    guest_closed: bool,
+}
+
+impl Conn {
+    fn buffered(&self) -> usize {
+        self.out.len() - self.out_start
+    }
+
+    /// Sends what the socket takes now and buffers the rest.
+    fn send(&mut self, payload: &[u8]) {
+        if self.broken {
+            return;
+        }
+        let mut written = 0;
+        if self.buffered() == 0 {
+            while written < payload.len() {
+                match nonblocking(|| self.stream.write(&payload[written..])) {
+                    Ok(Some(n)) => written += n,
+                    Ok(None) => break,
+                    Err(_) => {
+                        self.broken = true;
+                        return;
+                    }
+                }
+            }
+        }
+        self.out.extend_from_slice(&payload[written..]);
+    }
+}
+
+/// Every connection of a cell's VMs.
+pub struct Proxy {
+    conns: Slab<Conn>,
+    /// Turns a connection key into its event-loop token.
+    token: fn(usize) -> Token,
+}
+
+impl Proxy {
+    /// A proxy whose connections are registered under `token(key)`.
+    pub fn new(token: fn(usize) -> Token) -> Self {
+        Proxy { conns: Slab::new(), token }
+    }
+
+    /// Open connections.
+    pub fn len(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// The VM (index) a connection belongs to.
+    pub fn vm_of(&self, key: usize) -> Option<usize> {
+        self.conns.get(key).map(|c| c.vm)
+    }
+
+    /// Accepts connections on VM `index`'s listener while it has a free slot
+    /// and room in its rx ring for the OPEN record.
+    pub fn accept(&mut self, vms: &mut VmTable, index: usize, registry: &Registry) {
+        loop {
+            let Some(vm) = vms.live(index) else { return };
+            let Some(slot) = vm.slots.iter().position(Option::is_none) else {
+                vm.accept_paused = true;
+                return;
+            };
+            if vm.stream.rx_reserve(&vm.sys, 0).is_none() {
+                vm.accept_paused = true;
+                return;
+            }
+            let mut stream = match nonblocking(|| vm.listener.accept()) {
+                Ok(Some((stream, _))) => stream,
+                Ok(None) => return,
+                Err(e) => {
+                    // EMFILE and friends: stop accepting until something closes.
+                    eprintln!("densevm: VM {}: accept: {e}", vm.id);
+                    vm.accept_paused = true;
+                    return;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let entry = self.conns.vacant_entry();
+            let key = entry.key();
+            if registry.register(&mut stream, (self.token)(key), Interest::READABLE | Interest::WRITABLE).is_err() {
+                continue;
+            }
+            entry.insert(Conn {
+                vm: index,
+                slot: Some(slot),
+                stream,
+                out: Vec::new(),
+                out_start: 0,
+                fin_sent: false,
+                broken: false,
+                guest_closed: false,
+            });
+            vm.slots[slot] = Some(key);
+            vm.stream.rx_control(&vm.sys, slot, abi::REC_OPEN);
+            self.pump_rx(vms, key);
+            kick(vms, index);
+        }
+    }
+
+    /// A connection's socket is ready.
+    pub fn ready(&mut self, vms: &mut VmTable, key: usize, readable: bool, writable: bool, registry: &Registry) {
+        if writable {
+            self.flush(vms, key, registry);
+        }
+        if readable {
+            self.pump_rx(vms, key);
+        }
+        if let Some(index) = self.vm_of(key) {
+            kick(vms, index);
+        }
+    }
+
+    /// Moves socket bytes into the rx ring as far as credit and room allow.
+    pub fn pump_rx(&mut self, vms: &mut VmTable, key: usize) {
+        let Some(conn) = self.conns.get_mut(key) else { return };
+        let (Some(slot), false) = (conn.slot, conn.fin_sent) else { return };
+        let Some(vm) = vms.live(conn.vm) else { return };
+        loop {
+            let credit = vm.stream.rx_credit(&vm.sys, slot).min(READ_CHUNK);
+            let Some(space) = (credit > 0).then(|| vm.stream.rx_reserve(&vm.sys, credit)).flatten() else {
+                wait_for_room(vm, key);
+                return;
+            };
+            // SAFETY: the space is filled before the record is committed.
+            match nonblocking(|| conn.stream.read(unsafe { space.as_mut_slice() })) {
+                Ok(Some(0)) => break,
+                Ok(Some(n)) => vm.stream.rx_commit(&vm.sys, slot, abi::REC_DATA, n as u32),
+                Ok(None) => return,
+                Err(_) => {
+                    conn.broken = true;
+                    conn.out.clear();
+                    conn.out_start = 0;
+                    break;
+                }
+            }
+        }
+        // EOF or error: tell the guest; it answers what it has and releases the slot.
+        if vm.stream.rx_control(&vm.sys, slot, abi::REC_FIN) {
+            conn.fin_sent = true;
+        } else {
+            wait_for_room(vm, key);
+        }
+    }
+
+    /// Takes in everything the guest put in its tx ring: data goes to its
+    /// connections, CLOSE records release slots. Err: a malformed record.
+    pub fn drain_tx(&mut self, vms: &mut VmTable, index: usize, registry: &Registry) -> Result<(), String> {
+        loop {
+            let Some(vm) = vms.live(index) else { return Ok(()) };
+            let Some(record) = vm.stream.tx_peek(&vm.sys).map_err(|e| e.to_string())? else { return Ok(()) };
+            match record {
+                TxRecord::Data { slot, offset, len } => {
+                    let conn = vm.slots[slot].and_then(|k| self.conns.get_mut(k));
+                    let mut buffered = 0;
+                    if let Some(conn) = conn {
+                        // SAFETY: tx_peek checked the payload lies in the tx ring.
+                        conn.send(unsafe { std::slice::from_raw_parts(vm.sys.at(offset), len as usize) });
+                        buffered = conn.buffered();
+                    }
+                    vm.stream.tx_consume(&vm.sys, &record);
+                    vm.stream.ack(&vm.sys, slot, buffered);
+                }
+                TxRecord::Close { slot } => {
+                    vm.stream.tx_consume(&vm.sys, &record);
+                    vm.stream.ack(&vm.sys, slot, 0);
+                    if let Some(key) = vm.slots[slot].take() {
+                        vm.waiting.retain(|k| *k != key);
+                        if let Some(conn) = self.conns.get_mut(key) {
+                            conn.slot = None;
+                            conn.guest_closed = true;
+                        }
+                        self.finish_if_done(vms, key, registry);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Feeds the connections of VM `index` that waited for ring room, and
+    /// accepts again if accepting was paused.
+    pub fn retry_waiting(&mut self, vms: &mut VmTable, index: usize, registry: &Registry) {
+        let Some(vm) = vms.live(index) else { return };
+        let waiting = std::mem::take(&mut vm.waiting);
+        let paused = std::mem::replace(&mut vm.accept_paused, false);
+        for key in waiting {
+            self.pump_rx(vms, key);
+        }
+        if paused {
+            self.accept(vms, index, registry);
+        }
+    }
+
+    fn flush(&mut self, vms: &mut VmTable, key: usize, registry: &Registry) {
+        let Some(conn) = self.conns.get_mut(key) else { return };
+        while conn.buffered() > 0 && !conn.broken {
+            match nonblocking(|| conn.stream.write(&conn.out[conn.out_start..])) {
+                Ok(Some(n)) => conn.out_start += n,
+                Ok(None) => break,
+                Err(_) => conn.broken = true,
+            }
+        }
+        if conn.buffered() == 0 || conn.broken {
+            conn.out.clear();
+            conn.out_start = 0;
+        }
+        if let Some(slot) = conn.slot {
+            let buffered = conn.buffered();
+            if let Some(vm) = vms.live(conn.vm) {
+                vm.stream.ack(&vm.sys, slot, buffered);
+            }
+        }
+        self.finish_if_done(vms, key, registry);
+    }
+
+    /// Closes a connection the guest released once its output is out.
+    fn finish_if_done(&mut self, vms: &mut VmTable, key: usize, registry: &Registry) {
+        let Some(conn) = self.conns.get(key) else { return };
+        if conn.guest_closed && (conn.buffered() == 0 || conn.broken) {
+            self.close(vms, key, registry);
+        }
+    }
+
+    /// Closes a connection and frees its slot.
+    pub fn close(&mut self, vms: &mut VmTable, key: usize, registry: &Registry) {
+        let Some(mut conn) = self.conns.try_remove(key) else { return };
+        let _ = registry.deregister(&mut conn.stream);
+        let _ = conn.stream.shutdown(std::net::Shutdown::Write);
+        if let (Some(slot), Some(vm)) = (conn.slot, vms.live(conn.vm)) {
+            vm.slots[slot] = None;
+        }
+    }
+}
+
+fn wait_for_room(vm: &mut MicroVm, key: usize) {
+    if !vm.waiting.contains(&key) {
+        vm.waiting.push(key);
+    }
+}
+
+/// Interrupts VM `index` if it is idle and the host gave it something.
+pub fn kick(vms: &mut VmTable, index: usize) {
+    let Some(vm) = vms.live(index) else { return };
+    if vm.stream.take_kick(&vm.sys) {
+        let _ = vm.irq.write(1);
+    }
+}

@@ -1,0 +1,152 @@
+//! Guest RAM that the pager can serve from another process: a memfd mapped
+//! shared, registered whole with a userfaultfd of the process that maps it.
+//!
+//! A densevm cell creates one for all its VMs and hands both descriptors to
+//! the pager ([`GuestMemory::handoff`], sent with SCM_RIGHTS); the pager
+//! installs blocks through the userfaultfd, reads victims with `pread` on the
+//! memfd and frees them with `fallocate(PUNCH_HOLE)`, which also unmaps them
+//! from the cell. Tests use it in one process, with threads as vCPUs.
+
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+
+use crate::error::PagerError;
+use crate::uffd::Uffd;
+
+/// Identifies an attached [`GuestMemory`] within the pager.
+pub type SpaceId = u32;
+
+/// What the pager needs of a [`GuestMemory`], possibly in another process.
+#[derive(Debug)]
+pub struct SpaceHandoff {
+    /// The userfaultfd the memory is registered with.
+    pub uffd: OwnedFd,
+    /// The memfd behind the mapping.
+    pub memfd: OwnedFd,
+    /// Address of the mapping in the process that holds it.
+    pub base: usize,
+    /// Length of the mapping (and of the memfd).
+    pub len: usize,
+}
+
+/// Guest RAM: one memfd mapped MAP_SHARED, registered with this process's
+/// userfaultfd in missing and write-protect modes. Unmapped on drop.
+#[derive(Debug)]
+pub struct GuestMemory {
+    memfd: OwnedFd,
+    uffd: Uffd,
+    base: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: plain shared memory; guests and the pager synchronise through
+// userfaultfd and the ledger, not through this handle.
+unsafe impl Send for GuestMemory {}
+// SAFETY: as above.
+unsafe impl Sync for GuestMemory {}
+
+fn mm_error(op: &'static str) -> PagerError {
+    PagerError::Mm { op, source: std::io::Error::last_os_error() }
+}
+
+impl GuestMemory {
+    /// Creates `len` bytes (a non-zero multiple of 4 KiB) of guest memory,
+    /// none of it populated.
+    pub fn new(len: usize) -> Result<GuestMemory, PagerError> {
+        if len == 0 || !len.is_multiple_of(4096) {
+            return Err(PagerError::Mm {
+                op: "guest memory",
+                source: std::io::Error::other(format!("length {len} is not a non-zero multiple of 4 KiB")),
+            });
+        }
+        // SAFETY: plain syscall; the name is a NUL-terminated literal.
+        let fd = unsafe { libc::memfd_create(c"densevm-guest-ram".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(mm_error("memfd_create"));
+        }
+        // SAFETY: a fresh descriptor we now own.
+        let memfd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: sizing our own memfd.
+        if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
+            return Err(mm_error("ftruncate(memfd)"));
+        }
+        // SAFETY: a fresh shared mapping of our memfd aliases nothing of ours.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_NORESERVE,
+                fd,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(mm_error("mmap(memfd)"));
+        }
+        let base = NonNull::new(ptr.cast::<u8>()).expect("mmap returned null");
+        // Huge pages would turn one block's eviction into splitting a 2 MiB page.
+        // SAFETY: advice on our own mapping.
+        unsafe { libc::madvise(ptr, len, libc::MADV_NOHUGEPAGE) };
+        let memory = GuestMemory { memfd, uffd: Uffd::new()?, base, len };
+        memory.uffd.register(ptr as usize, len)?;
+        Ok(memory)
+    }
+
+    /// Address of the first byte.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.base.as_ptr()
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never: guest memory has at least one page.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Duplicates of the descriptors and the mapping's address, for the pager.
+    pub fn handoff(&self) -> Result<SpaceHandoff, PagerError> {
+        let dup = |op| move |source| PagerError::Mm { op, source };
+        Ok(SpaceHandoff {
+            uffd: self.uffd.try_clone().map_err(dup("dup(userfaultfd)"))?,
+            memfd: self.memfd.try_clone().map_err(dup("dup(memfd)"))?,
+            base: self.base.as_ptr() as usize,
+            len: self.len,
+        })
+    }
+}
+
+impl Drop for GuestMemory {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping; nothing refers to it once the owner drops it.
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rejects_a_length_that_is_not_whole_pages() {
+        for len in [0, 100, 4097] {
+            let error = GuestMemory::new(len).unwrap_err().to_string();
+            assert!(error.contains("multiple of 4 KiB"), "{error}");
+        }
+    }
+
+    #[test]
+    fn hands_over_the_mapping_it_made() {
+        let memory = GuestMemory::new(64 << 10).unwrap();
+        let handoff = memory.handoff().unwrap();
+        assert_eq!((handoff.base, handoff.len), (memory.as_ptr() as usize, 64 << 10));
+        // SAFETY: fstat on a descriptor we own.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        assert_eq!(unsafe { libc::fstat(std::os::fd::AsRawFd::as_raw_fd(&handoff.memfd), &mut st) }, 0);
+        assert_eq!(st.st_size, 64 << 10);
+    }
+}

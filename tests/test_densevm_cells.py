@@ -1,0 +1,140 @@
+"""densevm's cells: VMs spread over worker processes behind one control API
+and one pager. A cell that dies takes only its own VMs down; a parent that
+dies takes every cell with it; a reader that goes away breaks nothing."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import release_binary
+from scalebench.webobject import LARGE, SMALL
+from support.densevm import get, kvm_available, start
+
+pytestmark = pytest.mark.skipif(not kvm_available(), reason="/dev/kvm is absent or not accessible on this host")
+
+
+def cell_pids(pid: int) -> list[int]:
+    """The densevm cells (child processes) of the monitor `pid`."""
+    children: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children.extend(int(c) for c in f.read().split())
+    return sorted(children)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_for(predicate, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_vms_over_several_cells_answer_as_one_monitor(tmp_path):
+    m = start(tmp_path, 10, "127.221.0.0", "--cell-vms", "3")
+    try:
+        assert m.ready["vms"] == 10 and m.ready["failed"] == 0
+        assert m.ready["cells"] == 4 and m.ready["cell_vms"] == 3
+        assert len(cell_pids(m.proc.pid)) == 4
+        for vm in range(10):
+            assert get(m.addr(vm)).body == SMALL
+        stats = m.control({"cmd": "stats"})
+        assert stats["totals"]["vms"] == 10 and stats["totals"]["running"] == 10
+        assert stats["totals"]["requests"] >= 10
+        assert [v["id"] for v in stats["vms"]] == list(range(10))
+        assert all(v["requests"] >= 1 for v in stats["vms"])
+        assert stats["totals"]["faults"] > 0  # one pager serves every cell
+        # Requests name VMs in any cell.
+        assert m.control({"cmd": "destroy", "vm": 4}) == {"ok": True, "vm": 4}
+        listed = {v["id"]: v["state"] for v in m.control({"cmd": "list"})["vms"]}
+        assert listed[4] == "stopped" and listed[3] == "running" and len(listed) == 10
+        assert "no running VM 4" in m.raw_control(b'{"cmd":"destroy","vm":4}\n')["error"]
+        assert "no running VM 99" in m.raw_control(b'{"cmd":"crash","vm":99}\n')["error"]
+        # New VMs fill the last cell (VM 9 is alone in it), then a new one.
+        assert m.control({"cmd": "create", "count": 3})["created"] == [10, 11, 12]
+        assert len(cell_pids(m.proc.pid)) == 5
+        for vm in (10, 11, 12):
+            assert get(m.addr(vm), "/large").body == LARGE
+        light = m.control({"cmd": "stats", "vms": False})
+        assert light["totals"]["vms"] == 13 and light["totals"]["cells"] == 5 and "vms" not in light
+    finally:
+        assert m.stop() == 0
+
+
+def test_a_killed_cell_takes_only_its_vms_down(tmp_path):
+    # A budget below what the VMs touch: the pager is busy in every cell.
+    m = start(tmp_path, 9, "127.222.0.0", "--cell-vms", "3", "--mem", "3M", "--selfcheck")
+    try:
+        for vm in range(9):
+            assert get(m.addr(vm)).body == SMALL
+        before = m.control({"cmd": "stats"})["totals"]
+        victim = cell_pids(m.proc.pid)[1]  # VMs 3, 4, 5
+        os.kill(victim, signal.SIGKILL)
+
+        def down():
+            states = {v["id"]: v for v in m.control({"cmd": "list"})["vms"]}
+            return all(states[i]["state"] == "crashed" for i in (3, 4, 5)), states
+
+        assert wait_for(lambda: down()[0])
+        states = down()[1]
+        assert "killed by signal 9" in states[4]["reason"]
+        for _ in range(3):
+            for vm in (0, 1, 2, 6, 7, 8):
+                assert get(m.addr(vm)).body == SMALL
+        with pytest.raises(OSError):
+            get(m.addr(4))
+        after = m.control({"cmd": "stats"})
+        totals = after["totals"]
+        assert totals["crashed"] == 3 and totals["running"] == 6 and totals["vms"] == 9
+        assert totals["selfcheck_errors"] == 0 and totals["fatal_error"] is None
+        assert totals["faults"] > before["faults"]
+        # Its budget and swap went back to the pager (demand keeps a swap region per VM).
+        assert totals["resident_bytes"] <= totals["budget_bytes"] + 8 * totals["block_bytes"]
+        assert totals["swap_used_bytes"] == before["swap_used_bytes"] * 6 // 9
+        assert [v["state"] for v in after["vms"] if v["id"] in (3, 4, 5)] == ["crashed"] * 3
+        assert m.control({"cmd": "create", "count": 1})["created"] == [9]
+        assert get(m.addr(9)).body == SMALL
+    finally:
+        assert m.stop() == 0
+    assert f"(pid {victim}) killed by signal 9" in m.stderr()
+
+
+def test_a_killed_parent_takes_every_cell_with_it(tmp_path):
+    m = start(tmp_path, 6, "127.223.0.0", "--cell-vms", "2")
+    cells = cell_pids(m.proc.pid)
+    assert len(cells) == 3
+    m.proc.kill()
+    m.proc.wait(10)
+    assert wait_for(lambda: not any(alive(pid) for pid in cells)), [p for p in cells if alive(p)]
+
+
+def test_sigterm_stops_every_cell(tmp_path):
+    m = start(tmp_path, 6, "127.224.0.0", "--cell-vms", "2")
+    cells = cell_pids(m.proc.pid)
+    assert m.stop(30) == 0
+    assert not any(alive(pid) for pid in cells)
+    assert not list(tmp_path.glob("densevm-swap-*")) and not m.api.exists()
+
+
+def test_a_reader_that_went_away_does_not_crash_the_monitor(tmp_path):
+    api = tmp_path / "s.sock"
+    argv = [str(release_binary("densevm")), "serve", "--vms", "2", "--addr-base", "127.225.0.0", "--api", str(api)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    assert b'"ready"' in proc.stdout.readline()
+    proc.stdout.close()  # the exit line has nowhere to go
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    assert b"panicked" not in proc.stderr.read()
