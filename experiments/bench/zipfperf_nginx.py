@@ -1,12 +1,14 @@
-"""A throw-away nginx on loopback for zipfperf's tests and benchmark.
+"""A throw-away nginx on loopback for zipfperf's tests and the benchmarks.
 
 Runs Debian's nginx as a non-daemon with its own temporary prefix and config:
-one worker, access_log off, listening on 127.0.0.1 and on extra 127.1.0.x
-addresses, serving the 2,258-byte object at `/` and the 134,007-byte object
-at `/large`. Never binds anything outside 127.0.0.0/8.
+one worker (or more), access_log off, listening on 127.0.0.1 and on extra
+addresses from 127.1.0.0 (or another base) on, serving the 2,258-byte object
+at `/` and the 134,007-byte object at `/large`. Never binds anything outside
+127.0.0.0/8.
 """
 from __future__ import annotations
 
+import ipaddress
 import shutil
 import socket
 import subprocess
@@ -20,7 +22,7 @@ LARGE_BYTES = 134007
 _CONFIG = """\
 daemon off;
 master_process on;
-worker_processes 1;
+worker_processes {workers};
 worker_rlimit_nofile 65536;
 pid {prefix}/nginx.pid;
 error_log {prefix}/error.log error;
@@ -50,12 +52,17 @@ def _object(size: int) -> bytes:
 
 
 class NginxServer:
-    """nginx listening on `port` at 127.0.0.1 and 127.1.0.0 + i for i < extra_targets."""
+    """nginx listening on `port` at 127.0.0.1 and addr_base + i for i < extra_targets."""
 
-    def __init__(self, port: int, extra_targets: int = 0, nginx: str = "nginx") -> None:
+    def __init__(self, port: int, extra_targets: int = 0, nginx: str = "nginx", workers: int = 1,
+                 addr_base: str = "127.1.0.0") -> None:
         self.port = port
-        self.addresses = ["127.0.0.1"] + [f"127.1.0.{i}" for i in range(extra_targets)]
+        base = ipaddress.IPv4Address(addr_base)
+        if base not in ipaddress.IPv4Network("127.0.0.0/8") or base + extra_targets not in ipaddress.IPv4Network("127.0.0.0/8"):
+            raise ValueError(f"{extra_targets} addresses from {addr_base} leave 127.0.0.0/8")
+        self.addresses = ["127.0.0.1"] + [str(base + i) for i in range(extra_targets)]
         self.nginx = nginx
+        self.workers = workers
         self.prefix = Path(tempfile.mkdtemp(prefix="zipfperf-nginx-"))
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -69,13 +76,13 @@ class NginxServer:
             f"        listen {addr}:{self.port} backlog=4096;" for addr in self.addresses
         )
         conf = self.prefix / "nginx.conf"
-        conf.write_text(_CONFIG.format(prefix=self.prefix, listens=listens))
+        conf.write_text(_CONFIG.format(prefix=self.prefix, listens=listens, workers=self.workers))
         self.proc = subprocess.Popen(
             [self.nginx, "-p", str(self.prefix), "-c", str(conf), "-e", str(self.prefix / "error.log")],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 10 + len(self.addresses) / 200
         while time.monotonic() < deadline:
             answering = all(self._answers(addr) for addr in self.addresses)
             # Checked after the probe: another server on the same port must not pass for ours.

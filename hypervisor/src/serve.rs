@@ -38,7 +38,7 @@ pub struct ServeArgs {
     pub vms: u32,
     /// VMs per worker process (cell): each cell has its own address space,
     /// so a change to guest memory visits only its VMs' MMU notifiers.
-    #[arg(long, default_value_t = 250)]
+    #[arg(long, default_value_t = 100)]
     pub cell_vms: u32,
     /// Address of VM 0; VM i listens on this address plus i.
     #[arg(long, default_value = "127.1.0.0")]
