@@ -2,7 +2,8 @@
 """Acceptance figures of the pager under real densevm guests.
 
   integrity  self-checking guests, both policies, blocks 4k/32k/256k, until the
-             faults add up to --faults in total (default 1,000,000): mismatches
+             faults add up to --faults in total (default 1,000,000): mismatches;
+             64 VMs in cells of 16, so the pager serves four processes at once
   budget     --mem at 25% of the working sets: every request succeeds, and the
              resident memory sampled during the run never exceeds the budget by
              more than faults in flight x block
@@ -82,7 +83,8 @@ def integrity(workdir: Path, total_faults: int) -> list[dict]:
     rows = []
     for policy, block in configs:
         vms = 64
-        run = Run(workdir, vms, "--selfcheck", "--policy", policy, "--block", block, "--mem", str(vms * (1 << 20) // 4))
+        run = Run(workdir, vms, "--selfcheck", "--policy", policy, "--block", block, "--mem", str(vms * (1 << 20) // 4),
+                  "--cell-vms", "16")
         started = time.monotonic()
         while run.totals()["faults"] < per_config:
             run.load(5, alpha=0.0, concurrency=16)

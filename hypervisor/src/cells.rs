@@ -30,9 +30,9 @@ impl PendingCell {
     /// Starts `densevm cell` for VMs `first_id..first_id + count`, with room
     /// for `capacity`, and sends it its configuration.
     pub fn spawn(args: &ServeArgs, index: u32, first_id: u32, count: u32, capacity: u32) -> Result<PendingCell, String> {
-        let exe = std::env::current_exe().map_err(|e| format!("cell {index}: find densevm: {e}"))?;
         let (ours, theirs) = UnixStream::pair().map_err(|e| format!("cell {index}: socketpair: {e}"))?;
-        let child = Command::new(exe)
+        // This very binary, even if the file was replaced since it started.
+        let child = Command::new("/proc/self/exe")
             .arg("cell")
             .stdin(Stdio::from(OwnedFd::from(theirs)))
             .stdout(Stdio::null())

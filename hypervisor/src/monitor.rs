@@ -31,7 +31,7 @@ const KIND_CONN: usize = 4;
 /// Threads that destroy VMs at shutdown.
 const TEARDOWN_THREADS: usize = 16;
 /// Longest a served-request count waits before it is reported to the pager.
-const ACCESS_REPORT_DELAY: Duration = Duration::from_millis(2);
+const ACCESS_REPORT_DELAY: Duration = Duration::from_millis(20);
 
 fn token(kind: usize, index: usize) -> Token {
     Token((kind << KIND_SHIFT) | index)
@@ -180,12 +180,7 @@ impl Monitor {
                 (false, true) => Duration::from_millis(500),
                 (false, false) => Duration::from_millis(50),
             };
-            if let Err(e) = self.poll.poll(&mut events, Some(timeout)) {
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(format!("event loop: {e}"));
-            }
+            crate::framing::nonblocking(|| self.poll.poll(&mut events, Some(timeout))).map_err(|e| format!("event loop: {e}"))?;
             for event in events.iter() {
                 let Token(t) = event.token();
                 match event.token() {

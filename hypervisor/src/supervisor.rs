@@ -133,12 +133,7 @@ impl Supervisor {
             }
             self.check_boot();
             let timeout = if self.ready_line.is_some() { Duration::from_millis(20) } else { Duration::from_millis(250) };
-            if let Err(e) = self.poll.poll(&mut events, Some(timeout)) {
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(format!("event loop: {e}"));
-            }
+            crate::framing::nonblocking(|| self.poll.poll(&mut events, Some(timeout))).map_err(|e| format!("event loop: {e}"))?;
             for event in events.iter() {
                 let Token(t) = event.token();
                 match event.token() {
@@ -241,8 +236,12 @@ impl Supervisor {
         }
         let _ = self.poll.registry().deregister(&mut cell.link.stream);
         let how = cell.reap(Duration::from_secs(2));
+        // A process that dies with bytes unread on its socket resets the link.
         let reason = match cause {
             FrameError::Closed => format!("cell {} (pid {}) {how}", cell.index, cell.pid),
+            FrameError::Io(e) if e.kind() == io::ErrorKind::ConnectionReset => {
+                format!("cell {} (pid {}) {how}", cell.index, cell.pid)
+            }
             other => format!("cell {} (pid {}): link failed ({other}); {how}", cell.index, cell.pid),
         };
         eprintln!(
