@@ -8,7 +8,7 @@ use paging_policy::{Pager, SpaceHandoff, SpaceId};
 use std::io::{Read, Write};
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::os::unix::process::ExitStatusExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
@@ -33,6 +33,7 @@ impl PendingCell {
         let (ours, theirs) = UnixStream::pair().map_err(|e| format!("cell {index}: socketpair: {e}"))?;
         // This very binary, even if the file was replaced since it started.
         let child = Command::new("/proc/self/exe")
+            .arg0("densevm")
             .arg("cell")
             .stdin(Stdio::from(OwnedFd::from(theirs)))
             .stdout(Stdio::null())
