@@ -21,11 +21,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import distributed  # the cluster extra, which `make test` installs
 import pytest
 from conftest import release_binary
 from test_scalebench_e2e import processes_mentioning
 
-distributed = pytest.importorskip("distributed", reason="the cluster extra: pip install -e '.[cluster]'")
 
 HOSTS = {"host-a": "127.63.0.0", "host-b": "127.64.0.0"}
 GRID = """
@@ -289,3 +289,22 @@ def test_an_interrupted_cluster_sweep_resumes_without_redoing_points(tmp_path):
     assert {name: done[name]["run_id"] for name in kept} == kept  # not redone
     assert again.stderr.count("  started ") == 6 - len(kept)
     assert len(rows(out / "results.csv")) == 6
+
+
+def test_workers_that_cannot_take_a_point_are_refused():
+    from scalebench.cluster import check_hosts
+    from scalebench.config import ConfigError
+
+    def refused(resources: dict | None, workers: int, commit: str | None, message: str) -> None:
+        with (
+            distributed.LocalCluster(
+                n_workers=workers, processes=False, resources=resources, dashboard_address=None
+            ) as cluster,
+            distributed.Client(cluster) as client,
+            pytest.raises(ConfigError, match=message),
+        ):
+            check_hosts(client, commit)
+
+    refused(None, 1, None, "no worker offers the resource host=1")
+    refused({"host": 1}, 2, None, "several of them")  # two workers on one host
+    refused({"host": 1}, 1, "0" * 40, "at commit .* this client at 000000000000")

@@ -81,7 +81,6 @@ def check_hosts(client: Client, commit: str | None) -> dict[str, dict]:
 def run_sweep_on_cluster(exp: Experiment, out_dir: Path, address: str, reporter: Reporter | None = None) -> dict:
     """run_sweep's counterpart on a dask cluster: every point not done yet, one per host at a time."""
     reporter = reporter or Reporter()
-    todo = pending_points(exp, out_dir, reporter)
     commit = repo_commit()
     with connect(address) as client:
         hosts = check_hosts(client, commit)
@@ -89,21 +88,19 @@ def run_sweep_on_cluster(exp: Experiment, out_dir: Path, address: str, reporter:
             f"cluster {address}: {len(hosts)} host(s): "
             + ", ".join(sorted(f["host"]["hostname"] for f in hosts.values()))
         )
+        todo = pending_points(exp, out_dir, reporter)
         sweep_id = f"{exp.name}-{uuid.uuid4().hex[:8]}"
         client.subscribe_topic(EVENT_TOPIC, lambda event: _note_start(reporter, sweep_id, event[1]))
         futures: dict[Future, tuple[int, str, RunConfig]] = {}
-        for i, key, cfg in todo:
-            future = client.submit(
-                run_point,
-                PointTask(sweep_id, key, cfg, commit),
-                pure=False,
-                key=f"scalebench-{sweep_id}-{slug(key)}",
-                resources={HOST_RESOURCE: 1},
-            )
-            futures[future] = (i, key, cfg)
         total = len(exp.points())
         try:
-            for future in as_completed(futures):
+            for i, key, cfg in todo:
+                task = PointTask(sweep_id, key, cfg, commit)
+                future = client.submit(
+                    run_point, task, pure=False, key=f"scalebench-{sweep_id}-{slug(key)}", resources={HOST_RESOURCE: 1}
+                )
+                futures[future] = (i, key, cfg)
+            for future in as_completed(list(futures)):
                 i, key, cfg = futures.pop(future)
                 result = _collect(client, future, out_dir, key, cfg, sweep_id, address)
                 reporter.note(
