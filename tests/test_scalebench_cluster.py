@@ -26,7 +26,6 @@ import pytest
 from conftest import release_binary
 from test_scalebench_e2e import processes_mentioning
 
-
 HOSTS = {"host-a": "127.63.0.0", "host-b": "127.64.0.0"}
 GRID = """
 name = "cl"
