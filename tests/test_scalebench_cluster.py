@@ -195,12 +195,13 @@ def test_a_grid_on_two_hosts_has_the_schema_of_a_local_sweep(tmp_path):
     assert [r["retried"] for r in cluster_rows] == ["False"] * 6
     assert {r["host_kind"] for r in cluster_rows} == {done[next(iter(done))]["host"]["kind"]}
 
-    # One point of the same grid run locally: the same CSV columns, the same checks.
-    local = sweep(tmp_path, exp, tmp_path / "local", "--only", "vms=4", "--only", "policy=demand")
+    # One point of the same grid run locally: the same CSV columns, the same checks. (A short
+    # directory name: densevm's control socket is in the point's directory, within 107 bytes.)
+    local = sweep(tmp_path, exp, tmp_path / "l", "--only", "vms=4", "--only", "policy=demand")
     assert local.returncode == 0, local.stderr
-    local_rows = rows(tmp_path / "local" / "results.csv")
+    local_rows = rows(tmp_path / "l" / "results.csv")
     assert list(local_rows[0]) == list(cluster_rows[0])
-    local_checks, cluster_checks = rows(tmp_path / "local" / "checks.csv"), rows(tmp_path / "out" / "checks.csv")
+    local_checks, cluster_checks = rows(tmp_path / "l" / "checks.csv"), rows(tmp_path / "out" / "checks.csv")
     assert list(local_checks[0]) == list(cluster_checks[0])
     assert [(c["check"], c["group"]) for c in local_checks] == [(c["check"], c["group"]) for c in cluster_checks]
     for name in ("tput.png", "sweep.json", "experiment.json"):
