@@ -57,7 +57,8 @@ class Cluster:
 
 
 @contextmanager
-def local_cluster(tmp: Path) -> Iterator[Cluster]:
+def local_cluster(tmp: Path, kinds: dict[str, str] | None = None) -> Iterator[Cluster]:
+    """A scheduler and a worker per HOSTS entry; `kinds` gives some hosts a kind of their own."""
     bindir = release_binary("densevm").parent
     release_binary("zipfperf")
     env = {**os.environ, "SCALEBENCH_BIN_DIR": str(bindir), "SCALEBENCH_CALIBRATION": str(tmp / "cal.json")}
@@ -68,53 +69,21 @@ def local_cluster(tmp: Path) -> Iterator[Cluster]:
 
     def start(name: str, argv: list[str], extra_env: dict) -> subprocess.Popen:
         with open(logs / f"{name}.log", "w") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "dask", *argv],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**env, **extra_env},
-                cwd=tmp,
-            )
+            command = [sys.executable, "-m", "dask", *argv, "--scheduler-file", str(scheduler_file), "--no-dashboard"]
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**env, **extra_env}, cwd=tmp)
         started.append(proc)
         return proc
 
     try:
-        start(
-            "scheduler",
-            [
-                "scheduler",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--no-dashboard",
-                "--scheduler-file",
-                str(scheduler_file),
-            ],
-            {},
-        )
+        start("scheduler", ["scheduler", "--host", "127.0.0.1", "--port", "0"], {})
         workers, work_dirs = {}, {}
         for host, addr_base in HOSTS.items():
             work_dirs[host] = tmp / host
-            workers[host] = start(
-                host,
-                [
-                    "worker",
-                    "--scheduler-file",
-                    str(scheduler_file),
-                    "--nthreads",
-                    "1",
-                    "--resources",
-                    "host=1",
-                    "--no-nanny",
-                    "--no-dashboard",
-                ],
-                {
-                    "SCALEBENCH_HOST_NAME": host,
-                    "SCALEBENCH_HOST_ADDR_BASE": addr_base,
-                    "SCALEBENCH_WORK_DIR": str(work_dirs[host]),
-                },
-            )
+            host_env = {"SCALEBENCH_HOST_NAME": host, "SCALEBENCH_HOST_ADDR_BASE": addr_base}
+            host_env["SCALEBENCH_WORK_DIR"] = str(work_dirs[host])
+            if kinds and host in kinds:
+                host_env["SCALEBENCH_HOST_KIND"] = kinds[host]
+            workers[host] = start(host, ["worker", "--nthreads", "1", "--resources", "host=1", "--no-nanny"], host_env)
         deadline = time.monotonic() + 60
         while not scheduler_file.exists():
             assert time.monotonic() < deadline, (logs / "scheduler.log").read_text()
@@ -175,9 +144,10 @@ def wait_until_gone(text: str, timeout_s: float = 60) -> list[int]:
 
 def test_a_grid_on_two_hosts_has_the_schema_of_a_local_sweep(tmp_path):
     exp = experiment(tmp_path)
-    with local_cluster(tmp_path) as cluster:
+    with local_cluster(tmp_path, kinds={"host-b": "host-b's kind"}) as cluster:
         proc = sweep(tmp_path, exp, tmp_path / "out", "--cluster", str(cluster.scheduler_file))
     assert proc.returncode == 0, proc.stderr
+    assert "scalebench: warning: the points ran on 2 kinds of host" in proc.stderr
     done = points(tmp_path / "out")
     assert len(done) == 6 and all(d["status"] == "ok" and d["throughput_rps"] > 0 for d in done.values())
     # Each point ran exactly once, on the host it names, in that host's address range.
@@ -193,7 +163,10 @@ def test_a_grid_on_two_hosts_has_the_schema_of_a_local_sweep(tmp_path):
         assert list(work_dir.iterdir()) == []  # each point's files went to the client and left the worker
     cluster_rows = rows(tmp_path / "out" / "results.csv")
     assert [r["retried"] for r in cluster_rows] == ["False"] * 6
-    assert {r["host_kind"] for r in cluster_rows} == {done[next(iter(done))]["host"]["kind"]}
+    kinds = {r["host"]: r["host_kind"] for r in cluster_rows}
+    assert kinds["host-b"] == "host-b's kind" and kinds["host-a"].endswith(("pvm", "kvm"))
+    hosts = json.loads((tmp_path / "out" / "sweep.json").read_text())["hosts"]
+    assert hosts == {kinds["host-a"]: ["host-a"], "host-b's kind": ["host-b"]}
 
     # One point of the same grid run locally: the same CSV columns, the same checks. (A short
     # directory name: densevm's control socket is in the point's directory, within 107 bytes.)
