@@ -179,6 +179,9 @@ def test_a_grid_on_two_hosts_has_the_schema_of_a_local_sweep(tmp_path):
     assert [(c["check"], c["group"]) for c in local_checks] == [(c["check"], c["group"]) for c in cluster_checks]
     for name in ("tput.png", "sweep.json", "experiment.json"):
         assert (tmp_path / "out" / name).stat().st_size > 0
+    report = [sys.executable, "-m", "scalebench.cli", "report", str(tmp_path / "out")]
+    assert subprocess.run(report, check=False, capture_output=True, timeout=120).returncode == 0
+    assert "vms=8__policy=wsswap/result.json" in (tmp_path / "out" / "report.html").read_text()
 
 
 def test_a_point_whose_worker_is_killed_is_run_again_elsewhere(tmp_path):

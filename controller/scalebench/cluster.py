@@ -57,7 +57,13 @@ def check_hosts(client: Client, commit: str | None) -> dict[str, dict]:
             f"no worker offers the resource {HOST_RESOURCE}=1: start one worker per host with "
             f"`dask worker ADDRESS --nthreads 1 --resources {HOST_RESOURCE}=1`"
         )
-    facts = client.run(worker_facts, workers=hosts)
+    try:
+        facts = client.run(worker_facts, workers=hosts)
+    # dask passes a worker's failure on as a bare Exception: typically scalebench not installed there.
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(
+            f"a worker cannot run scalebench ({e}): each host needs this repository, `make run`"
+        ) from None
     shared = [name for name, n in Counter(f["host"]["hostname"] for f in facts.values()).items() if n > 1]
     if shared:
         raise ConfigError(
