@@ -14,7 +14,7 @@ all: build
 $(STAMP):
 	@mkdir -p $@
 
-# Debian packages and the Python package (editable, with test extras).
+# Debian packages and the Python package (editable, with the test and cluster extras).
 deps: $(STAMP)/apt $(STAMP)/python
 
 $(STAMP)/apt: packages.apt | $(STAMP)
@@ -27,7 +27,7 @@ $(STAMP)/apt: packages.apt | $(STAMP)
 	@touch $@
 
 $(STAMP)/python: pyproject.toml $(STAMP)/apt | $(STAMP)
-	$(PYTHON) -m pip install -q -e '.[test]'
+	$(PYTHON) -m pip install -q -e '.[test,cluster]'
 	@touch $@
 
 build: rust guest

@@ -63,3 +63,14 @@ def test_unreadable_input_is_a_usage_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "scalebench.cli", "compare", str(tmp_path / "x.json"),
                            str(tmp_path / "missing.json")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_points_from_different_kinds_of_host_are_refused_unless_told(tmp_path):
+    base, new = result_doc(1000.0, 2.0), result_doc(1000.0, 2.0)
+    base["host"]["kind"], new["host"]["kind"] = "AMD EPYC x2, 24 GiB, Linux 6.1, pvm", "Xeon x64, 512 GiB, Linux 6.8, kvm"
+    proc = compare(tmp_path, base, new)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "different kinds of host" in proc.stderr and "--mixed-hosts" in proc.stderr
+    assert compare(tmp_path, base, new, "--mixed-hosts").returncode == 0
+    del base["host"]["kind"]  # a result from before host kinds were recorded: nothing to tell them apart by
+    assert compare(tmp_path, base, new).returncode == 0

@@ -190,3 +190,22 @@ def test_set_replaces_base_settings_and_refuses_grid_axes(tmp_path):
                          (["block=3k"], "power of two")):
         with pytest.raises(ConfigError, match=message):
             load_experiment(path).overridden(bad)
+
+
+def test_a_sweep_over_two_kinds_of_host_warns(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text(EXPERIMENT)
+    exp = load_experiment(path)
+    fake = FakePointRunner()
+
+    def on_two_kinds(cfg: RunConfig) -> RunResult:
+        r = fake(cfg)
+        r.host = {"hostname": f"h{cfg.vms}", "kind": "big" if cfg.vms <= 200 else "small"}
+        return r
+    doc = run_sweep(exp, tmp_path / "out", on_two_kinds)
+    assert doc["hosts"] == {"big": ["h100", "h200"], "small": ["h300", "h400"]}
+    assert len(doc["warnings"]) == 1 and "2 kinds of host" in doc["warnings"][0]
+    rows = list(csv.DictReader(open(tmp_path / "out" / "results.csv")))
+    assert [(r["host"], r["host_kind"]) for r in rows[:3]] == [("h100", "big"), ("h200", "big"), ("h300", "small")]
+    one_kind = run_sweep(exp, tmp_path / "again", FakePointRunner())
+    assert one_kind["warnings"] == [] and len(one_kind["hosts"]) == 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 from typing import NoReturn
 
@@ -164,11 +165,11 @@ def cmd_model(argv: list[str]) -> int:
 def remodel_sweep(exp, out: Path) -> int:
     """sweep --remodel: the model re-evaluated on every stored point, then the sweep's files rewritten."""
     from .runner import remodel
-    from .sweep import finish_sweep, slug
+    from .sweep import finish_sweep, point_record
     if not (out / "points").is_dir():
         raise ConfigError(f"--remodel: no stored points in {out}")
     for key, _ in exp.points():
-        path = out / "points" / slug(key) / "result.json"
+        path = point_record(out, key)
         r = remodel(path) if path.exists() else None
         if r is not None:
             before = r.model["remodeled"]["model_rps_before"]
@@ -195,20 +196,33 @@ def cmd_sweep(argv: list[str]) -> int:
     p.add_argument("--remodel", action="store_true",
                    help="run nothing: re-evaluate the model on the stored points (after a model change), "
                         "then rewrite the CSV, plots and checks")
+    p.add_argument("--cluster", default=None, metavar="ADDRESS",
+                   help="run the points on a dask cluster, one per host: its scheduler (tcp://HOST:8786) or "
+                        "scheduler file; workers started with --resources host=1 (README)")
     args = p.parse_args(argv)
     exp = load_experiment(Path(args.experiment)).overridden(args.settings).restricted(args.only)
     out = Path(args.out) if args.out else Path.cwd() / "runs" / f"sweep-{exp.name}"
     if args.remodel:
         return remodel_sweep(exp, out)
-    bins = Binaries.find()
-    check_addresses_free(max((cfg for _, cfg in exp.points()), key=lambda cfg: cfg.vms))
-    install_signal_handlers()
     reporter = ConsoleReporter()
+    if args.cluster:
+        try:
+            from .cluster import run_sweep_on_cluster
+        except ModuleNotFoundError as e:
+            raise ConfigError(f"--cluster needs {e.name}: pip install -e '.[cluster]'") from None
+        sweep = partial(run_sweep_on_cluster, exp, out, args.cluster, reporter)
+    else:
+        bins = Binaries.find()
+        check_addresses_free(max((cfg for _, cfg in exp.points()), key=lambda cfg: cfg.vms))
+        sweep = partial(run_sweep, exp, out, lambda cfg: run(cfg, reporter, bins), reporter)
+    install_signal_handlers()
     try:
-        doc = run_sweep(exp, out, lambda cfg: run(cfg, reporter, bins), reporter)
+        doc = sweep()
     except (KeyboardInterrupt, Terminated):
         sys.stderr.write(f"scalebench: interrupted; run the same command again to resume ({out})\n")
         return 130
+    for warning in doc["warnings"]:
+        sys.stderr.write(f"scalebench: warning: {warning}\n")
     failed = [k for k, d in doc["points"].items() if d.get("status") != "ok"]
     print(f"sweep {exp.name}: {len(doc['points']) - len(failed)} point(s) ok, {len(failed)} failed; "
           f"results in {out} (scalebench report {out})")
@@ -233,6 +247,7 @@ def cmd_compare(argv: list[str]) -> int:
     p.add_argument("new")
     p.add_argument("--tolerance", type=float, default=compare.DEFAULT_TOLERANCE_PCT, metavar="PCT",
                    help=f"allowed change in percent (default {compare.DEFAULT_TOLERANCE_PCT:g})")
+    p.add_argument("--mixed-hosts", action="store_true", help="compare points that ran on different kinds of host")
     args = p.parse_args(argv)
     if args.tolerance < 0:
         raise ConfigError("--tolerance must be >= 0")
@@ -240,6 +255,11 @@ def cmd_compare(argv: list[str]) -> int:
         base, new = compare.load(Path(args.base)), compare.load(Path(args.new))
     except (OSError, ValueError) as e:
         raise ConfigError(str(e)) from None
+    mixed = compare.mixed_hosts(base, new)
+    if mixed and not args.mixed_hosts:
+        point, base_kind, new_kind = mixed[0]
+        raise ConfigError(f"{len(mixed)} point(s) ran on different kinds of host (first, {point}: {base_kind} "
+                          f"against {new_kind}); pass --mixed-hosts to compare them anyway")
     rows = compare.compare(base, new, args.tolerance)
     compare.print_table(rows, args.tolerance)
     return 1 if compare.regressed(rows) else 0

@@ -6,6 +6,8 @@ ERROR_RATE_SLACK), and a point that failed or is missing. Shown but not gated:
 latency (in a closed loop the median is concurrency / throughput, so it adds
 nothing to the throughput check but its own noise), boot time and
 measured/model (both move by 20-30% between identical runs on shared hosts).
+Points that ran on different kinds of host are not comparable: `mixed_hosts`
+names them, and the CLI refuses them unless told otherwise.
 """
 from __future__ import annotations
 
@@ -68,6 +70,19 @@ def load(path: Path) -> dict:
     if not str(doc.get("schema", "")).startswith(("scalebench.result/", "scalebench.sweep/")):
         raise ValueError(f"{path}: not a scalebench result or sweep (schema {doc.get('schema')!r})")
     return doc
+
+
+def mixed_hosts(base: dict, new: dict) -> list[tuple[str, str, str]]:
+    """(point, base host kind, new host kind) for each point present in both that ran on different kinds
+    of host; points whose results do not name their host's kind (older results) are not counted."""
+    new_points = _points(new)
+    mixed = []
+    for point, b in _points(base).items():
+        base_kind = (b.get("host") or {}).get("kind")
+        new_kind = (new_points.get(point, {}).get("host") or {}).get("kind")
+        if base_kind and new_kind and base_kind != new_kind:
+            mixed.append((point, base_kind, new_kind))
+    return mixed
 
 
 def compare(base: dict, new: dict, tolerance_pct: float = DEFAULT_TOLERANCE_PCT) -> list[Row]:

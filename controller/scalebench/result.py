@@ -9,16 +9,44 @@ from dataclasses import dataclass, asdict, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .config import host_memory_bytes
+
 SCHEMA = "scalebench.result/1"
+# A host's name and kind can be given (several "hosts" on one machine, as in the cluster tests).
+HOST_NAME_ENV, HOST_KIND_ENV = "SCALEBENCH_HOST_NAME", "SCALEBENCH_HOST_KIND"
 
 
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def kvm_platform() -> str:
+    """What densevm's VMs run on: "pvm" (the shadow-paging kvm_pvm), "kvm" (VMX/SVM) or "none"."""
+    if Path("/sys/module/kvm_pvm").exists():
+        return "pvm"
+    return "kvm" if Path("/dev/kvm").exists() else "none"
+
+
 def host_info() -> dict:
-    return {"hostname": socket.gethostname(), "cpus": os.cpu_count(), "kernel": platform.release(),
-            "python": platform.python_version()}
+    """Who ran a result: its host's name and kind (the facts that make figures comparable)."""
+    info = {"hostname": os.environ.get(HOST_NAME_ENV) or socket.gethostname(), "cpu_model": cpu_model(),
+            "cpus": os.cpu_count(), "memory_bytes": host_memory_bytes(), "kernel": platform.release(),
+            "kvm": kvm_platform(), "python": platform.python_version()}
+    fingerprint = (f"{info['cpu_model']} x{info['cpus']}, {round(info['memory_bytes'] / 2**30)} GiB, "
+                   f"Linux {info['kernel']}, {info['kvm']}")
+    info["kind"] = os.environ.get(HOST_KIND_ENV) or fingerprint
+    return info
 
 
 @dataclass
@@ -73,6 +101,7 @@ class RunResult:
     pager: dict = field(default_factory=dict)
     db: list = field(default_factory=list)
     files: dict = field(default_factory=dict)
+    placement: dict = field(default_factory=dict)  # a sweep point run on a cluster: where, how many attempts
 
     def fail(self, message: str) -> None:
         if self.status != "failed":  # the first failure is the cause; later ones are fallout

@@ -158,7 +158,26 @@ def csv_row(key: str, doc: dict) -> dict:
     row.update({m: doc.get(m) for m in CSV_METRICS})
     row.update(latency_p50_ms=lat.get("p50"), latency_p99_ms=lat.get("p99"), model_regime=model.get("regime"),
                hit_ratio=model.get("hit_ratio"), cliff_vms=model.get("cliff_vms"), model_cpu_us=model.get("cpu_us"))
+    host = doc.get("host") or {}
+    row.update(host=host.get("hostname"), host_kind=host.get("kind"),
+               retried=bool((doc.get("placement") or {}).get("retried")))
     return row
+
+
+def hosts_by_kind(docs: dict[str, dict]) -> dict[str, list[str]]:
+    """{host kind: [host names]} over the points (kind "unknown" for results older than the field)."""
+    hosts: dict[str, list[str]] = {}
+    for doc in docs.values():
+        host = doc.get("host") or {}
+        names = hosts.setdefault(host.get("kind") or "unknown", [])
+        if host.get("hostname") not in names:
+            names.append(host.get("hostname"))
+    return hosts
+
+
+def mixed_hosts_warning(hosts: dict[str, list[str]]) -> str:
+    kinds = "; ".join(f"{kind} ({', '.join(map(str, names))})" for kind, names in hosts.items())
+    return f"the points ran on {len(hosts)} kinds of host: {kinds}: figures across them are not comparable"
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
@@ -175,24 +194,34 @@ def write_csv(rows: list[dict], path: Path) -> None:
 PointRunner = Callable[[RunConfig], RunResult]
 
 
+def pending_points(exp: Experiment, out_dir: Path, reporter: Reporter) -> list[tuple[int, str, RunConfig]]:
+    """Start (or resume) a sweep in out_dir: (index, key, config) of every point not done yet."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "experiment.json").write_text(json.dumps(
+        {"name": exp.name, "title": exp.title, "grid": exp.grid, "base": exp.base.as_dict()}, indent=2, default=str))
+    points = exp.points()
+    todo = [(i, key, cfg) for i, (key, cfg) in enumerate(points) if _status(point_record(out_dir, key)) != "ok"]
+    if len(todo) < len(points):
+        reporter.note(f"{len(points) - len(todo)} of {len(points)} point(s) already done: kept")
+    return todo
+
+
+def point_record(out_dir: Path, key: str) -> Path:
+    """Where a point's result is stored; the point's files are beside it."""
+    return out_dir / "points" / slug(key) / "result.json"
+
+
 def run_sweep(exp: Experiment, out_dir: Path, point_runner: PointRunner, reporter: Reporter | None = None) -> dict:
     """Run every point not already done, then write results.csv, plots and sweep.json.
 
     Returns the sweep document (schema scalebench.sweep/1).
     """
     reporter = reporter or Reporter()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "experiment.json").write_text(json.dumps(
-        {"name": exp.name, "title": exp.title, "grid": exp.grid, "base": exp.base.as_dict()}, indent=2, default=str))
-    points = exp.points()
-    todo = [(i, key, cfg) for i, (key, cfg) in enumerate(points)
-            if _status(out_dir / "points" / slug(key) / "result.json") != "ok"]
-    if len(todo) < len(points):
-        reporter.note(f"{len(points) - len(todo)} of {len(points)} point(s) already done: kept")
+    total = len(exp.points())
     # One line per point rather than a bar: each run shows its own phase bars.
-    for i, key, cfg in todo:
-        reporter.note(f"[bold]point {i + 1}/{len(points)}[/]: {key}")
-        record = out_dir / "points" / slug(key) / "result.json"
+    for i, key, cfg in pending_points(exp, out_dir, reporter):
+        reporter.note(f"[bold]point {i + 1}/{total}[/]: {key}")
+        record = point_record(out_dir, key)
         result = point_runner(cfg.with_(out=str(record.parent)))
         result.write(record)
         reporter.note(point_line(result))
@@ -219,7 +248,7 @@ def finish_sweep(exp: Experiment, out_dir: Path) -> dict:
     from .plots import line_plot  # matplotlib is slow to import
     docs: dict[str, dict] = {}
     for key, _ in exp.points():
-        record = out_dir / "points" / slug(key) / "result.json"
+        record = point_record(out_dir, key)
         if record.exists():
             doc = json.loads(record.read_text())
             doc.pop("timeseries", None)  # kept in the point's own file; too big for the sweep document
@@ -238,7 +267,9 @@ def finish_sweep(exp: Experiment, out_dir: Path) -> dict:
                       out_dir / f"{spec.name}.png", title, spec.logx, spec.logy)
     if exp.checks:
         write_csv(run_checks(exp.checks, rows), out_dir / "checks.csv")
+    hosts = hosts_by_kind(docs)
+    warnings = [mixed_hosts_warning(hosts)] if len(hosts) > 1 else []
     doc = {"schema": SWEEP_SCHEMA, "name": exp.name, "title": exp.title, "written_at": now_iso(),
-           "grid": exp.grid, "points": docs}
+           "grid": exp.grid, "hosts": hosts, "warnings": warnings, "points": docs}
     (out_dir / "sweep.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
     return doc
