@@ -2,6 +2,7 @@
 API errors and clean shutdown, against real KVM guests."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -274,6 +275,44 @@ def test_a_second_monitor_cannot_steal_a_live_control_socket(monitor, tmp_path):
     proc = subprocess.run([str(release_binary("densevm")), "serve", "--vms", "1", "--addr-base", "127.204.0.0",
                            "--api", str(monitor.api)], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and "in use" in proc.stderr
+    assert monitor.control({"cmd": "stats"})["ok"]
+
+
+def test_the_control_socket_is_the_owners_alone(monitor):
+    assert os.stat(monitor.api).st_mode & 0o777 == 0o600
+
+
+def test_control_clients_beyond_the_limit_are_turned_away(monitor):
+    clients = []
+    try:
+        for _ in range(300):
+            s = socket.socket(socket.AF_UNIX)
+            s.settimeout(10)
+            s.connect(str(monitor.api))
+            clients.append(s)
+        # The monitor has seen every connection once the last one is answered or refused.
+        clients[-1].sendall(b'{"cmd":"list"}\n')
+        assert "more than 256 control clients" in clients[-1].makefile("rb").readline().decode()
+        clients[0].sendall(b'{"cmd":"list"}\n')
+        assert json.loads(clients[0].makefile("rb").readline())["ok"]
+    finally:
+        for s in clients:
+            s.close()
+    assert monitor.control({"cmd": "stats"})["ok"]
+
+
+def test_a_client_that_never_reads_its_replies_is_disconnected(monitor):
+    reply_bytes = len(json.dumps(monitor.control({"cmd": "stats"})))
+    requests = 30000  # replies far past the 64 MiB a client may leave unread
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(60)
+        s.connect(str(monitor.api))
+        s.sendall(b'{"cmd":"stats"}\n' * requests)
+        time.sleep(2)  # not reading: the replies pile up in the monitor
+        received = 0
+        while chunk := s.recv(1 << 20):
+            received += len(chunk)
+    assert received < requests * reply_bytes // 2, "the monitor kept every unread reply"
     assert monitor.control({"cmd": "stats"})["ok"]
 
 

@@ -262,8 +262,13 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
     // Room in the swap for VMs created later through the API, too.
     let max_vms = args.vms.saturating_mul(2).max(args.vms + 64);
     let pager = Pager::new(pager_config, max_vms, layout.ram_bytes).map_err(|e| ConfigError(e.to_string()))?;
-    let api = std::os::unix::net::UnixListener::bind(&api_path)
-        .map_err(|e| ConfigError(format!("cannot bind control socket {}: {e}", api_path.display())))?;
+    // Only the owner may drive the monitor: the socket is created 0600, whatever the umask.
+    // SAFETY: umask only changes this process's file-creation mask; restored right after.
+    let umask = unsafe { libc::umask(0o177) };
+    let api = std::os::unix::net::UnixListener::bind(&api_path);
+    // SAFETY: as above.
+    unsafe { libc::umask(umask) };
+    let api = api.map_err(|e| ConfigError(format!("cannot bind control socket {}: {e}", api_path.display())))?;
     api.set_nonblocking(true).map_err(|e| ConfigError(format!("control socket: {e}")))?;
     Ok(Prepared { api, api_path, pager, trace, layout, platform })
 }

@@ -31,6 +31,11 @@ const KIND_API_CLIENT: usize = 1;
 const KIND_CELL: usize = 2;
 /// Longest control request accepted.
 const MAX_API_LINE: usize = 64 << 10;
+/// Control clients served at once; more are turned away with an error.
+const MAX_API_CLIENTS: usize = 256;
+/// Replies a client may leave unread before it is disconnected (a full
+/// stats reply of 10,000 VMs is ~3 MB).
+const MAX_API_UNSENT: usize = 64 << 20;
 /// Longest a cell may take to answer a request before it is reported as not
 /// answering.
 const CELL_REPLY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -323,6 +328,11 @@ impl Supervisor {
         loop {
             match crate::framing::nonblocking(|| self.api.accept()) {
                 Ok(Some((mut stream, _))) => {
+                    if self.clients.len() >= MAX_API_CLIENTS {
+                        let refusal = format!("{{\"error\":\"more than {MAX_API_CLIENTS} control clients at once\"}}\n");
+                        let _ = std::io::Write::write(&mut stream, refusal.as_bytes());
+                        continue;
+                    }
                     let entry = self.clients.vacant_entry();
                     if self.poll.registry().register(&mut stream, token(KIND_API_CLIENT, entry.key()), Interest::READABLE | Interest::WRITABLE).is_ok() {
                         entry.insert(LineStream::new(stream, MAX_API_LINE));
@@ -358,7 +368,8 @@ impl Supervisor {
             client.queue(reply.to_string().as_bytes());
         }
         let flushed = client.flush();
-        if closing || flushed.is_err() {
+        // A client that never reads its replies is not allowed to grow them without bound.
+        if closing || flushed.is_err() || client.unsent() > MAX_API_UNSENT {
             let mut client = self.clients.remove(key);
             let _ = client.flush();
             let _ = self.poll.registry().deregister(&mut client.stream);
