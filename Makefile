@@ -7,7 +7,7 @@ CARGO ?= cargo
 RELEASE := target/release
 STAMP := build/.stamps
 
-.PHONY: all run test deps build rust guest clean
+.PHONY: all run test lint deps build rust guest clean
 
 all: build
 
@@ -41,7 +41,15 @@ guest:
 run: deps build
 	$(PYTHON) -m scalebench
 
-test: deps build
+# House tooling: formatting and lints for Rust and Python (configs: rustfmt.toml, pyproject.toml).
+lint: deps
+	rustup component add rustfmt clippy >/dev/null 2>&1 || true
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --release --workspace --all-targets --quiet -- -D warnings
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+test: deps build lint
 	$(CARGO) test --release --workspace --quiet
 	$(PYTHON) -m pytest -q tests
 

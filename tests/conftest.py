@@ -1,4 +1,5 @@
 """Shared fixtures: where the repository and its built binaries are."""
+
 from __future__ import annotations
 
 import os

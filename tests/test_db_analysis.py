@@ -1,4 +1,5 @@
 """The study's block metrics on small hand-made traces (exact numbers), and the trace file."""
+
 from __future__ import annotations
 
 import sys
@@ -8,8 +9,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "controller"))
 
-from scalebench.db.analysis import block_metrics, plot_lba, read_trace_csv, write_trace_csv  # noqa: E402
-from scalebench.db.nbd import TraceRecord  # noqa: E402
+from scalebench.db.analysis import block_metrics, plot_lba, read_trace_csv, write_trace_csv
+from scalebench.db.nbd import TraceRecord
 
 
 def rec(t: float, op: str, lba: int, sectors: int, latency: float = 0.001) -> TraceRecord:
@@ -69,7 +70,12 @@ def test_footprint_grows_when_requests_spread() -> None:
 
 def test_empty_trace() -> None:
     m = block_metrics([])
-    assert (m.sectors_read, m.sectors_written, m.read_seq, m.avg_interarrival_ms) == (0, 0, 0.0, 0.0)
+    assert (m.sectors_read, m.sectors_written, m.read_seq, m.avg_interarrival_ms) == (
+        0,
+        0,
+        0.0,
+        0.0,
+    )
 
 
 def test_trace_csv_round_trip_and_plot(tmp_path: Path) -> None:

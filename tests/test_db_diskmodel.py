@@ -1,4 +1,5 @@
 """Disk-model arithmetic: service times, queueing, striping, RAID-5 read-modify-write, SSD channels."""
+
 from __future__ import annotations
 
 import math
@@ -9,8 +10,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "controller"))
 
-from scalebench.db.diskmodel import (  # noqa: E402
-    DiskArray, Dilated, Hdd15k, NoDisk, Raid5, Spindle, Ssd, make_model,
+from scalebench.db.diskmodel import (
+    Dilated,
+    DiskArray,
+    Hdd15k,
+    NoDisk,
+    Raid5,
+    Spindle,
+    Ssd,
+    make_model,
 )
 
 ROT_HALF = 0.002  # half a rotation at 15,000 RPM
@@ -102,7 +110,9 @@ def test_ssd_channels_and_costs() -> None:
 def test_ssd_is_far_faster_than_hdd_on_random_reads() -> None:
     hdd, ssd = Hdd15k(), Ssd()
     lbas = [(i * 7919 * 1024) % 6_000_000 for i in range(200)]
-    assert max(hdd.submit(0.0, "R", x, 8) for x in lbas) > 20 * max(ssd.submit(0.0, "R", x, 8) for x in lbas)
+    assert max(hdd.submit(0.0, "R", x, 8) for x in lbas) > 20 * max(
+        ssd.submit(0.0, "R", x, 8) for x in lbas
+    )
 
 
 def test_none_adds_nothing_and_names() -> None:
@@ -118,7 +128,9 @@ def test_dilation_scales_service_and_queueing() -> None:
     a = plain.submit(0.0, "R", 10_000_000, 8)
     b = plain.submit(0.0, "R", 20_000_000, 8)
     assert dilated.submit(0.0, "R", 10_000_000, 8) == pytest.approx(10 * a)
-    assert dilated.submit(0.0, "R", 20_000_000, 8) == pytest.approx(10 * b)  # waits behind the first, dilated too
+    assert dilated.submit(0.0, "R", 20_000_000, 8) == pytest.approx(
+        10 * b
+    )  # waits behind the first, dilated too
     assert dilated.name == "hdd15kx10.0"
     assert Dilated(NoDisk(), 30.0).submit(2.0, "R", 0, 8) == pytest.approx(2.0)
     with pytest.raises(ValueError, match="at least 1"):

@@ -4,6 +4,7 @@ Needs root, libvirtd, qemu-system-x86_64, debootstrap and the Debian mirror
 (for the first image build, a few minutes; cached afterwards). Skips, saying
 why, only when one of those is truly absent.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -17,12 +18,21 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "controller"))
 
-from scalebench.db import cli  # noqa: E402
-from scalebench.db.errors import DbTraceError  # noqa: E402
+from scalebench.db import cli
+from scalebench.db.errors import DbTraceError
 
-REQUIRED_TOOLS = ("libvirtd", "qemu-system-x86_64", "qemu-img", "debootstrap", "mkfs.ext4", "chroot")
+REQUIRED_TOOLS = (
+    "libvirtd",
+    "qemu-system-x86_64",
+    "qemu-img",
+    "debootstrap",
+    "mkfs.ext4",
+    "chroot",
+)
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (libvirtd, debootstrap, chroot)")
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="needs root (libvirtd, debootstrap, chroot)"
+)
 # The first test to run may build the image (a few minutes on a fresh machine, cached afterwards).
 guest_timeout = pytest.mark.timeout(1500)
 
@@ -34,7 +44,9 @@ def _require_deps() -> None:
             pytest.fail(f"{tool} is not installed: run `make deps` first")
     for module in ("libvirt", "pg8000"):
         if importlib.util.find_spec(module) is None:
-            pytest.fail(f"Python package {module} is not installed (pip install libvirt-python pg8000)")
+            pytest.fail(
+                f"Python package {module} is not installed (pip install libvirt-python pg8000)"
+            )
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +76,17 @@ def _domain_names(conn) -> list[str]:  # type: ignore[no-untyped-def]
 
 @needs_root
 @guest_timeout
-def test_short_tpcc_run_traces_reads_and_writes_inside_the_disk(image, libvirt_conn, tmp_path: Path) -> None:
+def test_short_tpcc_run_traces_reads_and_writes_inside_the_disk(
+    image, libvirt_conn, tmp_path: Path
+) -> None:
     from scalebench.db.guest import DbGuest, GuestConfig
     from scalebench.db.run import WORKLOADS, RunOptions, run_on_guest
     from scalebench.db.workload import run_workload
 
     before = _base_state(image.rootfs)
-    opts = RunOptions(workload="tpcc", mix="standard", clients=2, duration_s=15, disk="ssd", out_dir=tmp_path)
+    opts = RunOptions(
+        workload="tpcc", mix="standard", clients=2, duration_s=15, disk="ssd", out_dir=tmp_path
+    )
     with DbGuest(GuestConfig(image=image, run_dir=tmp_path, disk="ssd"), libvirt_conn) as guest:
         name = guest.name
         assert name in _domain_names(libvirt_conn)
@@ -87,8 +103,13 @@ def test_short_tpcc_run_traces_reads_and_writes_inside_the_disk(image, libvirt_c
         assert len(guest.server.records) > recorded
     assert name not in _domain_names(libvirt_conn)
     assert result.throughput.completed > 0
-    assert set(result.throughput.by_interaction) <= {"new_order", "payment", "order_status", "delivery",
-                                                      "stock_level"}
+    assert set(result.throughput.by_interaction) <= {
+        "new_order",
+        "payment",
+        "order_status",
+        "delivery",
+        "stock_level",
+    }
     m = result.metrics
     assert m is not None and m.reads > 0 and m.writes > 0
     assert m.sectors_read > 0 and m.sectors_written > 0
@@ -99,7 +120,7 @@ def test_short_tpcc_run_traces_reads_and_writes_inside_the_disk(image, libvirt_c
     for row in rows[1:]:
         _t, op, lba, sectors, _lat = row.split(",")
         assert op in ("R", "W", "F")
-        assert 0 <= int(lba) and int(lba) + int(sectors) <= disk_sectors
+        assert int(lba) >= 0 and int(lba) + int(sectors) <= disk_sectors
     assert Path(result.lba_plot).stat().st_size > 0
     assert _base_state(image.rootfs) == before
     assert not list(tmp_path.glob("*.overlay"))
@@ -107,14 +128,17 @@ def test_short_tpcc_run_traces_reads_and_writes_inside_the_disk(image, libvirt_c
 
 @needs_root
 @guest_timeout
-def test_boot_timeout_destroys_the_domain_and_keeps_the_base_image(image, libvirt_conn, tmp_path: Path) -> None:
+def test_boot_timeout_destroys_the_domain_and_keeps_the_base_image(
+    image, libvirt_conn, tmp_path: Path
+) -> None:
     from scalebench.db.guest import DbGuest, GuestConfig
 
     before = _base_state(image.rootfs)
-    guest = DbGuest(GuestConfig(image=image, run_dir=tmp_path, disk="none", boot_timeout_s=2.0), libvirt_conn)
-    with pytest.raises(DbTraceError, match="did not come up within 2 s"):
-        with guest:
-            pass
+    guest = DbGuest(
+        GuestConfig(image=image, run_dir=tmp_path, disk="none", boot_timeout_s=2.0), libvirt_conn
+    )
+    with pytest.raises(DbTraceError, match="did not come up within 2 s"), guest:
+        pass
     assert guest.name not in _domain_names(libvirt_conn)
     assert not list(tmp_path.glob("*.overlay")) and not list(tmp_path.glob("*.sock"))
     assert _base_state(image.rootfs) == before
@@ -139,7 +163,9 @@ def test_tracer_or_qemu_dying_mid_run_is_a_clear_error(image, libvirt_conn, tmp_
 
 @needs_root
 @guest_timeout
-def test_db_guests_alongside_run_in_background_and_report(image, libvirt_conn, tmp_path: Path) -> None:
+def test_db_guests_alongside_run_in_background_and_report(
+    image, libvirt_conn, tmp_path: Path
+) -> None:
     import time
 
     from scalebench.db.alongside import db_guests
@@ -155,7 +181,9 @@ def test_db_guests_alongside_run_in_background_and_report(image, libvirt_conn, t
     assert result["throughput"] > 0 and result["metrics"]["reads"] >= 0
 
 
-def test_libvirtd_not_startable_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_libvirtd_not_startable_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A stand-in ``libvirtd`` that exits at once (a fake of libvirtd, inside this test of the daemon manager)."""
     pytest.importorskip("libvirt")
     from scalebench.db import daemon
@@ -165,8 +193,11 @@ def test_libvirtd_not_startable_is_a_clear_error(tmp_path: Path, monkeypatch: py
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     monkeypatch.setattr(daemon, "prepare_host", lambda: None)
-    manager = daemon.Libvirt(uri=f"qemu+unix:///system?socket={tmp_path}/absent.sock", start_timeout_s=10,
-                             log_path=tmp_path / "libvirtd.log")
+    manager = daemon.Libvirt(
+        uri=f"qemu+unix:///system?socket={tmp_path}/absent.sock",
+        start_timeout_s=10,
+        log_path=tmp_path / "libvirtd.log",
+    )
     with pytest.raises(DbTraceError, match="libvirtd exited at start-up .*cannot start"):
         with manager:
             pass
@@ -185,23 +216,42 @@ def test_image_build_failure_is_a_clear_error(tmp_path: Path) -> None:
     from scalebench.db.image import ensure_image
 
     broken = tmp_path / "build.py"
-    broken.write_text("import sys\nprint('build.py: error: image build failed at debootstrap (exit 1)', "
-                      "file=sys.stderr)\nsys.exit(1)\n")
+    broken.write_text(
+        "import sys\nprint('build.py: error: image build failed at debootstrap (exit 1)', "
+        "file=sys.stderr)\nsys.exit(1)\n"
+    )
     with pytest.raises(DbTraceError, match="image build failed at debootstrap"):
         ensure_image(cache=tmp_path / "cache", builder=broken)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["dbtrace", "--workload", "oracle", "--mix", "x"], "invalid choice: 'oracle'"),
-    (["dbtrace", "--workload", "tpcc", "--mix", "browsing"], "tpcc has no mix 'browsing'"),
-    (["dbtrace", "--workload", "tpcw", "--mix", "browsing", "--clients", "0"], "--clients must be at least 1"),
-    (["dbtrace", "--workload", "rubis", "--mix", "bidding", "--duration", "-5"], "--duration must be positive"),
-    (["dbtrace", "--workload", "tpcc", "--mix", "standard", "--disk", "floppy"], "invalid choice: 'floppy'"),
-    (["dbtrace", "--clients", "many"], "invalid int value"),
-    (["dbtrace", "--workload", "tpcc", "--mix", "standard", "--dilate", "0.5"], "--dilate must be at least 1"),
-    (["dbtrace", "--mix", "standard"], "--workload and --mix are required"),
-])
-def test_bad_flags_exit_2_with_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["dbtrace", "--workload", "oracle", "--mix", "x"], "invalid choice: 'oracle'"),
+        (["dbtrace", "--workload", "tpcc", "--mix", "browsing"], "tpcc has no mix 'browsing'"),
+        (
+            ["dbtrace", "--workload", "tpcw", "--mix", "browsing", "--clients", "0"],
+            "--clients must be at least 1",
+        ),
+        (
+            ["dbtrace", "--workload", "rubis", "--mix", "bidding", "--duration", "-5"],
+            "--duration must be positive",
+        ),
+        (
+            ["dbtrace", "--workload", "tpcc", "--mix", "standard", "--disk", "floppy"],
+            "invalid choice: 'floppy'",
+        ),
+        (["dbtrace", "--clients", "many"], "invalid int value"),
+        (
+            ["dbtrace", "--workload", "tpcc", "--mix", "standard", "--dilate", "0.5"],
+            "--dilate must be at least 1",
+        ),
+        (["dbtrace", "--mix", "standard"], "--workload and --mix are required"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     try:
         code = cli.main(argv)
     except SystemExit as stop:
@@ -212,20 +262,30 @@ def test_bad_flags_exit_2_with_one_line(argv: list[str], message: str, capsys: p
 
 
 @pytest.mark.parametrize("configured, expected", [(None, 31.5), (12.0, 12.0)])
-def test_dilation_is_the_configured_factor_else_the_measured_slowdown(configured: float | None,
-                                                                       expected: float) -> None:
+def test_dilation_is_the_configured_factor_else_the_measured_slowdown(
+    configured: float | None, expected: float
+) -> None:
     from scalebench.db.guest import DbGuest, GuestConfig
 
     class FakeTracedDisk:
         """FAKE stand-in for the NBD tracer: records the factor it is told (dilation's own arithmetic is
         tested in test_db_diskmodel.py; this is about which factor reaches it)."""
+
         factor = 0.0
 
         def dilate(self, factor: float) -> None:
             self.factor = factor
 
-    guest = DbGuest(GuestConfig(image=None, run_dir=Path("."), dilate=True, dilation=configured,  # type: ignore[arg-type]
-                                domain_type="qemu"), conn=None)
+    guest = DbGuest(
+        GuestConfig(
+            image=None,
+            run_dir=Path("."),
+            dilate=True,
+            dilation=configured,  # type: ignore[arg-type]
+            domain_type="qemu",
+        ),
+        conn=None,
+    )
     guest.server = FakeTracedDisk()  # type: ignore[assignment]
     guest.measure_cpu_slowdown = lambda: 31.5  # type: ignore[method-assign]
     guest.apply_dilation()
@@ -233,7 +293,14 @@ def test_dilation_is_the_configured_factor_else_the_measured_slowdown(configured
 
 
 def test_python_m_entry_point_reports_bad_input() -> None:
-    proc = subprocess.run([sys.executable, "-m", "scalebench.db", "dbtrace", "--workload", "tpcc"],
-                          capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent / "controller")
+    proc = subprocess.run(
+        [sys.executable, "-m", "scalebench.db", "dbtrace", "--workload", "tpcc"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent / "controller",
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "scalebench dbtrace: error: --workload and --mix are required (or use --compare)"
+    assert (
+        proc.stderr.strip()
+        == "scalebench dbtrace: error: --workload and --mix are required (or use --compare)"
+    )

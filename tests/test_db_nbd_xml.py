@@ -1,4 +1,5 @@
 """Domain XML, and our NBD server driven by QEMU's own NBD client (qemu-io): COW, trace, model."""
+
 from __future__ import annotations
 
 import shutil
@@ -12,19 +13,26 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "controller"))
 
-from scalebench.db.diskmodel import Hdd15k, NoDisk  # noqa: E402
-from scalebench.db.domain import DomainSpec  # noqa: E402
-from scalebench.db.guest import DbGuest, GuestConfig  # noqa: E402
-from scalebench.db.image import GuestImage  # noqa: E402
-from scalebench.db.nbd import NbdServer  # noqa: E402
+from scalebench.db.diskmodel import Hdd15k, NoDisk
+from scalebench.db.domain import DomainSpec
+from scalebench.db.guest import DbGuest, GuestConfig
+from scalebench.db.image import GuestImage
+from scalebench.db.nbd import NbdServer
 
 QEMU_NS = "{http://libvirt.org/schemas/domain/qemu/1.0}"
 
 
 def spec(**kw: object) -> DomainSpec:
-    base = dict(name="sb-test", domain_type="qemu", memory_mib=256, kernel=Path("/k/vmlinuz"),
-                initrd=Path("/k/initrd.img"), console_log=Path("/r/console.log"), host_port=40123,
-                nbd_socket=Path("/r/disk.sock"))
+    base = dict(
+        name="sb-test",
+        domain_type="qemu",
+        memory_mib=256,
+        kernel=Path("/k/vmlinuz"),
+        initrd=Path("/k/initrd.img"),
+        console_log=Path("/r/console.log"),
+        host_port=40123,
+        nbd_socket=Path("/r/disk.sock"),
+    )
     base.update(kw)
     return DomainSpec(**base)  # type: ignore[arg-type]
 
@@ -48,7 +56,9 @@ def test_xml_nbd_disk_network_and_boot() -> None:
 
 
 def test_xml_qcow2_disk_and_kvm() -> None:
-    root = ET.fromstring(spec(domain_type="kvm", nbd_socket=None, qcow2_overlay=Path("/r/o.qcow2")).to_xml())
+    root = ET.fromstring(
+        spec(domain_type="kvm", nbd_socket=None, qcow2_overlay=Path("/r/o.qcow2")).to_xml()
+    )
     assert root.get("type") == "kvm"
     disk = root.find("devices/disk")
     assert disk.get("type") == "file" and disk.find("driver").get("type") == "qcow2"
@@ -62,7 +72,9 @@ def test_xml_rejects_bad_specs() -> None:
         spec(domain_type="xen")
 
 
-def test_paths_handed_to_libvirt_are_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_paths_handed_to_libvirt_are_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # libvirtd starts QEMU in its own working directory: a relative run directory
     # (dbtrace --out runs/x) must not reach the domain XML as a relative path.
     monkeypatch.chdir(tmp_path)
@@ -81,7 +93,9 @@ def _qemu_io(sock: Path, *commands: str) -> str:
     args = ["qemu-io", "-f", "raw"]
     for command in commands:
         args += ["-c", command]
-    proc = subprocess.run([*args, f"nbd+unix:///?socket={sock}"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [*args, f"nbd+unix:///?socket={sock}"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -104,8 +118,14 @@ def test_nbd_copy_on_write_and_trace(tmp_path: Path, base_image: Path) -> None:
     before = base_image.read_bytes()
     server = _serve(tmp_path, base_image, NoDisk())
     try:
-        out = _qemu_io(server.socket_path, "write -P 0x5a 4608 1024", "read -P 0x5a 4608 1024",
-                       "read -P 0xab 0 4608", "read -P 0xab 5632 2560", "flush")
+        out = _qemu_io(
+            server.socket_path,
+            "write -P 0x5a 4608 1024",
+            "read -P 0x5a 4608 1024",
+            "read -P 0xab 0 4608",
+            "read -P 0xab 5632 2560",
+            "flush",
+        )
         assert "Pattern verification failed" not in out
         time.sleep(0.2)
     finally:
@@ -121,7 +141,10 @@ def test_nbd_applies_the_disk_model(tmp_path: Path, base_image: Path) -> None:
     server = _serve(tmp_path, base_image, Hdd15k())
     try:
         # Random single-sector reads: each pays at least half a rotation (2 ms) on the modelled disk.
-        _qemu_io(server.socket_path, *[f"read {off} 512" for off in (0, 600 * 512, 200 * 512, 1400 * 512, 100 * 512)])
+        _qemu_io(
+            server.socket_path,
+            *[f"read {off} 512" for off in (0, 600 * 512, 200 * 512, 1400 * 512, 100 * 512)],
+        )
         time.sleep(0.2)
     finally:
         server.stop()

@@ -1,4 +1,5 @@
 """The tables dbtrace prints: one run's metrics, and ours beside the study's (from saved results)."""
+
 from __future__ import annotations
 
 import json
@@ -10,17 +11,27 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "controller"))
 
-from scalebench.db import cli  # noqa: E402
-from scalebench.db.analysis import block_metrics  # noqa: E402
-from scalebench.db.nbd import TraceRecord  # noqa: E402
-from scalebench.db.report import compare_table, load_study, metrics_table  # noqa: E402
+from scalebench.db import cli
+from scalebench.db.analysis import block_metrics
+from scalebench.db.nbd import TraceRecord
+from scalebench.db.report import compare_table, load_study, metrics_table
 
-METRICS = asdict(block_metrics([TraceRecord(0.0, "R", 0, 8, 0.001), TraceRecord(0.004, "W", 64, 8, 0.001)]))
+METRICS = asdict(
+    block_metrics([TraceRecord(0.0, "R", 0, 8, 0.001), TraceRecord(0.004, "W", 64, 8, 0.001)])
+)
 
 
 def doc(workload: str, mix: str) -> dict:
-    return {"options": {"workload": workload, "mix": mix, "clients": 4, "duration_s": 10, "disk": "hdd15k"},
-            "metrics": METRICS}
+    return {
+        "options": {
+            "workload": workload,
+            "mix": mix,
+            "clients": 4,
+            "duration_s": 10,
+            "disk": "hdd15k",
+        },
+        "metrics": METRICS,
+    }
 
 
 def test_study_reference_has_twelve_rows() -> None:

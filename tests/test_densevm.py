@@ -1,5 +1,6 @@
 """densevm + webguest: exact bytes, HTTP edge cases, fault containment, control
 API errors and clean shutdown, against real KVM guests."""
+
 from __future__ import annotations
 
 import json
@@ -11,12 +12,13 @@ import subprocess
 import time
 
 import pytest
-
 from conftest import release_binary
 from scalebench.webobject import LARGE, SMALL
 from support.densevm import HttpClient, get, kvm_available, start
 
-pytestmark = pytest.mark.skipif(not kvm_available(), reason="/dev/kvm is absent or not accessible on this host")
+pytestmark = pytest.mark.skipif(
+    not kvm_available(), reason="/dev/kvm is absent or not accessible on this host"
+)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +67,11 @@ def test_head_returns_headers_only(monitor):
     client = HttpClient(monitor.addr(0))
     client.send(b"HEAD /large HTTP/1.1\r\nHost: t\r\n\r\nGET / HTTP/1.1\r\n\r\n")
     head = client.response(head=True)
-    assert head.status == 200 and head.headers["content-length"] == str(len(LARGE)) and head.body == b""
+    assert (
+        head.status == 200
+        and head.headers["content-length"] == str(len(LARGE))
+        and head.body == b""
+    )
     assert client.response().body == SMALL
     client.close()
 
@@ -173,9 +179,16 @@ def test_more_connections_than_slots_are_all_served(monitor):
 
 
 def test_bad_control_requests_get_error_replies(monitor):
-    for line in [b"garbage\n", b"{}\n", b'{"cmd":"reboot"}\n', b'{"cmd":"destroy"}\n',
-                 b'{"cmd":"destroy","vm":999}\n', b'{"cmd":"crash","vm":0,"how":"x"}\n',
-                 b'{"cmd":"create","count":0}\n', b"\xff\xfe\n"]:
+    for line in [
+        b"garbage\n",
+        b"{}\n",
+        b'{"cmd":"reboot"}\n',
+        b'{"cmd":"destroy"}\n',
+        b'{"cmd":"destroy","vm":999}\n',
+        b'{"cmd":"crash","vm":0,"how":"x"}\n',
+        b'{"cmd":"create","count":0}\n',
+        b"\xff\xfe\n",
+    ]:
         reply = monitor.raw_control(line)
         assert "error" in reply and "ok" not in reply, (line, reply)
     totals = monitor.control({"cmd": "stats"})["totals"]
@@ -261,8 +274,13 @@ def test_sigterm_tears_everything_down(tmp_path):
     ],
 )
 def test_bad_configuration_fails_before_boot_with_one_line(tmp_path, args, fragment):
-    proc = subprocess.run([str(release_binary("densevm")), "serve", "--api", str(tmp_path / "s.sock"), *args],
-                          capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    proc = subprocess.run(
+        [str(release_binary("densevm")), "serve", "--api", str(tmp_path / "s.sock"), *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("densevm: "), proc.stderr
@@ -272,8 +290,21 @@ def test_bad_configuration_fails_before_boot_with_one_line(tmp_path, args, fragm
 
 
 def test_a_second_monitor_cannot_steal_a_live_control_socket(monitor, tmp_path):
-    proc = subprocess.run([str(release_binary("densevm")), "serve", "--vms", "1", "--addr-base", "127.204.0.0",
-                           "--api", str(monitor.api)], capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [
+            str(release_binary("densevm")),
+            "serve",
+            "--vms",
+            "1",
+            "--addr-base",
+            "127.204.0.0",
+            "--api",
+            str(monitor.api),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 2 and "in use" in proc.stderr
     assert monitor.control({"cmd": "stats"})["ok"]
 

@@ -1,6 +1,7 @@
 """densevm's cells: VMs spread over worker processes behind one control API
 and one pager. A cell that dies takes only its own VMs down; a parent that
 dies takes every cell with it; a reader that goes away breaks nothing."""
+
 from __future__ import annotations
 
 import os
@@ -9,12 +10,13 @@ import subprocess
 import time
 
 import pytest
-
 from conftest import release_binary
 from scalebench.webobject import LARGE, SMALL
 from support.densevm import get, kvm_available, start
 
-pytestmark = pytest.mark.skipif(not kvm_available(), reason="/dev/kvm is absent or not accessible on this host")
+pytestmark = pytest.mark.skipif(
+    not kvm_available(), reason="/dev/kvm is absent or not accessible on this host"
+)
 
 
 def cell_pids(pid: int) -> list[int]:
@@ -131,7 +133,16 @@ def test_sigterm_stops_every_cell(tmp_path):
 
 def test_a_reader_that_went_away_does_not_crash_the_monitor(tmp_path):
     api = tmp_path / "s.sock"
-    argv = [str(release_binary("densevm")), "serve", "--vms", "2", "--addr-base", "127.225.0.0", "--api", str(api)]
+    argv = [
+        str(release_binary("densevm")),
+        "serve",
+        "--vms",
+        "2",
+        "--addr-base",
+        "127.225.0.0",
+        "--api",
+        str(api),
+    ]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
     assert b'"ready"' in proc.stdout.readline()
     proc.stdout.close()  # the exit line has nowhere to go

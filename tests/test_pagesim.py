@@ -1,5 +1,6 @@
 """pagesim, the pager's trace-driven simulator: flags, synthetic and recorded
 traces, and the behaviour its numbers must show."""
+
 from __future__ import annotations
 
 import json
@@ -9,12 +10,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from conftest import REPO_ROOT, RELEASE_DIR, release_binary
+from conftest import RELEASE_DIR, REPO_ROOT, release_binary
 
 
 def pagesim(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(release_binary("pagesim")), *args], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [str(release_binary("pagesim")), *args], capture_output=True, text=True, timeout=300
+    )
     if check:
         assert proc.returncode == 0, proc.stderr
     return proc
@@ -58,8 +60,12 @@ def test_synthetic_run_prints_hit_ratio():
 
 
 def test_higher_alpha_gives_higher_hit_ratio():
-    ratios = [sim_json("--vms", "4000", "--alpha", str(a), "--requests", "200000", "--warmup", "50000")["hit_ratio"]
-              for a in (0.0, 0.5, 1.0, 1.5)]
+    ratios = [
+        sim_json("--vms", "4000", "--alpha", str(a), "--requests", "200000", "--warmup", "50000")[
+            "hit_ratio"
+        ]
+        for a in (0.0, 0.5, 1.0, 1.5)
+    ]
     assert ratios == sorted(ratios) and ratios[-1] > ratios[0] + 0.2, ratios
     assert all(0.0 <= r <= 1.0 for r in ratios)
 
@@ -72,8 +78,22 @@ def test_everything_fits_in_core():
 
 
 def test_wsswap_reads_working_sets_sequentially():
-    common = ["--vms", "4000", "--alpha", "1.0", "--block", "32k", "--mem", "1G", "--disk", "hdd",
-              "--requests", "200000", "--warmup", "100000"]
+    common = [
+        "--vms",
+        "4000",
+        "--alpha",
+        "1.0",
+        "--block",
+        "32k",
+        "--mem",
+        "1G",
+        "--disk",
+        "hdd",
+        "--requests",
+        "200000",
+        "--warmup",
+        "100000",
+    ]
     demand = sim_json(*common, "--policy", "demand")
     wsswap = sim_json(*common, "--policy", "wsswap")
     # The same clock decides who is resident; wsswap needs three faults per
@@ -93,9 +113,17 @@ def test_clean_blocks_cost_no_writes():
     assert clean["hit_ratio"] == dirty["hit_ratio"]
 
 
-def write_trace(path: Path, vms: int, records: list[int], block: int = 32768, ram: int = 4 << 20) -> None:
-    header = json.dumps({"block_bytes": block, "vm_ram_bytes": ram, "vms": vms,
-                         "request_ranges": [[0, 896 << 10], [ram - (128 << 10), 128 << 10]]}).encode()
+def write_trace(
+    path: Path, vms: int, records: list[int], block: int = 32768, ram: int = 4 << 20
+) -> None:
+    header = json.dumps(
+        {
+            "block_bytes": block,
+            "vm_ram_bytes": ram,
+            "vms": vms,
+            "request_ranges": [[0, 896 << 10], [ram - (128 << 10), 128 << 10]],
+        }
+    ).encode()
     with path.open("wb") as f:
         f.write(b"SBTRACE1" + struct.pack("<I", len(header)) + header)
         f.write(struct.pack(f"<{len(records)}I", *records))
@@ -125,12 +153,18 @@ def test_trace_with_bad_record_is_an_error(tmp_path):
 def fifo_plugin() -> Path:
     lib = RELEASE_DIR / "examples" / "libfifo_policy.so"
     if not lib.exists():
-        subprocess.run(["cargo", "build", "--release", "-q", "-p", "paging-policy", "--examples"],
-                       cwd=REPO_ROOT, check=True, timeout=900)
+        subprocess.run(
+            ["cargo", "build", "--release", "-q", "-p", "paging-policy", "--examples"],
+            cwd=REPO_ROOT,
+            check=True,
+            timeout=900,
+        )
     return lib
 
 
 def test_plugin_policy(fifo_plugin):
-    r = sim_json("--policy", str(fifo_plugin), "--vms", "500", "--requests", "20000", "--mem", "128M")
+    r = sim_json(
+        "--policy", str(fifo_plugin), "--vms", "500", "--requests", "20000", "--mem", "128M"
+    )
     assert r["policy"] == "fifo"
     assert 0.0 < r["hit_ratio"] < 1.0 and r["blocks_out"] > 0

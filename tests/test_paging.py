@@ -1,5 +1,6 @@
 """The pager under real KVM guests: guest memory survives eviction intact, the
 budget holds, and bad paging configuration fails before any VM boots."""
+
 from __future__ import annotations
 
 import subprocess
@@ -7,12 +8,13 @@ import threading
 import time
 
 import pytest
-
 from conftest import release_binary
 from scalebench.webobject import SMALL
 from support.densevm import get, kvm_available, start
 
-pytestmark = pytest.mark.skipif(not kvm_available(), reason="/dev/kvm is absent or not accessible on this host")
+pytestmark = pytest.mark.skipif(
+    not kvm_available(), reason="/dev/kvm is absent or not accessible on this host"
+)
 
 VMS = 6
 GUEST_MEM = 4 << 20
@@ -36,8 +38,22 @@ def test_guest_memory_survives_eviction(tmp_path, policy, block):
     # A quarter of what the VMs touch: every request evicts someone.
     budget = VMS * (1 << 20) // 4
     # Three cells share the pager's budget.
-    m = start(tmp_path, VMS, "127.211.0.0", "--selfcheck", "--policy", policy, "--block", block,
-              "--mem", str(budget), "--guest-mem", str(GUEST_MEM), "--cell-vms", "2")
+    m = start(
+        tmp_path,
+        VMS,
+        "127.211.0.0",
+        "--selfcheck",
+        "--policy",
+        policy,
+        "--block",
+        block,
+        "--mem",
+        str(budget),
+        "--guest-mem",
+        str(GUEST_MEM),
+        "--cell-vms",
+        "2",
+    )
     try:
         drive(m, 6)
         totals = m.control({"cmd": "stats"})["totals"]
@@ -52,7 +68,9 @@ def test_guest_memory_survives_eviction(tmp_path, policy, block):
 
 def test_resident_memory_stays_within_budget_during_the_run(tmp_path):
     budget = VMS * (1 << 20) // 4
-    m = start(tmp_path, VMS, "127.212.0.0", "--mem", str(budget), "--block", "32k", "--cell-vms", "2")
+    m = start(
+        tmp_path, VMS, "127.212.0.0", "--mem", str(budget), "--block", "32k", "--cell-vms", "2"
+    )
     samples: list[tuple[int, int]] = []
     stop = threading.Event()
 
@@ -114,9 +132,23 @@ def test_clean_blocks_are_not_written_twice(tmp_path):
     ],
 )
 def test_bad_paging_configuration_fails_before_boot(tmp_path, args, fragment):
-    proc = subprocess.run([str(release_binary("densevm")), "serve", "--vms", "2", "--addr-base", "127.214.0.0",
-                           "--api", str(tmp_path / "s.sock"), *args],
-                          capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            str(release_binary("densevm")),
+            "serve",
+            "--vms",
+            "2",
+            "--addr-base",
+            "127.214.0.0",
+            "--api",
+            str(tmp_path / "s.sock"),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("densevm: error:"), proc.stderr

@@ -1,14 +1,14 @@
 """Containment: a real memory cgroup is created with the limit, a child starts inside it, it is removed."""
+
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
 import pytest
-
 from scalebench.cgroup import Containment, memory_limit, parse_psi
 from scalebench.procs import Child, wait_until
-from scalebench.units import MIB, GIB
+from scalebench.units import GIB, MIB
 
 
 def test_limit_is_budget_plus_documented_margin():
@@ -30,8 +30,11 @@ def test_child_starts_inside_a_real_group_which_is_then_removed(tmp_path):
             assert wait_until(lambda: comm.read_text().strip() == "sleep", 5)
             membership = Path(f"/proc/{child.pid}/cgroup").read_text()
             assert child.pid in c.members()
-            rel = "/" + str(c.memory_group.relative_to(c.memory_group.parents[1])) \
-                if c.memory_version == 1 else None
+            rel = (
+                "/" + str(c.memory_group.relative_to(c.memory_group.parents[1]))
+                if c.memory_version == 1
+                else None
+            )
             if rel:
                 assert f":memory:{rel}\n" in membership
             if c.psi_group is not None:

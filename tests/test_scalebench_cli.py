@@ -3,6 +3,7 @@
 The bin directory holds FAKE densevm/zipfperf scripts that only leave a marker
 file when executed, to prove that nothing was started.
 """
+
 from __future__ import annotations
 
 import os
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-MARKER_SCRIPT = "#!/bin/sh\ntouch \"$(dirname \"$0\")/STARTED\"\nsleep 30\n"
+MARKER_SCRIPT = '#!/bin/sh\ntouch "$(dirname "$0")/STARTED"\nsleep 30\n'
 
 
 @pytest.fixture
@@ -49,8 +50,14 @@ BAD = [
 @pytest.mark.parametrize("argv,message", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_bad_input_is_one_line_exit_2_nothing_started(tmp_path, bindir, argv, message):
     env = {**os.environ, "SCALEBENCH_BIN_DIR": str(bindir), "HOME": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "scalebench.cli", *argv], capture_output=True, text=True,
-                          cwd=tmp_path, env=env, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "scalebench.cli", *argv],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=60,
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("scalebench: error: "), proc.stderr
@@ -62,13 +69,31 @@ def test_bad_input_is_one_line_exit_2_nothing_started(tmp_path, bindir, argv, me
 
 def test_missing_binaries_are_reported_before_anything_starts(tmp_path):
     env = {**os.environ, "SCALEBENCH_BIN_DIR": str(tmp_path / "nowhere"), "HOME": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "scalebench.cli", "--vms", "4"], capture_output=True,
-                          text=True, cwd=tmp_path, env=env, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "scalebench.cli", "--vms", "4"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "make build" in proc.stderr
     assert not (tmp_path / "runs").exists()
 
 
 def test_help_lists_the_subcommands():
-    out = subprocess.run([sys.executable, "-m", "scalebench.cli", "--help"], capture_output=True, text=True).stdout
-    for word in ("--vms", "--alpha", "--block", "model", "sweep", "report", "compare", "nightly", "dbtrace"):
+    out = subprocess.run(
+        [sys.executable, "-m", "scalebench.cli", "--help"], capture_output=True, text=True
+    ).stdout
+    for word in (
+        "--vms",
+        "--alpha",
+        "--block",
+        "model",
+        "sweep",
+        "report",
+        "compare",
+        "nightly",
+        "dbtrace",
+    ):
         assert word in out

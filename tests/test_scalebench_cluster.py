@@ -61,7 +61,11 @@ def local_cluster(tmp: Path, kinds: dict[str, str] | None = None) -> Iterator[Cl
     """A scheduler and a worker per HOSTS entry; `kinds` gives some hosts a kind of their own."""
     bindir = release_binary("densevm").parent
     release_binary("zipfperf")
-    env = {**os.environ, "SCALEBENCH_BIN_DIR": str(bindir), "SCALEBENCH_CALIBRATION": str(tmp / "cal.json")}
+    env = {
+        **os.environ,
+        "SCALEBENCH_BIN_DIR": str(bindir),
+        "SCALEBENCH_CALIBRATION": str(tmp / "cal.json"),
+    }
     scheduler_file = tmp / "scheduler.json"
     started: list[subprocess.Popen] = []
     logs = tmp / "logs"
@@ -69,8 +73,18 @@ def local_cluster(tmp: Path, kinds: dict[str, str] | None = None) -> Iterator[Cl
 
     def start(name: str, argv: list[str], extra_env: dict) -> subprocess.Popen:
         with open(logs / f"{name}.log", "w") as log:
-            command = [sys.executable, "-m", "dask", *argv, "--scheduler-file", str(scheduler_file), "--no-dashboard"]
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**env, **extra_env}, cwd=tmp)
+            command = [
+                sys.executable,
+                "-m",
+                "dask",
+                *argv,
+                "--scheduler-file",
+                str(scheduler_file),
+                "--no-dashboard",
+            ]
+            proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env={**env, **extra_env}, cwd=tmp
+            )
         started.append(proc)
         return proc
 
@@ -83,7 +97,9 @@ def local_cluster(tmp: Path, kinds: dict[str, str] | None = None) -> Iterator[Cl
             host_env["SCALEBENCH_WORK_DIR"] = str(work_dirs[host])
             if kinds and host in kinds:
                 host_env["SCALEBENCH_HOST_KIND"] = kinds[host]
-            workers[host] = start(host, ["worker", "--nthreads", "1", "--resources", "host=1", "--no-nanny"], host_env)
+            workers[host] = start(
+                host, ["worker", "--nthreads", "1", "--resources", "host=1", "--no-nanny"], host_env
+            )
         deadline = time.monotonic() + 60
         while not scheduler_file.exists():
             assert time.monotonic() < deadline, (logs / "scheduler.log").read_text()
@@ -119,7 +135,12 @@ def sweep(tmp: Path, exp: Path, out: Path, *extra: str) -> subprocess.CompletedP
         "SCALEBENCH_CALIBRATION": str(tmp / "cal.json"),
     }
     return subprocess.run(
-        sweep_command(tmp, exp, out, *extra), check=False, capture_output=True, text=True, timeout=400, env=env
+        sweep_command(tmp, exp, out, *extra),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
     )
 
 
@@ -149,18 +170,25 @@ def test_a_grid_on_two_hosts_has_the_schema_of_a_local_sweep(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "scalebench: warning: the points ran on 2 kinds of host" in proc.stderr
     done = points(tmp_path / "out")
-    assert len(done) == 6 and all(d["status"] == "ok" and d["throughput_rps"] > 0 for d in done.values())
+    assert len(done) == 6 and all(
+        d["status"] == "ok" and d["throughput_rps"] > 0 for d in done.values()
+    )
     # Each point ran exactly once, on the host it names, in that host's address range.
     assert proc.stderr.count("  started ") == 6
     for d in done.values():
         assert [a["host"] for a in d["placement"]["attempts"]] == [d["host"]["hostname"]]
         assert d["placement"]["retried"] is False
         assert d["config"]["addr_base"] == HOSTS[d["host"]["hostname"]]
-        assert Path(d["files"]["plot"]).is_file() and Path(d["files"]["out"]).parent == tmp_path / "out" / "points"
+        assert (
+            Path(d["files"]["plot"]).is_file()
+            and Path(d["files"]["out"]).parent == tmp_path / "out" / "points"
+        )
     assert {d["host"]["hostname"] for d in done.values()} == set(HOSTS)
     for host, work_dir in cluster.work_dirs.items():
         assert processes_mentioning(str(work_dir)) == [], host
-        assert list(work_dir.iterdir()) == []  # each point's files went to the client and left the worker
+        assert (
+            list(work_dir.iterdir()) == []
+        )  # each point's files went to the client and left the worker
     cluster_rows = rows(tmp_path / "out" / "results.csv")
     assert [r["retried"] for r in cluster_rows] == ["False"] * 6
     kinds = {r["host"]: r["host_kind"] for r in cluster_rows}
@@ -174,9 +202,14 @@ def test_a_grid_on_two_hosts_has_the_schema_of_a_local_sweep(tmp_path):
     assert local.returncode == 0, local.stderr
     local_rows = rows(tmp_path / "l" / "results.csv")
     assert list(local_rows[0]) == list(cluster_rows[0])
-    local_checks, cluster_checks = rows(tmp_path / "l" / "checks.csv"), rows(tmp_path / "out" / "checks.csv")
+    local_checks, cluster_checks = (
+        rows(tmp_path / "l" / "checks.csv"),
+        rows(tmp_path / "out" / "checks.csv"),
+    )
     assert list(local_checks[0]) == list(cluster_checks[0])
-    assert [(c["check"], c["group"]) for c in local_checks] == [(c["check"], c["group"]) for c in cluster_checks]
+    assert [(c["check"], c["group"]) for c in local_checks] == [
+        (c["check"], c["group"]) for c in cluster_checks
+    ]
     for name in ("tput.png", "sweep.json", "experiment.json"):
         assert (tmp_path / "out" / name).stat().st_size > 0
     report = [sys.executable, "-m", "scalebench.cli", "report", str(tmp_path / "out")]
@@ -189,7 +222,15 @@ def test_a_point_whose_worker_is_killed_is_run_again_elsewhere(tmp_path):
     with local_cluster(tmp_path) as cluster:
         env = {**os.environ, "SCALEBENCH_CALIBRATION": str(tmp_path / "cal.json")}
         client = subprocess.Popen(
-            sweep_command(tmp_path, exp, tmp_path / "out", "--cluster", str(cluster.scheduler_file), "--only", "vms=4"),
+            sweep_command(
+                tmp_path,
+                exp,
+                tmp_path / "out",
+                "--cluster",
+                str(cluster.scheduler_file),
+                "--only",
+                "vms=4",
+            ),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -198,9 +239,13 @@ def test_a_point_whose_worker_is_killed_is_run_again_elsewhere(tmp_path):
         victim = cluster.work_dirs["host-a"]
         deadline = time.monotonic() + 120
         while not any("densevm" in cmdline(pid) for pid in processes_mentioning(str(victim))):
-            assert time.monotonic() < deadline and client.poll() is None, "no point started on host-a"
+            assert time.monotonic() < deadline and client.poll() is None, (
+                "no point started on host-a"
+            )
             time.sleep(0.1)
-        killed_point = json.loads(next(victim.glob("*/*/config.json")).read_text())["labels"]["point"]
+        killed_point = json.loads(next(victim.glob("*/*/config.json")).read_text())["labels"][
+            "point"
+        ]
         cluster.workers["host-a"].send_signal(signal.SIGKILL)
         _, stderr = client.communicate(timeout=300)
         # The worker's death reached the point's process: densevm, zipfperf and it are gone.

@@ -4,6 +4,7 @@ In core (20 VMs in 1 GiB), out of core (40 VMs in a 16 MiB budget), and densevm
 killed in the middle of a run. Each checks the result document and that nothing
 is left running.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,10 +22,24 @@ from conftest import release_binary
 def scalebench(tmp: Path, *argv: str, on_start=None) -> tuple[subprocess.CompletedProcess, dict]:
     bindir = release_binary("densevm").parent
     release_binary("zipfperf")
-    env = {**os.environ, "SCALEBENCH_BIN_DIR": str(bindir), "SCALEBENCH_CALIBRATION": str(tmp / "cal.json")}
+    env = {
+        **os.environ,
+        "SCALEBENCH_BIN_DIR": str(bindir),
+        "SCALEBENCH_CALIBRATION": str(tmp / "cal.json"),
+    }
     out = tmp / "run"
     # Addresses of our own: the loopback network is shared with whatever else runs on the host.
-    cmd = [sys.executable, "-m", "scalebench.cli", *argv, "--addr-base", "127.42.0.0", "-q", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "scalebench.cli",
+        *argv,
+        "--addr-base",
+        "127.42.0.0",
+        "-q",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     if on_start:
         threading.Thread(target=on_start, args=(out,), daemon=True).start()
@@ -71,8 +86,19 @@ def test_short_in_core_run(tmp_path):
 
 
 def test_short_out_of_core_run_pages(tmp_path):
-    proc, r = scalebench(tmp_path, "--vms", "40", "--mem", "16M", "--alpha", "0.5", "--duration", "5",
-                         "--warmup", "3")
+    proc, r = scalebench(
+        tmp_path,
+        "--vms",
+        "40",
+        "--mem",
+        "16M",
+        "--alpha",
+        "0.5",
+        "--duration",
+        "5",
+        "--warmup",
+        "3",
+    )
     assert proc.returncode == 0, proc.stderr
     assert r["faults"] > 0 and r["swap_read_bytes"] > 0 and r["swap_write_bytes"] > 0
     assert r["regime"] == "disk-bound" and r["model"]["regime"] == "disk-bound"
@@ -91,7 +117,9 @@ def test_densevm_killed_mid_run(tmp_path):
                 return
             time.sleep(0.2)
 
-    proc, r = scalebench(tmp_path, "--vms", "20", "--duration", "20", "--warmup", "5", on_start=kill_densevm)
+    proc, r = scalebench(
+        tmp_path, "--vms", "20", "--duration", "20", "--warmup", "5", on_start=kill_densevm
+    )
     assert proc.returncode == 1
     assert r["boot_seconds"] is not None  # it failed mid-run, not at start-up
     assert r["status"] == "failed" and "densevm exited" in r["error"]

@@ -1,14 +1,21 @@
 """The performance model: Che's approximation, miss costs and the throughput prediction."""
+
 from __future__ import annotations
 
 from collections import OrderedDict
 
 import numpy as np
 import pytest
-
 from scalebench.disks import HDD, disk_model
-from scalebench.model import (ModelInput, che_hit_ratio, estimate_written, estimate_footprint, miss_sqrt_distance,
-                              predict, zipf_popularity)
+from scalebench.model import (
+    ModelInput,
+    che_hit_ratio,
+    estimate_footprint,
+    estimate_written,
+    miss_sqrt_distance,
+    predict,
+    zipf_popularity,
+)
 from scalebench.units import GIB, KIB, MIB
 
 
@@ -30,7 +37,9 @@ def simulated_lru_hit_ratio(n: int, k: int, alpha: float, requests: int, seed: i
     return hits / (requests - warm)
 
 
-@pytest.mark.parametrize("n,k,alpha", [(100, 10, 0.8), (200, 50, 1.0), (100, 30, 0.0), (300, 60, 1.5)])
+@pytest.mark.parametrize(
+    "n,k,alpha", [(100, 10, 0.8), (200, 50, 1.0), (100, 30, 0.0), (300, 60, 1.5)]
+)
 def test_che_matches_brute_force_lru(n, k, alpha):
     simulated = simulated_lru_hit_ratio(n, k, alpha, 200_000)
     assert che_hit_ratio(n, k, alpha) == pytest.approx(simulated, abs=0.015)
@@ -44,9 +53,17 @@ def test_che_limits():
 
 def hdd_input(**changes) -> ModelInput:
     block = changes.pop("block_bytes", 32 * KIB)
-    values = dict(vms=4000, alpha=1.0, block_bytes=block, budget_bytes=GIB,
-                  footprint_bytes=estimate_footprint(896 * KIB, block), policy="demand",
-                  disk=disk_model("hdd"), cpu_s=100e-6, bench=None)
+    values = dict(
+        vms=4000,
+        alpha=1.0,
+        block_bytes=block,
+        budget_bytes=GIB,
+        footprint_bytes=estimate_footprint(896 * KIB, block),
+        policy="demand",
+        disk=disk_model("hdd"),
+        cpu_s=100e-6,
+        bench=None,
+    )
     values.update(changes)
     return ModelInput(**values)
 
@@ -115,9 +132,21 @@ def test_smaller_blocks_fit_more_vms():
 
 def test_disk_model_difference_report():
     from scalebench.disks import differences
+
     # The pager's {"cmd":"pager"} reply for --disk hdd, as densevm reports it.
-    pager_hdd = {"drives": 1, "kind": "rotating", "lat_ms": 0.0, "mb_s": 40.0, "model": "hdd", "overhead_ms": 0.1,
-                 "rpm": 7200.0, "seek_ms": 8.9, "span_bytes": 0, "stripe_bytes": 65536, "track_ms": 1.0}
+    pager_hdd = {
+        "drives": 1,
+        "kind": "rotating",
+        "lat_ms": 0.0,
+        "mb_s": 40.0,
+        "model": "hdd",
+        "overhead_ms": 0.1,
+        "rpm": 7200.0,
+        "seek_ms": 8.9,
+        "span_bytes": 0,
+        "stripe_bytes": 65536,
+        "track_ms": 1.0,
+    }
     assert differences(disk_model("hdd"), pager_hdd) == []
     assert differences(disk_model("hdd"), {**pager_hdd, "seek_ms": 9.5}) == ["seek_ms 9.5 vs 8.9"]
     assert differences(disk_model("none"), {**pager_hdd, "model": "none", "drives": 0}) == []
@@ -130,11 +159,15 @@ def test_written_blocks_follow_the_write_stride_joined_across_short_gaps():
     # A stride wider than the gap the pager bridges: only the changed blocks.
     assert estimate_written(896 * KIB, 4 * KIB, stride=100) == (3 + 2 + 8) * 4 * KIB
     # 16k: every block holds a written page but the last, whose 3 pages follow the last written one.
-    assert estimate_written(896 * KIB, 16 * KIB) == estimate_footprint(896 * KIB, 16 * KIB) - 16 * KIB
+    assert (
+        estimate_written(896 * KIB, 16 * KIB) == estimate_footprint(896 * KIB, 16 * KIB) - 16 * KIB
+    )
     for block in (32 * KIB, 128 * KIB):
         assert estimate_written(896 * KIB, block) == estimate_footprint(896 * KIB, block)
     # Only changed blocks are written back (joined): a sparse writer writes less per eviction.
-    small = hdd_input(block_bytes=4 * KIB, written_bytes=estimate_written(896 * KIB, 4 * KIB, stride=100))
+    small = hdd_input(
+        block_bytes=4 * KIB, written_bytes=estimate_written(896 * KIB, 4 * KIB, stride=100)
+    )
     assert predict(small).miss_write_s < predict(hdd_input(block_bytes=4 * KIB)).miss_write_s
 
 
@@ -143,17 +176,22 @@ def test_wsswap_miss_is_two_single_faults_then_one_read_of_the_set():
     random_block = disk_model("hdd").request_s(32 * KIB)
     whole = predict(hdd_input(policy="wsswap", swap_bytes=4000 * fp))  # the log fills the drive
     assert whole.footprint_bytes == fp
-    assert whole.miss_read_s == pytest.approx(2 * random_block + disk_model("hdd").request_s(fp - 2 * 32 * KIB))
+    assert whole.miss_read_s == pytest.approx(
+        2 * random_block + disk_model("hdd").request_s(fp - 2 * 32 * KIB)
+    )
     # Partly dirty: the log rewrites the whole set all the same (one extent, one write of all of it).
     half = predict(hdd_input(policy="wsswap", written_bytes=fp // 2, swap_bytes=4000 * fp))
     assert half.miss_read_s == pytest.approx(whole.miss_read_s, rel=1e-9)
     assert half.miss_write_s == pytest.approx(whole.miss_write_s, rel=1e-9)
     # demand keeps unchanged blocks' copies: a half-dirty VM costs a shorter write.
-    assert predict(hdd_input(written_bytes=fp // 2)).miss_write_s < predict(hdd_input()).miss_write_s
+    assert (
+        predict(hdd_input(written_bytes=fp // 2)).miss_write_s < predict(hdd_input()).miss_write_s
+    )
 
 
 def test_seeks_span_only_the_used_part_of_the_swap_device():
     from scalebench.model import densevm_swap_bytes
+
     # densevm sizes swap for twice the VMs (and the log twice that): the regions fill half of it.
     assert densevm_swap_bytes(4000, "demand") == 8000 * 4 * MIB
     assert densevm_swap_bytes(4000, "wsswap") == 2 * 8000 * 4 * MIB
@@ -162,8 +200,11 @@ def test_seeks_span_only_the_used_part_of_the_swap_device():
     spread = miss_sqrt_distance(4000, GIB // full.footprint_bytes, 1.0)
     drive = disk_model("hdd").drive
     # Seek time grows with sqrt(distance / span): regions filling half the span, sqrt(1/2) of the spread.
-    expected = reads * (drive.positioning_s(spread) - drive.positioning_s(spread * 0.5 ** 0.5))
+    expected = reads * (drive.positioning_s(spread) - drive.positioning_s(spread * 0.5**0.5))
     assert full.miss_read_s - half.miss_read_s == pytest.approx(expected, rel=1e-6)
     # The log's extents (a footprint per VM) fill an eighth of densevm's log device: shorter seeks.
     fp = full.footprint_bytes
-    assert predict(hdd_input(policy="wsswap")).model_rps > predict(hdd_input(policy="wsswap", swap_bytes=4000 * fp)).model_rps
+    assert (
+        predict(hdd_input(policy="wsswap")).model_rps
+        > predict(hdd_input(policy="wsswap", swap_bytes=4000 * fp)).model_rps
+    )

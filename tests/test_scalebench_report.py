@@ -3,6 +3,7 @@
 The sweep directory is produced by run_sweep with a FAKE point runner (made-up
 results, nothing started): this test is about the report, not about runs.
 """
+
 from __future__ import annotations
 
 import re
@@ -11,14 +12,21 @@ import sys
 from pathlib import Path
 
 from conftest import require_tool
-
 from scalebench.report import render
 from scalebench.sweep import load_experiment, run_sweep
 from test_scalebench_sweep import EXPERIMENT, FakePointRunner
 
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--virtual-time-budget=10000"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--virtual-time-budget=10000",
+]
 
 
 def sweep_dir(tmp: Path) -> Path:
@@ -32,8 +40,12 @@ def sweep_dir(tmp: Path) -> Path:
 def images_state(page: Path, profile: Path) -> str:
     """The body's data-images attribute after the page's load handler ran, as Chromium renders it."""
     chromium = require_tool("chromium")
-    proc = subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--dump-dom", page.as_uri()],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--dump-dom", page.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     m = re.search(r'<body[^>]*data-images="([^"]*)"', proc.stdout)
     assert m, f"no data-images marker in Chromium's DOM: {proc.stderr[-2000:]}"
     return m.group(1)
@@ -41,8 +53,12 @@ def images_state(page: Path, profile: Path) -> str:
 
 def test_report_images_load_in_headless_chromium(tmp_path):
     out = sweep_dir(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "scalebench.cli", "report", str(out)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "scalebench.cli", "report", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     page = out / "report.html"
     html = page.read_text()

@@ -5,6 +5,7 @@ their contract (INTERFACES.md: ready/exit events, control socket, zipfperf's
 JSON document), because these tests are about the controller's orchestration,
 not about the binaries; the real ones are exercised by test_scalebench_e2e.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,11 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
-
 from scalebench.config import RunConfig
 from scalebench.runner import Binaries, classify, hot_footprint, run
 
-FAKE_DENSEVM = textwrap.dedent('''\
+FAKE_DENSEVM = textwrap.dedent("""\
     #!{python}
     # FAKE densevm for orchestration tests: keeps the stdout/API contract; each "VM" is a
     # listener that answers any request with a fixed 200 reply.
@@ -80,9 +80,9 @@ FAKE_DENSEVM = textwrap.dedent('''\
         time.sleep(0.1)
         if die_after and time.monotonic() - t0 > die_after:
             print("densevm: error: simulated pager failure", file=sys.stderr); sys.exit(1)
-    ''')
+    """)
 
-FAKE_ZIPFPERF = textwrap.dedent('''\
+FAKE_ZIPFPERF = textwrap.dedent("""\
     #!{python}
     # FAKE zipfperf for orchestration tests: sleeps --duration (SIGINT ends it early, as it ends the
     # real one's run), writes a zipfperf/1 document.
@@ -105,7 +105,7 @@ FAKE_ZIPFPERF = textwrap.dedent('''\
            "latency_ms": {{"mean": 1.0, "p50": 0.9, "p90": 1.5, "p99": 3.0, "p999": 5.0, "max": 9.0}},
            "errors": {{"total": 0}}, "bytes": {{"sent": 0, "received": 0}}, "per_target": []}}
     open(opt("--json"), "w").write(json.dumps(doc))
-    ''')
+    """)
 
 
 @pytest.fixture
@@ -138,8 +138,16 @@ def alive(pid: int) -> bool:
 
 def small_config(tmp: Path, **changes) -> RunConfig:
     # Out of core by construction (20 VMs of ~1 MiB in 8 MiB): the run calibrates before the touch.
-    settings = {"vms": 20, "mem": "8M", "duration": 1.5, "warmup": 1.0, "calibration_s": 1.0, "out": str(tmp / "run"),
-                "addr_base": "127.43.0.0", **changes}
+    settings = {
+        "vms": 20,
+        "mem": "8M",
+        "duration": 1.5,
+        "warmup": 1.0,
+        "calibration_s": 1.0,
+        "out": str(tmp / "run"),
+        "addr_base": "127.43.0.0",
+        **changes,
+    }
     return RunConfig(**settings)
 
 
@@ -148,8 +156,16 @@ def test_run_completes_and_records_everything(fakes):
     assert result.status == "ok", result.error
     doc = json.loads((fakes / "run" / "result.json").read_text())
     assert doc["schema"] == "scalebench.result/1"
-    for key in ("throughput_rps", "model_rps", "regime", "errors", "boot_seconds", "resident_bytes",
-                "swap_read_bytes", "swap_write_bytes"):
+    for key in (
+        "throughput_rps",
+        "model_rps",
+        "regime",
+        "errors",
+        "boot_seconds",
+        "resident_bytes",
+        "swap_read_bytes",
+        "swap_write_bytes",
+    ):
         assert doc[key] is not None, key
     assert doc["latency_ms"]["p50"] == 0.9 and doc["latency_ms"]["p99"] == 3.0
     assert doc["config"]["vms"] == 20 and doc["config"]["block"] == "32k"
@@ -180,6 +196,7 @@ def test_run_completes_and_records_everything(fakes):
 
 def test_a_stored_run_is_remodeled_from_what_it_recorded(fakes):
     from scalebench.runner import remodel
+
     result = run(small_config(fakes), bins=Binaries.find())
     path = fakes / "run" / "result.json"
     doc = json.loads(path.read_text())
@@ -190,7 +207,10 @@ def test_a_stored_run_is_remodeled_from_what_it_recorded(fakes):
     assert again.model_rps == pytest.approx(result.model_rps)
     assert again.measured_over_model == pytest.approx(result.throughput_rps / result.model_rps)
     stored = json.loads(path.read_text())
-    assert stored["model"]["remodeled"]["model_rps_before"] == 1.0 and stored["model_rps"] == again.model_rps
+    assert (
+        stored["model"]["remodeled"]["model_rps_before"] == 1.0
+        and stored["model_rps"] == again.model_rps
+    )
     stored["status"] = "failed"
     path.write_text(json.dumps(stored))
     assert remodel(path) is None
@@ -217,11 +237,31 @@ def test_zipfperf_failure_ends_the_run_cleanly(fakes, monkeypatch):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_to_scalebench_tears_everything_down(fakes, sig):
-    proc = subprocess.Popen([sys.executable, "-m", "scalebench.cli", "--vms", "20", "--duration", "30",
-                             "--warmup", "30", "-q", "--out", str(fakes / "run"), "--addr-base", "127.43.0.0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "scalebench.cli",
+            "--vms",
+            "20",
+            "--duration",
+            "30",
+            "--warmup",
+            "30",
+            "-q",
+            "--out",
+            str(fakes / "run"),
+            "--addr-base",
+            "127.43.0.0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 20
-    while len(started_pids(fakes)) < 2 and time.monotonic() < deadline:  # densevm and warm-up zipfperf
+    while (
+        len(started_pids(fakes)) < 2 and time.monotonic() < deadline
+    ):  # densevm and warm-up zipfperf
         time.sleep(0.1)
     assert len(started_pids(fakes)) >= 2
     proc.send_signal(sig)
@@ -234,10 +274,27 @@ def test_a_signal_to_scalebench_tears_everything_down(fakes, sig):
 
 def test_cli_reports_failure_with_exit_1(fakes, monkeypatch):
     monkeypatch.setenv("FAKE_ZIPFPERF_FAIL", "1")
-    proc = subprocess.run([sys.executable, "-m", "scalebench.cli", "--vms", "5", "--duration", "1", "-q",
-                           "--out", str(fakes / "run"), "--json", str(fakes / "copy.json"),
-                           "--addr-base", "127.43.0.0"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scalebench.cli",
+            "--vms",
+            "5",
+            "--duration",
+            "1",
+            "-q",
+            "--out",
+            str(fakes / "run"),
+            "--json",
+            str(fakes / "copy.json"),
+            "--addr-base",
+            "127.43.0.0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("scalebench: error: zipfperf")
     assert json.loads((fakes / "copy.json").read_text())["status"] == "failed"
@@ -245,18 +302,23 @@ def test_cli_reports_failure_with_exit_1(fakes, monkeypatch):
 
 def test_a_calibration_phase_that_paged_gives_way_to_the_stored_one(fakes, monkeypatch):
     from scalebench import calibration
+
     calibration.store_cpu_us("small", 250.0, 100, "an earlier run")
     monkeypatch.setenv("FAKE_DENSEVM_PAGES_EARLY", "1")
     result = run(small_config(fakes), bins=Binaries.find())
     assert result.status == "ok", result.error
     doc = json.loads((fakes / "run" / "result.json").read_text())
-    assert {k: doc["calibration"][k] for k in ("cpu_us", "source")} == {"cpu_us": 250.0, "source": "stored"}
+    assert {k: doc["calibration"][k] for k in ("cpu_us", "source")} == {
+        "cpu_us": 250.0,
+        "source": "stored",
+    }
     assert any("calibration phase paged" in w for w in doc["warnings"])
     assert calibration.load_cpu_us("small") == 250.0  # the overestimate was not stored
 
 
 def test_the_host_time_per_fault_is_calibrated_by_the_settle_phase(fakes):
     from scalebench import calibration
+
     # The fake serves as fast paging as in core, so the in-core cost comes from the flag:
     # what the settle phase's requests leave of its time must be positive.
     result = run(small_config(fakes, cpu_us=1.0), bins=Binaries.find())
@@ -267,7 +329,10 @@ def test_the_host_time_per_fault_is_calibrated_by_the_settle_phase(fakes):
     settle = [row for row in result.timeseries if row["phase"] == "settle"]
     first, last = settle[len(settle) // 2], settle[-1]
     dt = last["t"] - first["t"]
-    rps, faults_s = (last["requests"] - first["requests"]) / dt, (last["faults"] - first["faults"]) / dt
+    rps, faults_s = (
+        (last["requests"] - first["requests"]) / dt,
+        (last["faults"] - first["faults"]) / dt,
+    )
     expected = (1 - rps * cal["cpu_us"] * 1e-6) / faults_s * 1e6
     assert cal["fault_us"] == pytest.approx(expected, rel=0.35)
     assert result.model["fault_us"] == pytest.approx(cal["fault_us"])
@@ -285,22 +350,34 @@ def test_regime_definition():
 
 
 def test_footprint_and_calibration_window_helpers():
-    vms = [{"id": i, "requests": 100 - i, "resident_bytes": (1 << 20) if i < 30 else 0} for i in range(100)]
+    vms = [
+        {"id": i, "requests": 100 - i, "resident_bytes": (1 << 20) if i < 30 else 0}
+        for i in range(100)
+    ]
     assert hot_footprint(vms) == 1 << 20
     # Out of core (as densevm reported for 40 VMs in 16M): evicted VMs keep 2 blocks, resident ones 31-33.
-    blocks = [2] * 13 + [31] * 3 + [32] * 3 + [9, 4, 4, 15, 8, 29, 24, 1, 27, 33, 10, 14, 23, 30, 17, 3]
-    out_of_core = [{"id": i, "requests": 7, "resident_bytes": 32768 * b} for i, b in enumerate(blocks)]
+    blocks = (
+        [2] * 13 + [31] * 3 + [32] * 3 + [9, 4, 4, 15, 8, 29, 24, 1, 27, 33, 10, 14, 23, 30, 17, 3]
+    )
+    out_of_core = [
+        {"id": i, "requests": 7, "resident_bytes": 32768 * b} for i, b in enumerate(blocks)
+    ]
     assert hot_footprint(out_of_core) in (31 * 32768, 32 * 32768)
     # In core: a few busy VMs hold extra connection state; the typical VM is the footprint.
-    in_core = [{"id": i, "requests": 9, "resident_bytes": 32768 * (31 if i > 5 else 40 + i)} for i in range(50)]
+    in_core = [
+        {"id": i, "requests": 9, "resident_bytes": 32768 * (31 if i > 5 else 40 + i)}
+        for i in range(50)
+    ]
     assert hot_footprint(in_core) == 31 * 32768
     assert hot_footprint([{"id": 0, "requests": 0, "resident_bytes": 5}]) is None
 
 
 def test_touch_reports_vms_that_do_not_answer():
-    from scalebench.touch import touch_all
     import socket
     import threading
+
+    from scalebench.touch import touch_all
+
     srv = socket.socket()
     srv.bind(("127.43.200.1", 0))
     srv.listen(4)
@@ -311,6 +388,7 @@ def test_touch_reports_vms_that_do_not_answer():
         c.recv(4096)
         c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
         c.close()
+
     threading.Thread(target=answer_once, daemon=True).start()
     done = []
     # VM 1 (127.43.200.1) answers; VMs 0 and 2 have nothing listening.
@@ -323,19 +401,27 @@ def test_nightly_updates_then_matches_its_baseline(fakes):
     from scalebench.config import ConfigError
     from scalebench.nightly import nightly
     from scalebench.progress import Reporter
+
     experiment = fakes / "nightly.toml"
-    experiment.write_text('name = "n"\n[base]\nduration = 1\nwarmup = 0\ntouch = false\ncpu_us = 50\n'
-                          'addr_base = "127.43.0.0"\n[grid]\nvms = [2, 4]\n')
+    experiment.write_text(
+        'name = "n"\n[base]\nduration = 1\nwarmup = 0\ntouch = false\ncpu_us = 50\n'
+        'addr_base = "127.43.0.0"\n[grid]\nvms = [2, 4]\n'
+    )
     baseline = fakes / "baseline.json"
     with pytest.raises(ConfigError, match="no baseline"):
         nightly(fakes / "n0", False, 7.0, Reporter(), experiment, baseline, 1)
     assert nightly(fakes / "n1", True, 7.0, Reporter(), experiment, baseline, 2) == 0
     assert set(json.loads(baseline.read_text())["points"]) == {"vms=2", "vms=4"}
-    assert json.loads(baseline.read_text())["repeats"] == 2 and (fakes / "n1" / "run2" / "sweep.json").exists()
+    assert (
+        json.loads(baseline.read_text())["repeats"] == 2
+        and (fakes / "n1" / "run2" / "sweep.json").exists()
+    )
     # The FAKE zipfperf reports the same throughput every time: an unchanged rerun.
     assert nightly(fakes / "n2", False, 7.0, Reporter(), experiment, baseline, 1) == 0
     doc = json.loads(baseline.read_text())
-    doc["points"]["vms=4"]["throughput_rps"] *= 1.2  # the new run is now 17% slower than this baseline
+    doc["points"]["vms=4"]["throughput_rps"] *= (
+        1.2  # the new run is now 17% slower than this baseline
+    )
     baseline.write_text(json.dumps(doc))
     assert nightly(fakes / "n3", False, 7.0, Reporter(), experiment, baseline, 1) == 1
 
@@ -343,6 +429,7 @@ def test_nightly_updates_then_matches_its_baseline(fakes):
 def test_touch_order_leaves_an_lru_steady_state():
     from scalebench.model import che_hit_ratio, zipf_popularity
     from scalebench.touch import lru_order
+
     n, k, alpha = 400, 100, 1.0
     order = lru_order(n, alpha, seed=3)
     assert sorted(order) == list(range(n))
@@ -355,6 +442,7 @@ def test_touch_order_leaves_an_lru_steady_state():
 
 def test_nightly_names_a_busy_host(monkeypatch):
     from scalebench import nightly
+
     monkeypatch.setattr(nightly.os, "cpu_count", lambda: 2)
     monkeypatch.setattr(nightly.os, "getloadavg", lambda: (7.5, 6.0, 5.0))
     assert "load average 7.5 on 2 CPUs" in nightly.busy_host()
@@ -364,16 +452,28 @@ def test_nightly_names_a_busy_host(monkeypatch):
 
 def test_nightly_takes_each_points_best_run():
     from scalebench.nightly import best_of
-    runs = [{"points": {"a": {"status": "ok", "throughput_rps": 90.0}, "b": {"status": "failed"}}},
-            {"points": {"a": {"status": "ok", "throughput_rps": 100.0}, "b": {"status": "ok", "throughput_rps": 5.0}}},
-            {"points": {"a": {"status": "failed"}, "b": {"status": "ok", "throughput_rps": 4.0}}}]
+
+    runs = [
+        {"points": {"a": {"status": "ok", "throughput_rps": 90.0}, "b": {"status": "failed"}}},
+        {
+            "points": {
+                "a": {"status": "ok", "throughput_rps": 100.0},
+                "b": {"status": "ok", "throughput_rps": 5.0},
+            }
+        },
+        {"points": {"a": {"status": "failed"}, "b": {"status": "ok", "throughput_rps": 4.0}}},
+    ]
     best = best_of(runs)
-    assert best["points"]["a"]["throughput_rps"] == 100.0 and best["points"]["b"]["throughput_rps"] == 5.0
+    assert (
+        best["points"]["a"]["throughput_rps"] == 100.0
+        and best["points"]["b"]["throughput_rps"] == 5.0
+    )
     assert best["repeats"] == 3
 
 
 def test_resident_mass():
     from scalebench.runner import resident_mass
+
     vms = [{"id": i, "resident_bytes": (1 << 20) if i in (0, 2) else 65536} for i in range(3)]
     # Zipf(1) over 3 VMs: 1, 1/2, 1/3 over 11/6.
     assert resident_mass(vms, 1 << 20, 1.0) == pytest.approx((1 + 1 / 3) / (11 / 6))

@@ -3,12 +3,12 @@
 The point runner here is a FAKE (it returns made-up results without starting
 anything): these tests are about the sweep's bookkeeping, not about runs.
 """
+
 from __future__ import annotations
 
 import csv
 
 import pytest
-
 from scalebench.config import REPO_ROOT, ConfigError, RunConfig
 from scalebench.result import RunResult
 from scalebench.sweep import load_experiment, run_sweep
@@ -78,7 +78,9 @@ def test_interrupted_sweep_resumes_without_redoing_points(tmp_path):
     for name in ("tput.png", "cliff.png", "cliff.csv", "sweep.json"):
         assert (tmp_path / "out" / name).stat().st_size > 0, name
     cliff = list(csv.DictReader(open(tmp_path / "out" / "cliff.csv")))
-    assert float(cliff[0]["measured_cliff_vms"]) == pytest.approx(200 + 100 * (1000 - 500) / 900, rel=1e-5)
+    assert float(cliff[0]["measured_cliff_vms"]) == pytest.approx(
+        200 + 100 * (1000 - 500) / 900, rel=1e-5
+    )
     assert float(cliff[0]["model_cliff_vms"]) == 250
 
 
@@ -92,7 +94,11 @@ def test_part_of_a_grid_then_the_rest(tmp_path):
     rest = FakePointRunner()
     run_sweep(exp, tmp_path / "out", rest)
     assert len(rest.calls) == 7 and "policy=demand,vms=300" not in rest.calls
-    for bad, message in ((["policy"], "KEY=VALUE"), (["alpha=1"], "KEY=VALUE"), (["policy=lru"], "demand, wsswap")):
+    for bad, message in (
+        (["policy"], "KEY=VALUE"),
+        (["alpha=1"], "KEY=VALUE"),
+        (["policy=lru"], "demand, wsswap"),
+    ):
         with pytest.raises(ConfigError, match=message):
             exp.restricted(bad)
 
@@ -102,23 +108,32 @@ def test_failed_points_are_run_again(tmp_path):
     path.write_text(EXPERIMENT)
     exp = load_experiment(path)
     failing = FakePointRunner()
-    run_sweep(exp, tmp_path / "out", lambda cfg: RunResult("x", cfg.as_dict(), status="failed", error="boom"))
+    run_sweep(
+        exp,
+        tmp_path / "out",
+        lambda cfg: RunResult("x", cfg.as_dict(), status="failed", error="boom"),
+    )
     run_sweep(exp, tmp_path / "out", failing)
     assert len(failing.calls) == 8
 
 
 def test_cliff_never_reached():
-    rows = [{"vms": v, "throughput_rps": 1000, "status": "ok", "cliff_vms": 5000} for v in (100, 200)]
+    rows = [
+        {"vms": v, "throughput_rps": 1000, "status": "ok", "cliff_vms": 5000} for v in (100, 200)
+    ]
     assert cliff_rows(rows, [])[0]["measured_cliff_vms"] is None
 
 
-@pytest.mark.parametrize("text,message", [
-    ("[base]\nvms = 0\n", "--vms must be at least 1"),
-    ("[grid]\nblock = ['3k']\n", "power of two"),
-    ("[grid]\nvms = 5\n", "must be non-empty lists"),
-    ("[base]\nbogus = 1\n", "unknown setting"),
-    ("not toml [", "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("[base]\nvms = 0\n", "--vms must be at least 1"),
+        ("[grid]\nblock = ['3k']\n", "power of two"),
+        ("[grid]\nvms = 5\n", "must be non-empty lists"),
+        ("[base]\nbogus = 1\n", "unknown setting"),
+        ("not toml [", "not valid TOML"),
+    ],
+)
 def test_bad_experiment_files(tmp_path, text, message):
     path = tmp_path / "bad.toml"
     path.write_text(text)
@@ -146,18 +161,37 @@ def test_acceptance_checks():
     from scalebench.checks import CheckSpec, run_checks
 
     def row(policy, vms, tput, ratio, regime):
-        return {"status": "ok", "policy": policy, "vms": vms, "throughput_rps": tput, "cliff_vms": 1000,
-                "measured_over_model": ratio, "regime": regime}
-    rows = [row("demand", 250, 1000, 1.0, "in-core"), row("demand", 500, 1050, 1.1, "in-core"),
-            row("demand", 1000, 980, 0.9, "in-core"), row("demand", 1100, 40, 1.2, "disk-bound"),
-            row("wsswap", 250, 1000, 1.0, "in-core"), row("wsswap", 500, 700, 1.0, "in-core"),
-            row("wsswap", 1000, 990, 1.0, "in-core"), row("wsswap", 1100, 60, 1.5, "disk-bound")]
-    verdicts = run_checks([CheckSpec("flat_until_cliff", series=["policy"], min_vms=250),
-                           CheckSpec("cliff_matches_model", series=["policy"]),
-                           CheckSpec("disk_bound_past_cliff", series=["policy"]),
-                           CheckSpec("model_agreement"),
-                           CheckSpec("above", series=["vms"]),
-                           CheckSpec("rising", x="vms", series=["policy"])], rows)
+        return {
+            "status": "ok",
+            "policy": policy,
+            "vms": vms,
+            "throughput_rps": tput,
+            "cliff_vms": 1000,
+            "measured_over_model": ratio,
+            "regime": regime,
+        }
+
+    rows = [
+        row("demand", 250, 1000, 1.0, "in-core"),
+        row("demand", 500, 1050, 1.1, "in-core"),
+        row("demand", 1000, 980, 0.9, "in-core"),
+        row("demand", 1100, 40, 1.2, "disk-bound"),
+        row("wsswap", 250, 1000, 1.0, "in-core"),
+        row("wsswap", 500, 700, 1.0, "in-core"),
+        row("wsswap", 1000, 990, 1.0, "in-core"),
+        row("wsswap", 1100, 60, 1.5, "disk-bound"),
+    ]
+    verdicts = run_checks(
+        [
+            CheckSpec("flat_until_cliff", series=["policy"], min_vms=250),
+            CheckSpec("cliff_matches_model", series=["policy"]),
+            CheckSpec("disk_bound_past_cliff", series=["policy"]),
+            CheckSpec("model_agreement"),
+            CheckSpec("above", series=["vms"]),
+            CheckSpec("rising", x="vms", series=["policy"]),
+        ],
+        rows,
+    )
     got = {(v["check"], v["group"]): v["passed"] for v in verdicts}
     assert got[("flat until the cliff", "policy=demand")] == "yes"
     assert got[("flat until the cliff", "policy=wsswap")] == "NO"  # 700 is 30% below the median
@@ -186,8 +220,12 @@ def test_set_replaces_base_settings_and_refuses_grid_axes(tmp_path):
     configs = [cfg for _, cfg in exp.points()]
     assert {(c.addr_base, c.warmup, c.disk) for c in configs} == {("127.2.0.0", 30, "hdd")}
     assert [k for k, _ in exp.points()] == [k for k, _ in load_experiment(path).points()]
-    for bad, message in ((["warmup"], "KEY=VALUE"), (["colour=red"], "KEY=VALUE"), (["vms=5"], "grid axis"),
-                         (["block=3k"], "power of two")):
+    for bad, message in (
+        (["warmup"], "KEY=VALUE"),
+        (["colour=red"], "KEY=VALUE"),
+        (["vms=5"], "grid axis"),
+        (["block=3k"], "power of two"),
+    ):
         with pytest.raises(ConfigError, match=message):
             load_experiment(path).overridden(bad)
 
@@ -202,10 +240,15 @@ def test_a_sweep_over_two_kinds_of_host_warns(tmp_path):
         r = fake(cfg)
         r.host = {"hostname": f"h{cfg.vms}", "kind": "big" if cfg.vms <= 200 else "small"}
         return r
+
     doc = run_sweep(exp, tmp_path / "out", on_two_kinds)
     assert doc["hosts"] == {"big": ["h100", "h200"], "small": ["h300", "h400"]}
     assert len(doc["warnings"]) == 1 and "2 kinds of host" in doc["warnings"][0]
     rows = list(csv.DictReader(open(tmp_path / "out" / "results.csv")))
-    assert [(r["host"], r["host_kind"]) for r in rows[:3]] == [("h100", "big"), ("h200", "big"), ("h300", "small")]
+    assert [(r["host"], r["host_kind"]) for r in rows[:3]] == [
+        ("h100", "big"),
+        ("h200", "big"),
+        ("h300", "small"),
+    ]
     one_kind = run_sweep(exp, tmp_path / "again", FakePointRunner())
     assert one_kind["warnings"] == [] and len(one_kind["hosts"]) == 1

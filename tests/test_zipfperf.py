@@ -6,6 +6,7 @@ short and silent servers), --wlog, bad flags, and --duration bounding a run.
 Every run is bounded in connections and time. Speed targets live in
 experiments/bench/zipfperf_vs_httperf.py, not here.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,11 +21,10 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT, release_binary, require_tool
 
 sys.path.insert(0, str(REPO_ROOT / "experiments" / "bench"))
-from zipfperf_nginx import LARGE_BYTES, SMALL_BYTES, NginxServer  # noqa: E402
+from zipfperf_nginx import LARGE_BYTES, SMALL_BYTES, NginxServer
 
 TARGETS = 8  # nginx also listens on 127.1.0.0 .. 127.1.0.7
 
@@ -47,7 +47,9 @@ def nginx():
         yield server
 
 
-def run(binary: Path, *args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess[str], float]:
+def run(
+    binary: Path, *args: str, timeout: float = 60
+) -> tuple[subprocess.CompletedProcess[str], float]:
     t0 = time.monotonic()
     proc = subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=timeout)
     return proc, time.monotonic() - t0
@@ -99,8 +101,23 @@ def errors_of(doc: dict) -> dict:
 
 
 def test_text_output_parses_like_httperf(zipfperf, nginx):
-    proc, _ = run(zipfperf, "--server", "127.0.0.1", f"--port={nginx.port}", "--uri", "/",
-                  "--rate", "400", "--num-conns", "400", "--num-calls", "1", "--timeout", "5", "--hog")
+    proc, _ = run(
+        zipfperf,
+        "--server",
+        "127.0.0.1",
+        f"--port={nginx.port}",
+        "--uri",
+        "/",
+        "--rate",
+        "400",
+        "--num-conns",
+        "400",
+        "--num-calls",
+        "1",
+        "--timeout",
+        "5",
+        "--hog",
+    )
     assert proc.returncode == 0, proc.stderr
     f = parse_httperf(proc.stdout)
     conns, reqs, replies, duration = f["total"]
@@ -115,14 +132,43 @@ def test_text_output_parses_like_httperf(zipfperf, nginx):
 
 def test_json_document_has_the_pinned_schema(zipfperf, nginx, tmp_path):
     out = tmp_path / "run.json"
-    proc, _ = run(zipfperf, "--server", "127.0.0.1", f"--port={nginx.port}", "--rate", "200",
-                  "--num-conns", "100", "--num-calls", "2", "--json", str(out))
+    proc, _ = run(
+        zipfperf,
+        "--server",
+        "127.0.0.1",
+        f"--port={nginx.port}",
+        "--rate",
+        "200",
+        "--num-conns",
+        "100",
+        "--num-calls",
+        "2",
+        "--json",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stderr
     parse_httperf(proc.stdout)  # the text report still goes to stdout
     doc = json.loads(out.read_text())
     assert doc["schema"] == "zipfperf/1"
-    for key in ["server", "port", "uri", "rate", "num_conns", "num_calls", "timeout", "think_timeout",
-                "wlog", "hog", "targets", "addr_base", "alpha", "seed", "concurrency", "duration", "json"]:
+    for key in [
+        "server",
+        "port",
+        "uri",
+        "rate",
+        "num_conns",
+        "num_calls",
+        "timeout",
+        "think_timeout",
+        "wlog",
+        "hog",
+        "targets",
+        "addr_base",
+        "alpha",
+        "seed",
+        "concurrency",
+        "duration",
+        "json",
+    ]:
         assert key in doc["config"], key
     assert isinstance(doc["duration_s"], float)
     assert set(doc["connections"]) >= {"total", "rate"}
@@ -131,8 +177,17 @@ def test_json_document_has_the_pinned_schema(zipfperf, nginx, tmp_path):
     assert set(doc["replies"]["rate_samples"]) >= {"min", "avg", "max", "stddev", "n"}
     assert set(doc["replies"]["status"]) == {"1xx", "2xx", "3xx", "4xx", "5xx"}
     assert set(doc["latency_ms"]) >= {"mean", "p50", "p90", "p99", "p999", "max"}
-    assert set(doc["errors"]) >= {"total", "client_timo", "socket_timo", "connrefused", "connreset",
-                                  "fd_unavail", "addrunavail", "ftab_full", "other"}
+    assert set(doc["errors"]) >= {
+        "total",
+        "client_timo",
+        "socket_timo",
+        "connrefused",
+        "connreset",
+        "fd_unavail",
+        "addrunavail",
+        "ftab_full",
+        "other",
+    }
     assert set(doc["bytes"]) >= {"sent", "received"}
     assert doc["connections"]["total"] == 100
     assert doc["requests"]["total"] == doc["replies"]["total"] == 200
@@ -143,7 +198,7 @@ def test_json_document_has_the_pinned_schema(zipfperf, nginx, tmp_path):
 
 
 def zipf_pmf(n: int, alpha: float) -> list[float]:
-    w = [1.0 / (k ** alpha) for k in range(1, n + 1)]
+    w = [1.0 / (k**alpha) for k in range(1, n + 1)]
     total = sum(w)
     return [x / total for x in w]
 
@@ -158,8 +213,16 @@ def assert_follows(counts: list[int], pmf: list[float]) -> None:
 
 @pytest.mark.parametrize("alpha", [0.0, 1.0])
 def test_per_target_counts_follow_zipf(zipfperf, nginx, alpha):
-    doc, _ = run_json(zipfperf, f"--targets={TARGETS}", "--addr-base=127.1.0.0", f"--port={nginx.port}",
-                      f"--alpha={alpha}", "--rate=2000", "--num-conns=4000", "--timeout=5")
+    doc, _ = run_json(
+        zipfperf,
+        f"--targets={TARGETS}",
+        "--addr-base=127.1.0.0",
+        f"--port={nginx.port}",
+        f"--alpha={alpha}",
+        "--rate=2000",
+        "--num-conns=4000",
+        "--timeout=5",
+    )
     assert errors_of(doc)["total"] == 0
     assert sum(doc["per_target"]) == doc["replies"]["total"] == 4000
     assert len(doc["per_target"]) == TARGETS
@@ -167,8 +230,14 @@ def test_per_target_counts_follow_zipf(zipfperf, nginx, alpha):
 
 
 def test_permuted_mapping_is_seeded(zipfperf, nginx):
-    args = [f"--targets={TARGETS}", f"--port={nginx.port}", "--alpha=1.5", "--mapping=permute",
-            "--rate=2000", "--num-conns=3000"]
+    args = [
+        f"--targets={TARGETS}",
+        f"--port={nginx.port}",
+        "--alpha=1.5",
+        "--mapping=permute",
+        "--rate=2000",
+        "--num-conns=3000",
+    ]
     a, _ = run_json(zipfperf, *args, "--seed=11")
     b, _ = run_json(zipfperf, *args, "--seed=11")
     order = sorted(range(TARGETS), key=lambda i: -a["per_target"][i])
@@ -178,11 +247,24 @@ def test_permuted_mapping_is_seeded(zipfperf, nginx):
 
 
 def test_status_classes_keep_alive_and_large_object(zipfperf, nginx):
-    doc, _ = run_json(zipfperf, "--server=127.0.0.1", f"--port={nginx.port}", "--uri=/nope",
-                      "--rate=500", "--num-conns=50")
+    doc, _ = run_json(
+        zipfperf,
+        "--server=127.0.0.1",
+        f"--port={nginx.port}",
+        "--uri=/nope",
+        "--rate=500",
+        "--num-conns=50",
+    )
     assert doc["replies"]["status"]["4xx"] == 50 and errors_of(doc)["total"] == 0
-    doc, _ = run_json(zipfperf, "--server=127.0.0.1", f"--port={nginx.port}", "--uri=/large",
-                      "--rate=200", "--num-conns=40", "--num-calls=3")
+    doc, _ = run_json(
+        zipfperf,
+        "--server=127.0.0.1",
+        f"--port={nginx.port}",
+        "--uri=/large",
+        "--rate=200",
+        "--num-conns=40",
+        "--num-calls=3",
+    )
     assert doc["replies"]["total"] == 120 and doc["connections"]["total"] == 40
     assert doc["replies"]["size_avg"]["content"] == LARGE_BYTES
     assert errors_of(doc)["total"] == 0
@@ -191,19 +273,33 @@ def test_status_classes_keep_alive_and_large_object(zipfperf, nginx):
 def test_wlog_sequence_and_uri_zipf(zipfperf, nginx, tmp_path):
     wlog = tmp_path / "uris"
     wlog.write_bytes(b"/\0/large\0/nope\0")
-    doc, _ = run_json(zipfperf, "--server=127.0.0.1", f"--port={nginx.port}", f"--wlog=n,{wlog}",
-                      "--rate=100", "--num-conns=10")
+    doc, _ = run_json(
+        zipfperf,
+        "--server=127.0.0.1",
+        f"--port={nginx.port}",
+        f"--wlog=n,{wlog}",
+        "--rate=100",
+        "--num-conns=10",
+    )
     assert doc["replies"]["total"] == 3, "a non-wrapping list stops the run at its end"
     assert doc["per_uri"] == [1, 1, 1]
     assert doc["replies"]["status"]["4xx"] == 1
-    doc, _ = run_json(zipfperf, "--server=127.0.0.1", f"--port={nginx.port}", f"--wlog=y,{wlog}",
-                      "--uri-zipf=1.0", "--rate=1000", "--num-conns=1500")
+    doc, _ = run_json(
+        zipfperf,
+        "--server=127.0.0.1",
+        f"--port={nginx.port}",
+        f"--wlog=y,{wlog}",
+        "--uri-zipf=1.0",
+        "--rate=1000",
+        "--num-conns=1500",
+    )
     assert_follows(doc["per_uri"], zipf_pmf(3, 1.0))
 
 
 def test_closed_loop_keep_alive(zipfperf, nginx):
-    doc, elapsed = run_json(zipfperf, "--server=127.0.0.1", f"--port={nginx.port}", "--concurrency=8",
-                            "--duration=1.5")
+    doc, elapsed = run_json(
+        zipfperf, "--server=127.0.0.1", f"--port={nginx.port}", "--concurrency=8", "--duration=1.5"
+    )
     assert doc["mode"] == "closed"
     assert doc["connections"]["total"] == 8, "keep-alive: no reconnects"
     assert doc["replies"]["total"] > 1000
@@ -213,8 +309,15 @@ def test_closed_loop_keep_alive(zipfperf, nginx):
 
 def test_closed_loop_one_call_per_connection_draws_targets_per_request(zipfperf, nginx):
     # How the controller drives it: each request on its own connection to a Zipf-drawn target.
-    doc, elapsed = run_json(zipfperf, f"--targets={TARGETS}", f"--port={nginx.port}", "--alpha=1.0",
-                            "--concurrency=8", "--duration=2", "--num-calls=1")
+    doc, elapsed = run_json(
+        zipfperf,
+        f"--targets={TARGETS}",
+        f"--port={nginx.port}",
+        "--alpha=1.0",
+        "--concurrency=8",
+        "--duration=2",
+        "--num-calls=1",
+    )
     replies = doc["replies"]["total"]
     assert replies > 500 and errors_of(doc)["total"] == 0
     assert replies <= doc["connections"]["total"] <= replies + 8
@@ -223,7 +326,9 @@ def test_closed_loop_one_call_per_connection_draws_targets_per_request(zipfperf,
 
 
 def test_duration_bounds_an_open_loop_run(zipfperf, nginx):
-    proc, elapsed = run(zipfperf, "--server=127.0.0.1", f"--port={nginx.port}", "--rate=200", "--duration=2")
+    proc, elapsed = run(
+        zipfperf, "--server=127.0.0.1", f"--port={nginx.port}", "--rate=200", "--duration=2"
+    )
     assert proc.returncode == 0, proc.stderr
     f = parse_httperf(proc.stdout)
     assert 1.9 < f["total"][3] < 2.3 and elapsed < 4
@@ -232,8 +337,19 @@ def test_duration_bounds_an_open_loop_run(zipfperf, nginx):
 
 def test_sigint_ends_the_run_with_its_report(zipfperf, nginx, tmp_path):
     out = tmp_path / "run.json"
-    proc = subprocess.Popen([str(zipfperf), "--server=127.0.0.1", f"--port={nginx.port}", "--rate=200",
-                             "--duration=30", "--json", str(out)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            str(zipfperf),
+            "--server=127.0.0.1",
+            f"--port={nginx.port}",
+            "--rate=200",
+            "--duration=30",
+            "--json",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         time.sleep(1.0)
         proc.send_signal(signal.SIGINT)
@@ -250,13 +366,20 @@ def test_sigint_ends_the_run_with_its_report(zipfperf, nginx, tmp_path):
 
 def test_connection_refused_is_counted(zipfperf):
     port = free_port()  # nothing listens there
-    doc, elapsed = run_json(zipfperf, "--server=127.0.0.1", f"--port={port}", "--rate=500",
-                            "--num-conns=200", "--timeout=2")
+    doc, elapsed = run_json(
+        zipfperf,
+        "--server=127.0.0.1",
+        f"--port={port}",
+        "--rate=500",
+        "--num-conns=200",
+        "--timeout=2",
+    )
     assert errors_of(doc)["connrefused"] == 200 and errors_of(doc)["total"] == 200
     assert doc["replies"]["total"] == 0
     assert elapsed < 3
-    doc, elapsed = run_json(zipfperf, "--server=127.0.0.1", f"--port={port}", "--concurrency=4",
-                            "--duration=1")
+    doc, elapsed = run_json(
+        zipfperf, "--server=127.0.0.1", f"--port={port}", "--concurrency=4", "--duration=1"
+    )
     assert errors_of(doc)["connrefused"] > 0 and elapsed < 3
 
 
@@ -280,7 +403,7 @@ class BadServer:
         self.stopping = False
         self.thread = threading.Thread(target=self._serve, daemon=True)
 
-    def __enter__(self) -> "BadServer":
+    def __enter__(self) -> BadServer:
         self.thread.start()
         return self
 
@@ -311,7 +434,9 @@ class BadServer:
                     self.held.append(conn)
                     continue
                 elif self.mode == "noclose":
-                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\nok")
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\nok"
+                    )
                     self.held.append(conn)
                     continue
             except OSError:
@@ -319,12 +444,25 @@ class BadServer:
             conn.close()
 
 
-@pytest.mark.parametrize("mode,counter", [("reset", "connreset"), ("garbage", "other"),
-                                          ("short", "connreset"), ("silent", "client_timo")])
+@pytest.mark.parametrize(
+    "mode,counter",
+    [
+        ("reset", "connreset"),
+        ("garbage", "other"),
+        ("short", "connreset"),
+        ("silent", "client_timo"),
+    ],
+)
 def test_misbehaving_server_errors_are_counted(zipfperf, mode, counter):
     with BadServer(mode) as bad:
-        doc, elapsed = run_json(zipfperf, "--server=127.0.0.1", f"--port={bad.port}", "--rate=50",
-                                "--num-conns=20", "--timeout=1")
+        doc, elapsed = run_json(
+            zipfperf,
+            "--server=127.0.0.1",
+            f"--port={bad.port}",
+            "--rate=50",
+            "--num-conns=20",
+            "--timeout=1",
+        )
     errs = errors_of(doc)
     assert errs[counter] == 20 and errs["total"] == 20, errs
     assert doc["replies"]["total"] == 0
@@ -334,8 +472,14 @@ def test_misbehaving_server_errors_are_counted(zipfperf, mode, counter):
 
 def test_silent_server_closed_loop_ends_on_time(zipfperf):
     with BadServer("silent") as bad:
-        doc, elapsed = run_json(zipfperf, "--server=127.0.0.1", f"--port={bad.port}",
-                                "--concurrency=4", "--duration=1.5", "--timeout=1")
+        doc, elapsed = run_json(
+            zipfperf,
+            "--server=127.0.0.1",
+            f"--port={bad.port}",
+            "--concurrency=4",
+            "--duration=1.5",
+            "--timeout=1",
+        )
     assert errors_of(doc)["client_timo"] == 4
     assert doc["requests"]["abandoned"] == 4
     assert doc["duration_s"] < 2.0 and elapsed < 3.5
@@ -343,27 +487,45 @@ def test_silent_server_closed_loop_ends_on_time(zipfperf):
 
 def test_server_that_never_closes_does_not_hold_up_the_run(zipfperf):
     with BadServer("noclose") as bad:
-        doc, elapsed = run_json(zipfperf, "--server=127.0.0.1", f"--port={bad.port}", "--rate=50",
-                                "--num-conns=20", "--timeout=5")
+        doc, elapsed = run_json(
+            zipfperf,
+            "--server=127.0.0.1",
+            f"--port={bad.port}",
+            "--rate=50",
+            "--num-conns=20",
+            "--timeout=5",
+        )
         assert doc["replies"]["total"] == 20 and errors_of(doc)["total"] == 0
-        assert doc["duration_s"] < 1.0, "the run ends with the last reply, not after the close grace"
-        doc, _ = run_json(zipfperf, "--server=127.0.0.1", f"--port={bad.port}", "--concurrency=4",
-                          "--duration=1", "--num-calls=1", "--timeout=5")
+        assert doc["duration_s"] < 1.0, (
+            "the run ends with the last reply, not after the close grace"
+        )
+        doc, _ = run_json(
+            zipfperf,
+            "--server=127.0.0.1",
+            f"--port={bad.port}",
+            "--concurrency=4",
+            "--duration=1",
+            "--num-calls=1",
+            "--timeout=5",
+        )
     assert doc["replies"]["total"] > 40, "draining connections do not hold closed-loop slots"
     assert errors_of(doc)["total"] == 0
 
 
-@pytest.mark.parametrize("args", [
-    ["--rate=-5"],
-    ["--num-calls=0"],
-    ["--no-such-flag"],
-    ["--concurrency=4"],
-    ["--alpha=abc"],
-    ["--targets=0"],
-    ["--wlog=y,/nonexistent/file"],
-    ["--timeout=0"],
-    ["--uri-zipf=1.0"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--rate=-5"],
+        ["--num-calls=0"],
+        ["--no-such-flag"],
+        ["--concurrency=4"],
+        ["--alpha=abc"],
+        ["--targets=0"],
+        ["--wlog=y,/nonexistent/file"],
+        ["--timeout=0"],
+        ["--uri-zipf=1.0"],
+    ],
+)
 def test_bad_flags_give_one_line_and_exit_2(zipfperf, args):
     proc, _ = run(zipfperf, *args, timeout=10)
     assert proc.returncode == 2

@@ -7,6 +7,7 @@ calibration phase on a resident window of VMs) records the first, and every
 run with a settle phase the second, so that `scalebench model` and later runs
 can use them without measuring again.
 """
+
 from __future__ import annotations
 
 import json

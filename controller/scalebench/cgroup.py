@@ -10,6 +10,7 @@ Charges stay with the group a page was first charged to, so the process must be
 started inside its groups rather than moved there: `wrap()` returns a command
 prefix that joins the groups and then execs the real command.
 """
+
 from __future__ import annotations
 
 import time
@@ -60,12 +61,12 @@ class Containment:
     limit_bytes: int
     memory_group: Path | None = None  # holds the limit (v2 or v1)
     memory_version: int | None = None
-    psi_group: Path | None = None      # v2 group read for memory.pressure
+    psi_group: Path | None = None  # v2 group read for memory.pressure
     warning: str | None = None
     _made: list[Path] = field(default_factory=list)
 
     @classmethod
-    def create(cls, run_id: str, limit_bytes: int) -> "Containment":
+    def create(cls, run_id: str, limit_bytes: int) -> Containment:
         """Create the groups; never raises for a missing controller, records a warning instead."""
         c = cls(run_id, limit_bytes)
         v2 = _v2_root()
@@ -87,8 +88,9 @@ class Containment:
             except OSError as e:
                 problems.append(f"v1 memory limit: {e.strerror}")
         if c.memory_group is None:
-            c.warning = ("densevm runs uncontained: no writable memory cgroup"
-                         + (f" ({'; '.join(problems)})" if problems else ""))
+            c.warning = "densevm runs uncontained: no writable memory cgroup" + (
+                f" ({'; '.join(problems)})" if problems else ""
+            )
         return c
 
     def _mkdir(self, root: Path, enable_memory: bool) -> Path:
@@ -112,7 +114,10 @@ class Containment:
                 ctl.write_text("+memory")
 
     def procs_files(self) -> list[Path]:
-        return [g / "cgroup.procs" for g in dict.fromkeys(x for x in (self.memory_group, self.psi_group) if x)]
+        return [
+            g / "cgroup.procs"
+            for g in dict.fromkeys(x for x in (self.memory_group, self.psi_group) if x)
+        ]
 
     def wrap(self, argv: list[str]) -> list[str]:
         """`argv` started through sh, which first writes its own pid into every group."""
@@ -138,14 +143,21 @@ class Containment:
             return {}
         try:
             if self.memory_version == 1:
-                oom = dict(line.split() for line in (g / "memory.oom_control").read_text().splitlines())
-                return {"peak_bytes": int((g / "memory.max_usage_in_bytes").read_text()),
-                        "limit_hits": int((g / "memory.failcnt").read_text()),
-                        "oom_kills": int(oom.get("oom_kill", 0))}
+                oom = dict(
+                    line.split() for line in (g / "memory.oom_control").read_text().splitlines()
+                )
+                return {
+                    "peak_bytes": int((g / "memory.max_usage_in_bytes").read_text()),
+                    "limit_hits": int((g / "memory.failcnt").read_text()),
+                    "oom_kills": int(oom.get("oom_kill", 0)),
+                }
             events = dict(line.split() for line in (g / "memory.events").read_text().splitlines())
             peak = g / "memory.peak"
-            return {"peak_bytes": int(peak.read_text()) if peak.exists() else None,
-                    "limit_hits": int(events.get("max", 0)), "oom_kills": int(events.get("oom_kill", 0))}
+            return {
+                "peak_bytes": int(peak.read_text()) if peak.exists() else None,
+                "limit_hits": int(events.get("max", 0)),
+                "oom_kills": int(events.get("oom_kill", 0)),
+            }
         except OSError:
             return {}
 
@@ -177,7 +189,10 @@ class Containment:
         self._made.clear()
 
     def describe(self) -> dict:
-        return {"memory_group": str(self.memory_group) if self.memory_group else None,
-                "memory_version": self.memory_version, "limit_bytes": self.limit_bytes,
-                "psi_group": str(self.psi_group) if self.psi_group else None,
-                "warning": self.warning}
+        return {
+            "memory_group": str(self.memory_group) if self.memory_group else None,
+            "memory_version": self.memory_version,
+            "limit_bytes": self.limit_bytes,
+            "psi_group": str(self.psi_group) if self.psi_group else None,
+            "warning": self.warning,
+        }

@@ -15,6 +15,7 @@ check to the points with those settings. Kinds:
 - `above`: the `higher` policy's throughput above the `lower` one's at every
   disk-bound point with the same other settings.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -67,9 +68,15 @@ def _rising(spec: CheckSpec, rows: list[dict]) -> list[dict]:
     for key, group in group_by(rows, spec.series).items():
         pts = sorted((_f(r, spec.x), _f(r, spec.y)) for r in group)
         falls = [(a, b) for a, b in zip(pts, pts[1:]) if b[1] <= a[1]]
-        out.append(_verdict(f"{spec.y} rises with {spec.x}", _label(spec.series, key), not falls,
-                            "; ".join(f"{a[0]:g}->{b[0]:g}: {a[1]:.4g}->{b[1]:.4g}" for a, b in falls) or
-                            " ".join(f"{y:.4g}" for _, y in pts)))
+        out.append(
+            _verdict(
+                f"{spec.y} rises with {spec.x}",
+                _label(spec.series, key),
+                not falls,
+                "; ".join(f"{a[0]:g}->{b[0]:g}: {a[1]:.4g}->{b[1]:.4g}" for a, b in falls)
+                or " ".join(f"{y:.4g}" for _, y in pts),
+            )
+        )
     return out
 
 
@@ -84,12 +91,22 @@ def _flat_until_cliff(spec: CheckSpec, rows: list[dict]) -> list[dict]:
         end = cliff["measured_cliff_vms"] or float("inf")
         flat = [_f(r, "throughput_rps") for r in group if spec.min_vms <= int(r["vms"]) < end]
         if not flat:
-            out.append(_verdict("flat until the cliff", _label(spec.series, key), False, "no in-core points"))
+            out.append(
+                _verdict(
+                    "flat until the cliff", _label(spec.series, key), False, "no in-core points"
+                )
+            )
             continue
         mid = statistics.median(flat)
         worst = max(abs(t / mid - 1) for t in flat)
-        out.append(_verdict("flat until the cliff", _label(spec.series, key), worst <= spec.tolerance,
-                            f"{len(flat)} points, median {mid:,.0f}/s, worst {worst:+.1%} (limit {spec.tolerance:.0%})"))
+        out.append(
+            _verdict(
+                "flat until the cliff",
+                _label(spec.series, key),
+                worst <= spec.tolerance,
+                f"{len(flat)} points, median {mid:,.0f}/s, worst {worst:+.1%} (limit {spec.tolerance:.0%})",
+            )
+        )
     return out
 
 
@@ -98,8 +115,14 @@ def _cliff_matches_model(spec: CheckSpec, rows: list[dict]) -> list[dict]:
     for key, _, cliff in _cliffs(spec, rows):
         m, p = cliff["measured_cliff_vms"], cliff["model_cliff_vms"]
         ok = bool(m and p and abs(m / p - 1) <= spec.tolerance)
-        out.append(_verdict("cliff matches the model", _label(spec.series, key), ok,
-                            f"measured {m and round(m)}, model {p and round(p)} VMs (limit {spec.tolerance:.0%})"))
+        out.append(
+            _verdict(
+                "cliff matches the model",
+                _label(spec.series, key),
+                ok,
+                f"measured {m and round(m)}, model {p and round(p)} VMs (limit {spec.tolerance:.0%})",
+            )
+        )
     return out
 
 
@@ -109,8 +132,15 @@ def _disk_bound_past_cliff(spec: CheckSpec, rows: list[dict]) -> list[dict]:
         m = cliff["measured_cliff_vms"]
         past = [r for r in group if m and int(r["vms"]) > m]
         wrong = [r["vms"] for r in past if r.get("regime") != "disk-bound"]
-        out.append(_verdict("disk-bound past the cliff", _label(spec.series, key), bool(past) and not wrong,
-                            f"{len(past)} points past {m and round(m)} VMs" + (f"; in-core at {wrong}" if wrong else "")))
+        out.append(
+            _verdict(
+                "disk-bound past the cliff",
+                _label(spec.series, key),
+                bool(past) and not wrong,
+                f"{len(past)} points past {m and round(m)} VMs"
+                + (f"; in-core at {wrong}" if wrong else ""),
+            )
+        )
     return out
 
 
@@ -121,24 +151,46 @@ def _model_agreement(spec: CheckSpec, rows: list[dict]) -> list[dict]:
     worst = max(abs(x - 1) for x in ratios)
     close = sum(abs(x - 1) <= spec.most for x in ratios)
     ok = worst <= spec.within and close > len(ratios) / 2
-    return [_verdict("measured/model", "all", ok,
-                     f"{len(ratios)} points: worst {worst:+.0%} (limit {spec.within:.0%}), "
-                     f"{close} within {spec.most:.0%}; range {min(ratios):.2f}..{max(ratios):.2f}")]
+    return [
+        _verdict(
+            "measured/model",
+            "all",
+            ok,
+            f"{len(ratios)} points: worst {worst:+.0%} (limit {spec.within:.0%}), "
+            f"{close} within {spec.most:.0%}; range {min(ratios):.2f}..{max(ratios):.2f}",
+        )
+    ]
 
 
 def _above(spec: CheckSpec, rows: list[dict]) -> list[dict]:
     others = [s for s in spec.series if s != "policy"]
     out = []
-    for key, group in group_by([r for r in rows if r.get("regime") == "disk-bound"], others).items():
+    for key, group in group_by(
+        [r for r in rows if r.get("regime") == "disk-bound"], others
+    ).items():
         by_policy = {r["policy"]: _f(r, "throughput_rps") for r in group}
         hi, lo = by_policy.get(spec.higher), by_policy.get(spec.lower)
         if hi is None or lo is None:
             continue
-        out.append(_verdict(f"{spec.higher} above {spec.lower}", _label(others, key), hi > lo,
-                            f"{hi:,.1f} vs {lo:,.1f} requests/s"))
-    return out or [_verdict(f"{spec.higher} above {spec.lower}", "all", False, "no disk-bound pairs")]
+        out.append(
+            _verdict(
+                f"{spec.higher} above {spec.lower}",
+                _label(others, key),
+                hi > lo,
+                f"{hi:,.1f} vs {lo:,.1f} requests/s",
+            )
+        )
+    return out or [
+        _verdict(f"{spec.higher} above {spec.lower}", "all", False, "no disk-bound pairs")
+    ]
 
 
-_CHECKS = {"rising": _rising, "flat_until_cliff": _flat_until_cliff, "cliff_matches_model": _cliff_matches_model,
-           "disk_bound_past_cliff": _disk_bound_past_cliff, "model_agreement": _model_agreement, "above": _above}
+_CHECKS = {
+    "rising": _rising,
+    "flat_until_cliff": _flat_until_cliff,
+    "cliff_matches_model": _cliff_matches_model,
+    "disk_bound_past_cliff": _disk_bound_past_cliff,
+    "model_agreement": _model_agreement,
+    "above": _above,
+}
 KINDS = tuple(_CHECKS)

@@ -5,6 +5,7 @@ subcommands are model, sweep, report, compare, nightly and dbtrace. Every bad
 input is one line `scalebench: error: ...` on stderr and exit status 2, before
 anything is started.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,35 +41,75 @@ def _workload_flags(p: argparse.ArgumentParser) -> None:
     """Flags the main job and the model share."""
     d = _DEFAULTS
     p.add_argument("--vms", type=int, default=d.vms, help=f"number of VMs (default {d.vms})")
-    p.add_argument("--alpha", type=float, default=d.alpha, help=f"Zipf popularity parameter (default {d.alpha})")
-    p.add_argument("--block", default=d.block, help=f"paging block size, 4k..256k (default {d.block})")
+    p.add_argument(
+        "--alpha",
+        type=float,
+        default=d.alpha,
+        help=f"Zipf popularity parameter (default {d.alpha})",
+    )
+    p.add_argument(
+        "--block", default=d.block, help=f"paging block size, 4k..256k (default {d.block})"
+    )
     p.add_argument("--mem", default=d.mem, help=f"memory budget of all guests (default {d.mem})")
     p.add_argument("--policy", default=d.policy, help="demand, wsswap or PATH.so (default demand)")
-    p.add_argument("--disk", default=d.disk, help="disk model: none, hdd, hdd15k, ssd, array:N, raid5:N")
+    p.add_argument(
+        "--disk", default=d.disk, help="disk model: none, hdd, hdd15k, ssd, array:N, raid5:N"
+    )
     p.add_argument("--ws", default=d.ws, help=f"per-request working set of a VM (default {d.ws})")
-    p.add_argument("--object", choices=("small", "large"), default=d.object, help="2,258 or 134,007 bytes")
-    p.add_argument("--cpu-us", type=float, default=None,
-                   help="in-core CPU microseconds per request for the model (default: calibrated)")
-    p.add_argument("--fault-us", type=float, default=None,
-                   help="the model's host microseconds per pager fault (default: calibrated by the run's "
-                   f"settle phase, else the host's stored calibration, else {DEFAULT_FAULT_US:g})")
+    p.add_argument(
+        "--object", choices=("small", "large"), default=d.object, help="2,258 or 134,007 bytes"
+    )
+    p.add_argument(
+        "--cpu-us",
+        type=float,
+        default=None,
+        help="in-core CPU microseconds per request for the model (default: calibrated)",
+    )
+    p.add_argument(
+        "--fault-us",
+        type=float,
+        default=None,
+        help="the model's host microseconds per pager fault (default: calibrated by the run's "
+        f"settle phase, else the host's stored calibration, else {DEFAULT_FAULT_US:g})",
+    )
 
 
 def run_parser() -> Parser:
     d = _DEFAULTS
-    p = Parser(prog="scalebench", description="Run densevm VMs under Zipf load and report throughput, "
-               "paging and the model's prediction. Subcommands: " + ", ".join(SUBCOMMANDS[1:]) + ".")
+    p = Parser(
+        prog="scalebench",
+        description="Run densevm VMs under Zipf load and report throughput, "
+        "paging and the model's prediction. Subcommands: " + ", ".join(SUBCOMMANDS[1:]) + ".",
+    )
     _workload_flags(p)
-    p.add_argument("--duration", type=float, default=d.duration, help="measurement seconds (default 60)")
-    p.add_argument("--warmup", type=float, default=d.warmup, help=f"warm-up seconds (default {d.warmup:g})")
-    p.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight (default 64)")
-    p.add_argument("--calls-per-conn", type=int, default=d.calls_per_conn,
-                   help="requests per connection (default 1: a new connection to a Zipf-drawn VM each)")
-    p.add_argument("--timeout", type=float, default=d.timeout,
-                   help=f"zipfperf timeout in seconds (default {d.timeout:g}: a cold VM on a modeled disk is slow)")
+    p.add_argument(
+        "--duration", type=float, default=d.duration, help="measurement seconds (default 60)"
+    )
+    p.add_argument(
+        "--warmup", type=float, default=d.warmup, help=f"warm-up seconds (default {d.warmup:g})"
+    )
+    p.add_argument(
+        "--concurrency", type=int, default=d.concurrency, help="requests in flight (default 64)"
+    )
+    p.add_argument(
+        "--calls-per-conn",
+        type=int,
+        default=d.calls_per_conn,
+        help="requests per connection (default 1: a new connection to a Zipf-drawn VM each)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=d.timeout,
+        help=f"zipfperf timeout in seconds (default {d.timeout:g}: a cold VM on a modeled disk is slow)",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--no-touch", dest="touch", action="store_false",
-                   help="skip the touch phase (one request per VM so every working set exists before the warm-up)")
+    p.add_argument(
+        "--no-touch",
+        dest="touch",
+        action="store_false",
+        help="skip the touch phase (one request per VM so every working set exists before the warm-up)",
+    )
     p.add_argument("--addr-base", default=d.addr_base)
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--json", default=None, help="also write the result JSON here")
@@ -90,6 +131,7 @@ def cmd_run(argv: list[str]) -> int:
     from .progress import ConsoleReporter, Reporter
     from .runner import Binaries, run
     from .summary import summary
+
     args = run_parser().parse_args(argv)
     cfg = validate(config_from(args))
     bins = Binaries.find()
@@ -110,20 +152,30 @@ def cmd_run(argv: list[str]) -> int:
 def cmd_model(argv: list[str]) -> int:
     from . import calibration, diskbench
     from .disks import disk_model
-    from .model import ModelInput, estimate_written, estimate_footprint, predict
+    from .model import ModelInput, estimate_footprint, estimate_written, predict
     from .units import parse_size
+
     p = Parser(prog="scalebench model", description="Predict throughput with Denali's model.")
     _workload_flags(p)
-    p.add_argument("--footprint", default=None, help="per-VM resident footprint (default: estimated)")
-    p.add_argument("--bench-dir", default=None,
-                   help="directory on the swap device to microbenchmark (default runs/; 'none' to skip)")
+    p.add_argument(
+        "--footprint", default=None, help="per-VM resident footprint (default: estimated)"
+    )
+    p.add_argument(
+        "--bench-dir",
+        default=None,
+        help="directory on the swap device to microbenchmark (default runs/; 'none' to skip)",
+    )
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     args = p.parse_args(argv)
     cfg = validate(config_from(args))
     if cfg.policy not in ("demand", "wsswap"):
         raise ConfigError(f"the model knows demand and wsswap, not {cfg.policy}")
     try:
-        footprint = parse_size(args.footprint) if args.footprint else estimate_footprint(cfg.ws_bytes, cfg.block_bytes)
+        footprint = (
+            parse_size(args.footprint)
+            if args.footprint
+            else estimate_footprint(cfg.ws_bytes, cfg.block_bytes)
+        )
     except ValueError as e:
         raise ConfigError(f"--footprint: {e}") from None
     cpu_us, source = cfg.cpu_us, "flag"
@@ -131,7 +183,10 @@ def cmd_model(argv: list[str]) -> int:
         cpu_us, source = calibration.load_cpu_us(cfg.object), "stored calibration"
     if cpu_us is None:
         # Out of core the disk decides and this hardly matters; in core it is the whole answer.
-        cpu_us, source = UNCALIBRATED_CPU_US, "uncalibrated guess: pass --cpu-us or do one in-core run"
+        cpu_us, source = (
+            UNCALIBRATED_CPU_US,
+            "uncalibrated guess: pass --cpu-us or do one in-core run",
+        )
     fault_us, fault_source = cfg.fault_us, "flag"
     if fault_us is None:
         fault_us, fault_source = calibration.load_fault_us(cfg.block_bytes), "stored calibration"
@@ -140,24 +195,59 @@ def cmd_model(argv: list[str]) -> int:
     bench = None
     if args.bench_dir != "none":
         try:
-            bench = diskbench.measure(Path(args.bench_dir or Path.cwd() / "runs"), cfg.block_bytes, footprint)
+            bench = diskbench.measure(
+                Path(args.bench_dir or Path.cwd() / "runs"), cfg.block_bytes, footprint
+            )
         except OSError as e:
             raise ConfigError(f"--bench-dir: {e}") from None
-    pred = predict(ModelInput(cfg.vms, cfg.alpha, cfg.block_bytes, cfg.mem_bytes, footprint, cfg.policy,
-                              disk_model(cfg.disk), cpu_us * 1e-6, bench, fault_us * 1e-6,
-                              estimate_written(cfg.ws_bytes, cfg.block_bytes)))
+    pred = predict(
+        ModelInput(
+            cfg.vms,
+            cfg.alpha,
+            cfg.block_bytes,
+            cfg.mem_bytes,
+            footprint,
+            cfg.policy,
+            disk_model(cfg.disk),
+            cpu_us * 1e-6,
+            bench,
+            fault_us * 1e-6,
+            estimate_written(cfg.ws_bytes, cfg.block_bytes),
+        )
+    )
     if args.json:
-        print(json.dumps({"prediction": pred.as_dict(), "cpu_source": source, "fault_source": fault_source,
-                          "diskbench": bench.as_dict() if bench else None}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "prediction": pred.as_dict(),
+                    "cpu_source": source,
+                    "fault_source": fault_source,
+                    "diskbench": bench.as_dict() if bench else None,
+                },
+                indent=2,
+            )
+        )
         return 0
-    print(f"model: {cfg.vms} VMs, alpha {cfg.alpha}, block {cfg.block}, mem {cfg.mem}, {cfg.policy}, disk {cfg.disk}")
-    print(f"  footprint {footprint / 2**20:.2f} MiB per VM -> {pred.cache_vms} VMs fit; "
-          f"throughput halves at {pred.cliff_vms} VMs (the cliff)")
+    print(
+        f"model: {cfg.vms} VMs, alpha {cfg.alpha}, block {cfg.block}, mem {cfg.mem}, {cfg.policy}, disk {cfg.disk}"
+    )
+    print(
+        f"  footprint {footprint / 2**20:.2f} MiB per VM -> {pred.cache_vms} VMs fit; "
+        f"throughput halves at {pred.cliff_vms} VMs (the cliff)"
+    )
     print(f"  hit ratio {pred.hit_ratio:.4f} (Che's approximation of LRU under Zipf)")
-    print(f"  miss: read {pred.miss_read_s * 1e3:.2f} ms + write {pred.miss_write_s * 1e3:.2f} ms"
-          + (f" (device: {bench.random_read_s * 1e6:.0f} us per random {cfg.block} read)" if bench else ""))
-    print(f"  cpu {cpu_us:.1f} us/request ({source}) + {fault_us:.0f} us per fault ({fault_source}) "
-          f"-> CPU bound {pred.cpu_rps:,.0f} requests/s, swap I/O bound {pred.disk_rps:,.0f} requests/s")
+    print(
+        f"  miss: read {pred.miss_read_s * 1e3:.2f} ms + write {pred.miss_write_s * 1e3:.2f} ms"
+        + (
+            f" (device: {bench.random_read_s * 1e6:.0f} us per random {cfg.block} read)"
+            if bench
+            else ""
+        )
+    )
+    print(
+        f"  cpu {cpu_us:.1f} us/request ({source}) + {fault_us:.0f} us per fault ({fault_source}) "
+        f"-> CPU bound {pred.cpu_rps:,.0f} requests/s, swap I/O bound {pred.disk_rps:,.0f} requests/s"
+    )
     print(f"  predicted {pred.model_rps:,.1f} requests/s, {pred.regime}")
     return 0
 
@@ -166,6 +256,7 @@ def remodel_sweep(exp, out: Path) -> int:
     """sweep --remodel: the model re-evaluated on every stored point, then the sweep's files rewritten."""
     from .runner import remodel
     from .sweep import finish_sweep, point_record
+
     if not (out / "points").is_dir():
         raise ConfigError(f"--remodel: no stored points in {out}")
     for key, _ in exp.points():
@@ -173,8 +264,10 @@ def remodel_sweep(exp, out: Path) -> int:
         r = remodel(path) if path.exists() else None
         if r is not None:
             before = r.model["remodeled"]["model_rps_before"]
-            print(f"{key}: measured {r.throughput_rps:,.4g}/s, model {before and f'{before:,.4g}'} -> "
-                  f"{r.model_rps:,.4g}/s, measured/model {r.measured_over_model:.2f}")
+            print(
+                f"{key}: measured {r.throughput_rps:,.4g}/s, model {before and f'{before:,.4g}'} -> "
+                f"{r.model_rps:,.4g}/s, measured/model {r.measured_over_model:.2f}"
+            )
     finish_sweep(exp, out)
     print(f"sweep {exp.name}: remodeled; results in {out}")
     return 0
@@ -185,20 +278,41 @@ def cmd_sweep(argv: list[str]) -> int:
     from .progress import ConsoleReporter
     from .runner import Binaries, run
     from .sweep import load_experiment, run_sweep
+
     p = Parser(prog="scalebench sweep", description="Run an experiment file's grid (resumable).")
     p.add_argument("experiment", help="experiments/FILE.toml")
-    p.add_argument("--out", default=None, help="sweep directory (default runs/sweep-<name>; reused to resume)")
-    p.add_argument("--only", action="append", default=[], metavar="KEY=VALUE",
-                   help="run only the grid's points with this setting (repeatable); a later whole run keeps them")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
-                   help="replace a [base] setting of the file (repeatable), e.g. --set addr_base=127.2.0.0 "
-                        "to run beside another sweep")
-    p.add_argument("--remodel", action="store_true",
-                   help="run nothing: re-evaluate the model on the stored points (after a model change), "
-                        "then rewrite the CSV, plots and checks")
-    p.add_argument("--cluster", default=None, metavar="ADDRESS",
-                   help="run the points on a dask cluster, one per host: its scheduler (tcp://HOST:8786) or "
-                        "scheduler file; workers started with --resources host=1 (README)")
+    p.add_argument(
+        "--out", default=None, help="sweep directory (default runs/sweep-<name>; reused to resume)"
+    )
+    p.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="run only the grid's points with this setting (repeatable); a later whole run keeps them",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="settings",
+        help="replace a [base] setting of the file (repeatable), e.g. --set addr_base=127.2.0.0 "
+        "to run beside another sweep",
+    )
+    p.add_argument(
+        "--remodel",
+        action="store_true",
+        help="run nothing: re-evaluate the model on the stored points (after a model change), "
+        "then rewrite the CSV, plots and checks",
+    )
+    p.add_argument(
+        "--cluster",
+        default=None,
+        metavar="ADDRESS",
+        help="run the points on a dask cluster, one per host: its scheduler (tcp://HOST:8786) or "
+        "scheduler file; workers started with --resources host=1 (README)",
+    )
     args = p.parse_args(argv)
     exp = load_experiment(Path(args.experiment)).overridden(args.settings).restricted(args.only)
     out = Path(args.out) if args.out else Path.cwd() / "runs" / f"sweep-{exp.name}"
@@ -224,14 +338,19 @@ def cmd_sweep(argv: list[str]) -> int:
     for warning in doc["warnings"]:
         sys.stderr.write(f"scalebench: warning: {warning}\n")
     failed = [k for k, d in doc["points"].items() if d.get("status") != "ok"]
-    print(f"sweep {exp.name}: {len(doc['points']) - len(failed)} point(s) ok, {len(failed)} failed; "
-          f"results in {out} (scalebench report {out})")
+    print(
+        f"sweep {exp.name}: {len(doc['points']) - len(failed)} point(s) ok, {len(failed)} failed; "
+        f"results in {out} (scalebench report {out})"
+    )
     return 1 if failed else 0
 
 
 def cmd_report(argv: list[str]) -> int:
     from .report import render
-    p = Parser(prog="scalebench report", description="Render DIR/report.html for a sweep directory.")
+
+    p = Parser(
+        prog="scalebench report", description="Render DIR/report.html for a sweep directory."
+    )
     p.add_argument("dir")
     args = p.parse_args(argv)
     if not Path(args.dir).is_dir():
@@ -242,12 +361,24 @@ def cmd_report(argv: list[str]) -> int:
 
 def cmd_compare(argv: list[str]) -> int:
     from . import compare
-    p = Parser(prog="scalebench compare", description="Compare two results; exit 1 on a regression.")
+
+    p = Parser(
+        prog="scalebench compare", description="Compare two results; exit 1 on a regression."
+    )
     p.add_argument("base")
     p.add_argument("new")
-    p.add_argument("--tolerance", type=float, default=compare.DEFAULT_TOLERANCE_PCT, metavar="PCT",
-                   help=f"allowed change in percent (default {compare.DEFAULT_TOLERANCE_PCT:g})")
-    p.add_argument("--mixed-hosts", action="store_true", help="compare points that ran on different kinds of host")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=compare.DEFAULT_TOLERANCE_PCT,
+        metavar="PCT",
+        help=f"allowed change in percent (default {compare.DEFAULT_TOLERANCE_PCT:g})",
+    )
+    p.add_argument(
+        "--mixed-hosts",
+        action="store_true",
+        help="compare points that ran on different kinds of host",
+    )
     args = p.parse_args(argv)
     if args.tolerance < 0:
         raise ConfigError("--tolerance must be >= 0")
@@ -258,8 +389,10 @@ def cmd_compare(argv: list[str]) -> int:
     mixed = compare.mixed_hosts(base, new)
     if mixed and not args.mixed_hosts:
         point, base_kind, new_kind = mixed[0]
-        raise ConfigError(f"{len(mixed)} point(s) ran on different kinds of host (first, {point}: {base_kind} "
-                          f"against {new_kind}); pass --mixed-hosts to compare them anyway")
+        raise ConfigError(
+            f"{len(mixed)} point(s) ran on different kinds of host (first, {point}: {base_kind} "
+            f"against {new_kind}); pass --mixed-hosts to compare them anyway"
+        )
     rows = compare.compare(base, new, args.tolerance)
     compare.print_table(rows, args.tolerance)
     return 1 if compare.regressed(rows) else 0
@@ -271,15 +404,26 @@ def cmd_nightly(argv: list[str]) -> int:
     from .procs import install_signal_handlers
     from .progress import ConsoleReporter
     from .runner import Binaries
-    p = Parser(prog="scalebench nightly", description="Small fixed sweep (best of 3 runs per point) "
-               "compared with the stored baseline.")
-    p.add_argument("--update-baseline", action="store_true", help="store this run as the new baseline")
+
+    p = Parser(
+        prog="scalebench nightly",
+        description="Small fixed sweep (best of 3 runs per point) "
+        "compared with the stored baseline.",
+    )
+    p.add_argument(
+        "--update-baseline", action="store_true", help="store this run as the new baseline"
+    )
     p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE_PCT, metavar="PCT")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     Binaries.find()
     install_signal_handlers()
-    return nightly(Path(args.out) if args.out else None, args.update_baseline, args.tolerance, ConsoleReporter())
+    return nightly(
+        Path(args.out) if args.out else None,
+        args.update_baseline,
+        args.tolerance,
+        ConsoleReporter(),
+    )
 
 
 def cmd_dbtrace(argv: list[str]) -> int:
@@ -292,8 +436,15 @@ def cmd_dbtrace(argv: list[str]) -> int:
     return db_cli.run(p.parse_args(["dbtrace", *argv]))
 
 
-COMMANDS = {"run": cmd_run, "model": cmd_model, "sweep": cmd_sweep, "report": cmd_report,
-            "compare": cmd_compare, "nightly": cmd_nightly, "dbtrace": cmd_dbtrace}
+COMMANDS = {
+    "run": cmd_run,
+    "model": cmd_model,
+    "sweep": cmd_sweep,
+    "report": cmd_report,
+    "compare": cmd_compare,
+    "nightly": cmd_nightly,
+    "dbtrace": cmd_dbtrace,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,15 @@ from pathlib import Path
 
 from distributed import Client, Future, as_completed
 
-from .cluster_worker import EVENT_TOPIC, HOST_RESOURCE, PointOutcome, PointTask, repo_commit, run_point, worker_facts
+from .cluster_worker import (
+    EVENT_TOPIC,
+    HOST_RESOURCE,
+    PointOutcome,
+    PointTask,
+    repo_commit,
+    run_point,
+    worker_facts,
+)
 from .config import ConfigError, RunConfig
 from .progress import Reporter
 from .result import RunResult, now_iso
@@ -44,14 +52,18 @@ def connect(address: str) -> Client:
         client.wait_for_workers(1, timeout=CONNECT_TIMEOUT_S)
     except TimeoutError:
         client.close()
-        raise ConfigError(f"--cluster {address}: no worker joined within {CONNECT_TIMEOUT_S:.0f} s") from None
+        raise ConfigError(
+            f"--cluster {address}: no worker joined within {CONNECT_TIMEOUT_S:.0f} s"
+        ) from None
     return client
 
 
 def check_hosts(client: Client, commit: str | None) -> dict[str, dict]:
     """{worker address: facts} of the workers that offer a whole host; ConfigError if they cannot run points."""
     workers = client.scheduler_info(n_workers=-1)["workers"]
-    hosts = [addr for addr, w in workers.items() if (w.get("resources") or {}).get(HOST_RESOURCE, 0) >= 1]
+    hosts = [
+        addr for addr, w in workers.items() if (w.get("resources") or {}).get(HOST_RESOURCE, 0) >= 1
+    ]
     if not hosts:
         raise ConfigError(
             f"no worker offers the resource {HOST_RESOURCE}=1: start one worker per host with "
@@ -64,7 +76,9 @@ def check_hosts(client: Client, commit: str | None) -> dict[str, dict]:
         raise ConfigError(
             f"a worker cannot run scalebench ({e}): each host needs this repository, `make run`"
         ) from None
-    shared = [name for name, n in Counter(f["host"]["hostname"] for f in facts.values()).items() if n > 1]
+    shared = [
+        name for name, n in Counter(f["host"]["hostname"] for f in facts.values()).items() if n > 1
+    ]
     if shared:
         raise ConfigError(
             f"{len(hosts)} workers offer {HOST_RESOURCE}=1 but host {shared[0]} has several of them: "
@@ -84,7 +98,9 @@ def check_hosts(client: Client, commit: str | None) -> dict[str, dict]:
     return facts
 
 
-def run_sweep_on_cluster(exp: Experiment, out_dir: Path, address: str, reporter: Reporter | None = None) -> dict:
+def run_sweep_on_cluster(
+    exp: Experiment, out_dir: Path, address: str, reporter: Reporter | None = None
+) -> dict:
     """run_sweep's counterpart on a dask cluster: every point not done yet, one per host at a time."""
     reporter = reporter or Reporter()
     commit = repo_commit()
@@ -103,7 +119,11 @@ def run_sweep_on_cluster(exp: Experiment, out_dir: Path, address: str, reporter:
             for i, key, cfg in todo:
                 task = PointTask(sweep_id, key, cfg, commit)
                 future = client.submit(
-                    run_point, task, pure=False, key=f"scalebench-{sweep_id}-{slug(key)}", resources={HOST_RESOURCE: 1}
+                    run_point,
+                    task,
+                    pure=False,
+                    key=f"scalebench-{sweep_id}-{slug(key)}",
+                    resources={HOST_RESOURCE: 1},
                 )
                 futures[future] = (i, key, cfg)
             for future in as_completed(list(futures)):
@@ -126,7 +146,13 @@ def _note_start(reporter: Reporter, sweep_id: str, event: dict) -> None:
 
 
 def _collect(
-    client: Client, future: Future, out_dir: Path, key: str, cfg: RunConfig, sweep_id: str, address: str
+    client: Client,
+    future: Future,
+    out_dir: Path,
+    key: str,
+    cfg: RunConfig,
+    sweep_id: str,
+    address: str,
 ) -> RunResult:
     """Store a finished point in the sweep directory, with where it ran; return its result."""
     attempts = [
@@ -150,9 +176,15 @@ def _collect(
         result = RunResult(**outcome.result)
         # The result names its files where the worker wrote them: name them where they are now.
         result.files = {
-            k: v.replace(outcome.out, str(record.parent)) if isinstance(v, str) else v for k, v in result.files.items()
+            k: v.replace(outcome.out, str(record.parent)) if isinstance(v, str) else v
+            for k, v in result.files.items()
         }
         worker = outcome.worker
-    result.placement = {"cluster": address, "worker": worker, "attempts": attempts, "retried": len(attempts) > 1}
+    result.placement = {
+        "cluster": address,
+        "worker": worker,
+        "attempts": attempts,
+        "retried": len(attempts) > 1,
+    }
     result.write(record)
     return result

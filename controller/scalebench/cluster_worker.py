@@ -36,11 +36,15 @@ from .config import REPO_ROOT, ConfigError, RunConfig, check_addresses_free
 from .result import RunResult, host_info, now_iso
 
 HOST_RESOURCE = "host"  # a worker holding a whole host offers host=1; every point asks for it
-EVENT_TOPIC = "scalebench.point"  # one event per attempt at a point, logged by the worker that starts it
+EVENT_TOPIC = (
+    "scalebench.point"  # one event per attempt at a point, logged by the worker that starts it
+)
 WORK_DIR_ENV = "SCALEBENCH_WORK_DIR"
 ADDR_BASE_ENV = "SCALEBENCH_HOST_ADDR_BASE"
 POLL_S = 0.5
-STOP_GRACE_S = 60.0  # a SIGTERMed run stops densevm (10 s grace) and zipfperf, then writes its result
+STOP_GRACE_S = (
+    60.0  # a SIGTERMed run stops densevm (10 s grace) and zipfperf, then writes its result
+)
 PR_SET_PDEATHSIG = 1
 
 
@@ -68,7 +72,11 @@ def repo_commit() -> str | None:
     """The commit this checkout is at, or None outside a git checkout."""
     try:
         done = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], check=False, capture_output=True, text=True, timeout=10
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -117,11 +125,15 @@ def run_point(task: PointTask) -> PointOutcome:
     out = work_dir() / task.sweep_id / hashlib.sha1(task.key.encode()).hexdigest()[:8]
     shutil.rmtree(out, ignore_errors=True)  # left by an attempt whose worker died
     out.mkdir(parents=True)
-    cfg = task.config.with_(out=str(out), addr_base=os.environ.get(ADDR_BASE_ENV) or task.config.addr_base)
+    cfg = task.config.with_(
+        out=str(out), addr_base=os.environ.get(ADDR_BASE_ENV) or task.config.addr_base
+    )
     commit = repo_commit()
     if task.commit and commit and commit != task.commit:
         refuse = RunResult(f"refused-{out.name}", cfg.as_dict(), finished_at=now_iso())
-        refuse.fail(f"host {host['hostname']} is at commit {commit[:12]}, the client at {task.commit[:12]}")
+        refuse.fail(
+            f"host {host['hostname']} is at commit {commit[:12]}, the client at {task.commit[:12]}"
+        )
         refuse.write(out / "result.json")
     else:
         key = worker.get_current_task()
@@ -146,7 +158,13 @@ def _run_child(cfg: RunConfig, out: Path, cancelled) -> None:
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
     with open(out / "scalebench.log", "w") as log:
         child = subprocess.Popen(
-            [sys.executable, "-m", "scalebench.cluster_worker", str(out / "config.json"), str(os.getpid())],
+            [
+                sys.executable,
+                "-m",
+                "scalebench.cluster_worker",
+                str(out / "config.json"),
+                str(os.getpid()),
+            ],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -182,7 +200,11 @@ def _pack(out: Path) -> bytes:
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
         for path in sorted(out.rglob("*")):
-            if path.is_file() and not path.is_symlink() and path.name not in ("swap.img", "result.json"):
+            if (
+                path.is_file()
+                and not path.is_symlink()
+                and path.name not in ("swap.img", "result.json")
+            ):
                 tar.add(path, arcname=str(path.relative_to(out)))
     return buffer.getvalue()
 

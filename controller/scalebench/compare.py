@@ -9,6 +9,7 @@ measured/model (both move by 20-30% between identical runs on shared hosts).
 Points that ran on different kinds of host are not comparable: `mixed_hosts`
 names them, and the CLI refuses them unless told otherwise.
 """
+
 from __future__ import annotations
 
 import json
@@ -114,8 +115,14 @@ def print_table(rows: list[Row], tolerance_pct: float, console: Console | None =
         table.add_column(col, justify="right" if col in ("base", "new", "delta") else "left")
     for r in rows:
         verdict = "[red]REGRESSION[/]" if r.regression else ("ok" if r.gated else "info")
-        table.add_row(r.point, r.metric, _fmt(r.base), _fmt(r.new),
-                      "" if r.delta_pct is None else f"{r.delta_pct:+.1f}%", verdict)
+        table.add_row(
+            r.point,
+            r.metric,
+            _fmt(r.base),
+            _fmt(r.new),
+            "" if r.delta_pct is None else f"{r.delta_pct:+.1f}%",
+            verdict,
+        )
     (console or Console()).print(table)
 
 

@@ -3,12 +3,13 @@
 Validation happens before anything is started; every problem is a ConfigError
 whose message is one line (the CLI prints it as `scalebench: error: ...`, exit 2).
 """
+
 from __future__ import annotations
 
 import ipaddress
 import os
 import socket
-from dataclasses import dataclass, asdict, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from .cgroup import memory_limit
@@ -41,15 +42,17 @@ class RunConfig:
     concurrency: int = 64
     calls_per_conn: int = 1
     seed: int = 1
-    touch: bool = True              # one request per VM before the warm-up (touch.py)
-    timeout: float = 60.0           # zipfperf --timeout: a cold VM on a modeled disk takes seconds
+    touch: bool = True  # one request per VM before the warm-up (touch.py)
+    timeout: float = 60.0  # zipfperf --timeout: a cold VM on a modeled disk takes seconds
     cpu_us: float | None = None
-    calibration_s: float = 10.0     # calibration phase of out-of-core runs; its second half is measured
-    fault_us: float | None = None   # the model's host time per fault; None: calibrated by the run
+    calibration_s: float = (
+        10.0  # calibration phase of out-of-core runs; its second half is measured
+    )
+    fault_us: float | None = None  # the model's host time per fault; None: calibrated by the run
     addr_base: str = "127.1.0.0"
     port: int = 8080
-    out: str | None = None          # run directory; default runs/<run-id>
-    json: str | None = None         # extra copy of the result JSON
+    out: str | None = None  # run directory; default runs/<run-id>
+    json: str | None = None  # extra copy of the result JSON
     db_guests: int = 0
     db_workload: str | None = None
     db_mix: str | None = None
@@ -72,7 +75,7 @@ class RunConfig:
         d.update(block_bytes=self.block_bytes, mem_bytes=self.mem_bytes, ws_bytes=self.ws_bytes)
         return d
 
-    def with_(self, **changes) -> "RunConfig":
+    def with_(self, **changes) -> RunConfig:
         return replace(self, **changes)
 
     @classmethod
@@ -109,13 +112,19 @@ def validate(cfg: RunConfig) -> RunConfig:
     if mem <= 0 or mem > host:
         raise ConfigError(f"--mem {cfg.mem} is not within this host's memory ({host // 2**20} MiB)")
     if memory_limit(mem, cfg.vms) > host:
-        raise ConfigError(f"--vms {cfg.vms} with --mem {cfg.mem} needs about {memory_limit(mem, cfg.vms) / 2**30:.1f} GiB "
-                          f"(the budget, the VMs' kernel memory and the monitor): more than this host's memory "
-                          f"({host / 2**30:.1f} GiB)")
+        raise ConfigError(
+            f"--vms {cfg.vms} with --mem {cfg.mem} needs about {memory_limit(mem, cfg.vms) / 2**30:.1f} GiB "
+            f"(the budget, the VMs' kernel memory and the monitor): more than this host's memory "
+            f"({host / 2**30:.1f} GiB)"
+        )
     if _size("ws", cfg.ws) <= 0:
         raise ConfigError(f"--ws must be positive (got {cfg.ws})")
-    if cfg.policy not in ("demand", "wsswap") and not (cfg.policy.endswith(".so") and os.path.isfile(cfg.policy)):
-        raise ConfigError(f"--policy must be demand, wsswap or an existing PATH.so (got {cfg.policy})")
+    if cfg.policy not in ("demand", "wsswap") and not (
+        cfg.policy.endswith(".so") and os.path.isfile(cfg.policy)
+    ):
+        raise ConfigError(
+            f"--policy must be demand, wsswap or an existing PATH.so (got {cfg.policy})"
+        )
     try:
         disk_model(cfg.disk)
     except ValueError as e:
@@ -136,7 +145,9 @@ def validate(cfg: RunConfig) -> RunConfig:
         first = ipaddress.IPv4Address(cfg.addr_base)
     except ValueError:
         raise ConfigError(f"--addr-base is not an IPv4 address: {cfg.addr_base}") from None
-    if first not in ipaddress.IPv4Network("127.0.0.0/8") or int(first) + cfg.vms - 1 > int(ipaddress.IPv4Address("127.255.255.254")):
+    if first not in ipaddress.IPv4Network("127.0.0.0/8") or int(first) + cfg.vms - 1 > int(
+        ipaddress.IPv4Address("127.255.255.254")
+    ):
         raise ConfigError(f"--vms {cfg.vms} from {cfg.addr_base} does not fit in 127.0.0.0/8")
     if cfg.db_guests < 0 or (cfg.db_guests > 0 and not cfg.db_workload):
         raise ConfigError("--db-guests K needs K >= 0 and --db-workload NAME")
@@ -158,8 +169,10 @@ def check_addresses_free(cfg: RunConfig) -> None:
             try:
                 s.bind((addr, cfg.port))
             except OSError as e:
-                raise ConfigError(f"{addr}:{cfg.port} is not free ({e.strerror}): another densevm? "
-                                  "choose other addresses with --addr-base") from None
+                raise ConfigError(
+                    f"{addr}:{cfg.port} is not free ({e.strerror}): another densevm? "
+                    "choose other addresses with --addr-base"
+                ) from None
 
 
 def bin_dir() -> Path:
@@ -171,5 +184,7 @@ def binary(name: str) -> Path:
     """Path of a required binary; ConfigError (nothing started yet) when it is missing."""
     path = bin_dir() / name
     if not os.access(path, os.X_OK):
-        raise ConfigError(f"{path} is missing or not executable: run `make build` (or set SCALEBENCH_BIN_DIR)")
+        raise ConfigError(
+            f"{path} is missing or not executable: run `make build` (or set SCALEBENCH_BIN_DIR)"
+        )
     return path

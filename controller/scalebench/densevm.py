@@ -3,6 +3,7 @@
 The contract is INTERFACES.md: JSON events on stdout (`ready`, `exit`), one-line
 errors on stderr, and a Unix-socket control API with newline-delimited JSON.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,10 +38,30 @@ class DenseVMArgs:
     api: Path
 
     def argv(self, binary: Path) -> list[str]:
-        return [str(binary), "serve", "--vms", str(self.vms), "--addr-base", self.addr_base,
-                "--port", str(self.port), "--ws", self.ws, "--mem", self.mem, "--block", self.block,
-                "--policy", self.policy, "--disk", self.disk, "--swap", str(self.swap),
-                "--api", str(self.api)]
+        return [
+            str(binary),
+            "serve",
+            "--vms",
+            str(self.vms),
+            "--addr-base",
+            self.addr_base,
+            "--port",
+            str(self.port),
+            "--ws",
+            self.ws,
+            "--mem",
+            self.mem,
+            "--block",
+            self.block,
+            "--policy",
+            self.policy,
+            "--disk",
+            self.disk,
+            "--swap",
+            str(self.swap),
+            "--api",
+            str(self.api),
+        ]
 
 
 def control(api: Path, request: dict, timeout_s: float = 30.0) -> dict:
@@ -70,10 +91,12 @@ def control(api: Path, request: dict, timeout_s: float = 30.0) -> dict:
 class DenseVM:
     """A running densevm; whoever starts it must call stop() on every path."""
 
-    def __init__(self, binary: Path, args: DenseVMArgs, log_path: Path, wrap=lambda argv: argv) -> None:
+    def __init__(
+        self, binary: Path, args: DenseVMArgs, log_path: Path, wrap=lambda argv: argv
+    ) -> None:
         self.args = args
         self.log_path = log_path
-        self.events: "queue.Queue[dict]" = queue.Queue()
+        self.events: queue.Queue[dict] = queue.Queue()
         self.exit_event: dict | None = None
         self._log = open(log_path, "wb")
         self.child = Child(wrap(args.argv(binary)), stdout=subprocess.PIPE, stderr=self._log)

@@ -5,6 +5,7 @@ the block size and written out with one sequential write. This measures both on
 the file system (or block device) that holds densevm's swap, with O_DIRECT as
 the pager uses, so the page cache does not hide the device.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -12,7 +13,7 @@ import os
 import random
 import statistics
 import time
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .units import MIB, round_up
@@ -34,10 +35,10 @@ class DiskBench:
 
     path: str
     block_bytes: int
-    random_read_s: float       # median of one O_DIRECT random read of block_bytes
+    random_read_s: float  # median of one O_DIRECT random read of block_bytes
     write_bytes: int
     sequential_write_s: float  # median of one O_DIRECT sequential write of write_bytes
-    sequential_read_s: float   # median of one O_DIRECT sequential read of write_bytes
+    sequential_read_s: float  # median of one O_DIRECT sequential read of write_bytes
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -59,8 +60,11 @@ def measure(directory: Path, block_bytes: int, write_bytes: int, seed: int = 1) 
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
     except OSError as e:
-        raise OSError(e.errno, f"cannot open a file with O_DIRECT in {directory} (tmpfs?), "
-                               f"as the pager's swap needs: {e.strerror}") from None
+        raise OSError(
+            e.errno,
+            f"cannot open a file with O_DIRECT in {directory} (tmpfs?), "
+            f"as the pager's swap needs: {e.strerror}",
+        ) from None
     try:
         # Fill the file so the reads hit allocated blocks, one MiB at a time.
         for off in range(0, BENCH_FILE_BYTES, MIB):
@@ -79,8 +83,9 @@ def measure(directory: Path, block_bytes: int, write_bytes: int, seed: int = 1) 
     return DiskBench(str(directory), block_bytes, read, write_bytes, write, seqread)
 
 
-def _round(fd: int, chunk: mmap.mmap, block_bytes: int, write_bytes: int,
-           rng: random.Random) -> tuple[float, float, float]:
+def _round(
+    fd: int, chunk: mmap.mmap, block_bytes: int, write_bytes: int, rng: random.Random
+) -> tuple[float, float, float]:
     """Medians of one round: (random read of a block, sequential write, sequential read)."""
     writes, seqreads = [], []
     for i in range(SEQUENTIAL_WRITES):

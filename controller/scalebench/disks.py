@@ -15,6 +15,7 @@ Each drive is a FIFO queue, so independent requests proceed in parallel on as
 many drives as the layout has; one request is split in stripe units over the
 data drives, which transfer their parts at the same time.
 """
+
 from __future__ import annotations
 
 import re
@@ -31,12 +32,12 @@ UNIFORM_SQRT_DISTANCE = 8 / 15
 class Drive:
     """One drive's parameters, as the pager's DriveParams."""
 
-    seek_ms: float       # average seek over uniformly random requests
-    track_ms: float      # track-to-track seek
+    seek_ms: float  # average seek over uniformly random requests
+    track_ms: float  # track-to-track seek
     rpm: float
-    mb_s: float          # media rate, 10^6 bytes/s
-    overhead_ms: float   # per-command controller overhead
-    lat_ms: float        # flash access latency (0 for rotating drives)
+    mb_s: float  # media rate, 10^6 bytes/s
+    overhead_ms: float  # per-command controller overhead
+    lat_ms: float  # flash access latency (0 for rotating drives)
 
     def positioning_s(self, sqrt_distance: float = UNIFORM_SQRT_DISTANCE) -> float:
         """Expected time before a request's transfer starts, given E[sqrt(seek distance / span)].
@@ -61,8 +62,8 @@ class DiskModel:
     """A named disk configuration as `--disk` spells it ("hdd", "array:3", "none")."""
 
     name: str
-    drive: Drive | None   # None: no modeled time, the real device only
-    drives: int = 1       # drives in the layout
+    drive: Drive | None  # None: no modeled time, the real device only
+    drives: int = 1  # drives in the layout
     data_drives: int = 1  # drives a request's stripe units spread over (raid5: drives - 1)
 
     @property
@@ -86,11 +87,24 @@ def differences(model: DiskModel, pager: dict) -> list[str]:
     means this module has fallen behind paging-policy/src/disk.rs.
     """
     if model.drive is None:
-        return [] if pager.get("model", "none") == "none" else [f"model {pager.get('model')} vs none"]
-    ours = {"seek_ms": model.drive.seek_ms, "track_ms": model.drive.track_ms, "rpm": model.drive.rpm, "mb_s": model.drive.mb_s,
-            "overhead_ms": model.drive.overhead_ms, "lat_ms": model.drive.lat_ms, "drives": model.drives,
-            "stripe_bytes": STRIPE_BYTES}
-    return [f"{k} {pager[k]} vs {v}" for k, v in ours.items() if k in pager and float(pager[k]) != float(v)]
+        return (
+            [] if pager.get("model", "none") == "none" else [f"model {pager.get('model')} vs none"]
+        )
+    ours = {
+        "seek_ms": model.drive.seek_ms,
+        "track_ms": model.drive.track_ms,
+        "rpm": model.drive.rpm,
+        "mb_s": model.drive.mb_s,
+        "overhead_ms": model.drive.overhead_ms,
+        "lat_ms": model.drive.lat_ms,
+        "drives": model.drives,
+        "stripe_bytes": STRIPE_BYTES,
+    }
+    return [
+        f"{k} {pager[k]} vs {v}"
+        for k, v in ours.items()
+        if k in pager and float(pager[k]) != float(v)
+    ]
 
 
 _DRIVES = {"hdd": HDD, "hdd15k": HDD15K, "ssd": SSD}
@@ -113,4 +127,6 @@ def disk_model(name: str) -> DiskModel:
             return DiskModel(name, HDD, drives=n, data_drives=n)
         if n >= 3:
             return DiskModel(name, HDD, drives=n, data_drives=n - 1)
-    raise ValueError(f"unknown disk model {name!r} (none, hdd, hdd15k, ssd, array:N, raid5:N with 3 <= N <= 64)")
+    raise ValueError(
+        f"unknown disk model {name!r} (none, hdd, hdd15k, ssd, array:N, raid5:N with 3 <= N <= 64)"
+    )

@@ -32,10 +32,11 @@ drives, up to the pager's service threads):
     X = min(1 / (cpu_s + (1 - h) * faults_per_miss * fault_s),
             min(drives, threads) / ((1 - h) * miss_s))
 """
+
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, asdict, replace
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -153,8 +154,9 @@ def _blocks(regions: list[tuple[int, int]], block_bytes: int) -> set[int]:
 
 
 def _request_regions(ws_pages: list[int], ram_bytes: int) -> list[tuple[int, int]]:
-    return ([(0, GUEST_BSS_HEAD_BYTES), (ram_bytes - GUEST_STACK_BYTES, GUEST_STACK_BYTES)] +
-            [(GUEST_WS_OFFSET + p * PAGE_BYTES, PAGE_BYTES) for p in ws_pages])
+    return [(0, GUEST_BSS_HEAD_BYTES), (ram_bytes - GUEST_STACK_BYTES, GUEST_STACK_BYTES)] + [
+        (GUEST_WS_OFFSET + p * PAGE_BYTES, PAGE_BYTES) for p in ws_pages
+    ]
 
 
 def estimate_footprint(ws_bytes: int, block_bytes: int, ram_bytes: int = GUEST_RAM_BYTES) -> int:
@@ -163,8 +165,12 @@ def estimate_footprint(ws_bytes: int, block_bytes: int, ram_bytes: int = GUEST_R
     return len(_blocks(_request_regions(pages, ram_bytes), block_bytes)) * block_bytes
 
 
-def estimate_written(ws_bytes: int, block_bytes: int, stride: int = GUEST_WS_WRITE_STRIDE,
-                     ram_bytes: int = GUEST_RAM_BYTES) -> int:
+def estimate_written(
+    ws_bytes: int,
+    block_bytes: int,
+    stride: int = GUEST_WS_WRITE_STRIDE,
+    ram_bytes: int = GUEST_RAM_BYTES,
+) -> int:
     """Bytes the eviction of one VM writes under the per-VM layout: the blocks a request
     changes (its connection state, its stack and every `stride`-th working-set page,
     densevm's --ws-write-stride), joined across gaps of resident blocks of up to
@@ -191,12 +197,14 @@ class ModelInput:
     footprint_bytes: int
     policy: str
     disk: DiskModel
-    cpu_s: float              # in-core aggregate CPU time per request (1 / in-core throughput)
-    bench: DiskBench | None   # None: the real device's time is left out (modeled time only)
+    cpu_s: float  # in-core aggregate CPU time per request (1 / in-core throughput)
+    bench: DiskBench | None  # None: the real device's time is left out (modeled time only)
     fault_s: float = DEFAULT_FAULT_US * 1e-6  # pager CPU per fault served (aggregate)
     written_bytes: int | None = None  # of the footprint, what an eviction writes (None: all of it)
-    after: int = WSSWAP_AFTER       # wsswap: the fault after an eviction that prefetches the set
-    swap_bytes: int | None = None   # the swap device the drives' seeks span (None: as densevm sizes it)
+    after: int = WSSWAP_AFTER  # wsswap: the fault after an eviction that prefetches the set
+    swap_bytes: int | None = (
+        None  # the swap device the drives' seeks span (None: as densevm sizes it)
+    )
 
     def used_fraction(self, used_bytes: int) -> float:
         """The share of the swap device's span that `used_bytes` from its start fill."""
@@ -205,7 +213,10 @@ class ModelInput:
 
     @property
     def written(self) -> int:
-        return min(self.footprint_bytes, self.written_bytes if self.written_bytes is not None else self.footprint_bytes)
+        return min(
+            self.footprint_bytes,
+            self.written_bytes if self.written_bytes is not None else self.footprint_bytes,
+        )
 
     @property
     def single_faults(self) -> int:
@@ -218,16 +229,16 @@ class Prediction:
     """The model's figures; JSON-ready through as_dict()."""
 
     footprint_bytes: int
-    cache_vms: int          # k: VMs the budget holds (working sets exceed memory beyond it)
-    cliff_vms: int          # the fewest VMs at which throughput falls below CLIFF_FRACTION of in-core
+    cache_vms: int  # k: VMs the budget holds (working sets exceed memory beyond it)
+    cliff_vms: int  # the fewest VMs at which throughput falls below CLIFF_FRACTION of in-core
     hit_ratio: float
     miss_read_s: float
     miss_write_s: float
     miss_s: float
-    cpu_rps: float          # CPU bound: requests plus the pager's work for the misses
-    disk_rps: float         # swap I/O bound; inf when every request hits
+    cpu_rps: float  # CPU bound: requests plus the pager's work for the misses
+    disk_rps: float  # swap I/O bound; inf when every request hits
     model_rps: float
-    regime: str             # "in-core" unless paging costs more than IN_CORE_LOSS of in-core throughput
+    regime: str  # "in-core" unless paging costs more than IN_CORE_LOSS of in-core throughput
     cpu_us: float
     fault_us: float
     disk: str
@@ -252,14 +263,19 @@ def miss_cost(inp: ModelInput) -> tuple[float, float]:
         write = disk.request_s(fp, spread) + (bench.sequential_write_s if bench else 0.0)
         singles = inp.single_faults * (disk.request_s(block, spread) + random_read)
         rest = fp - inp.single_faults * block
-        read = singles + (disk.request_s(rest, spread) + (bench.sequential_read_s if bench else 0.0) if rest > 0 else 0.0)
+        read = singles + (
+            disk.request_s(rest, spread) + (bench.sequential_read_s if bench else 0.0)
+            if rest > 0
+            else 0.0
+        )
         return read, write
     # Consecutive requests on the drive come from different cold VMs (the pager's
     # threads interleave them): each read seeks between two misses' regions, and so
     # does the victim's write (the victim is a VM on its way to being a miss). The
     # regions, one of RAM size per VM in creation order, fill only part of the drive.
-    spread = (miss_sqrt_distance(inp.vms, inp.budget_bytes // inp.footprint_bytes, inp.alpha) *
-              math.sqrt(inp.used_fraction(inp.vms * GUEST_RAM_BYTES)))
+    spread = miss_sqrt_distance(
+        inp.vms, inp.budget_bytes // inp.footprint_bytes, inp.alpha
+    ) * math.sqrt(inp.used_fraction(inp.vms * GUEST_RAM_BYTES))
     write = disk.request_s(inp.written, spread) + (bench.sequential_write_s if bench else 0.0)
     read = (fp // block) * (disk.request_s(block, spread) + random_read)
     return read, write
@@ -273,7 +289,7 @@ class _Bounds:
     hit: float
     read_s: float
     write_s: float
-    cpu_rps: float   # CPU: requests and, for misses, the pager's work per fault
+    cpu_rps: float  # CPU: requests and, for misses, the pager's work per fault
     disk_rps: float  # swap I/O over the drives the pager's threads keep busy (inf: no misses)
 
     @property
@@ -287,12 +303,20 @@ def _bounds(inp: ModelInput) -> _Bounds:
     read, write = miss_cost(inp)
     misses = 1.0 - hit
     # demand takes a fault per block; wsswap its single faults and one that prefetches the rest.
-    faults_per_miss = inp.single_faults + 1 if inp.policy == "wsswap" else inp.footprint_bytes // inp.block_bytes
+    faults_per_miss = (
+        inp.single_faults + 1 if inp.policy == "wsswap" else inp.footprint_bytes // inp.block_bytes
+    )
     cpu_per_request = inp.cpu_s + misses * faults_per_miss * inp.fault_s
     io_per_request = misses * (read + write)
     parallel = min(inp.disk.parallelism, PAGER_SERVICE_THREADS)
-    return _Bounds(k, hit, read, write, 1.0 / cpu_per_request,
-                   parallel / io_per_request if io_per_request > 0 else math.inf)
+    return _Bounds(
+        k,
+        hit,
+        read,
+        write,
+        1.0 / cpu_per_request,
+        parallel / io_per_request if io_per_request > 0 else math.inf,
+    )
 
 
 def cliff_vms(inp: ModelInput) -> int:
@@ -301,8 +325,10 @@ def cliff_vms(inp: ModelInput) -> int:
     Throughput falls monotonically with the number of VMs, so bisect between k
     (all fit) and a bound that is doubled until it is past the cliff.
     """
+
     def past(n: int) -> bool:
         return _bounds(replace(inp, vms=n)).rps < CLIFF_FRACTION / inp.cpu_s
+
     lo = max(1, inp.budget_bytes // inp.footprint_bytes)  # not past: everything fits
     hi = 2 * lo
     while not past(hi):
@@ -323,7 +349,19 @@ def predict(inp: ModelInput) -> Prediction:
     # In core while paging costs under IN_CORE_LOSS of the in-core throughput.
     in_core = b.rps >= (1.0 - IN_CORE_LOSS) / inp.cpu_s
     return Prediction(
-        footprint_bytes=inp.footprint_bytes, cache_vms=int(b.k), cliff_vms=cliff_vms(inp), hit_ratio=b.hit,
-        miss_read_s=b.read_s, miss_write_s=b.write_s, miss_s=b.read_s + b.write_s, cpu_rps=b.cpu_rps,
-        disk_rps=b.disk_rps, model_rps=b.rps, regime="in-core" if in_core else "disk-bound",
-        cpu_us=inp.cpu_s * 1e6, fault_us=inp.fault_s * 1e6, disk=inp.disk.name, policy=inp.policy)
+        footprint_bytes=inp.footprint_bytes,
+        cache_vms=int(b.k),
+        cliff_vms=cliff_vms(inp),
+        hit_ratio=b.hit,
+        miss_read_s=b.read_s,
+        miss_write_s=b.write_s,
+        miss_s=b.read_s + b.write_s,
+        cpu_rps=b.cpu_rps,
+        disk_rps=b.disk_rps,
+        model_rps=b.rps,
+        regime="in-core" if in_core else "disk-bound",
+        cpu_us=inp.cpu_s * 1e6,
+        fault_us=inp.fault_s * 1e6,
+        disk=inp.disk.name,
+        policy=inp.policy,
+    )

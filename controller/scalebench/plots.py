@@ -1,4 +1,5 @@
 """PNG plots of a run (time series) and of a sweep (metric against a swept knob)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,9 +7,9 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on the hosts this runs on
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from .units import MIB  # noqa: E402
+from .units import MIB
 
 
 def _rates(samples: list[dict], key: str) -> tuple[list[float], list[float]]:
@@ -35,17 +36,23 @@ def run_plot(result, path: Path) -> None:
     if result.model_rps:
         top.axhline(result.model_rps, color="k", linestyle="--", linewidth=1, label="model")
     top.legend(loc="best", fontsize=8)
-    bottom.plot([s["t"] for s in samples], [s["resident_bytes"] / MIB for s in samples], label="resident")
+    bottom.plot(
+        [s["t"] for s in samples], [s["resident_bytes"] / MIB for s in samples], label="resident"
+    )
     if result.budget_bytes:
-        bottom.axhline(result.budget_bytes / MIB, color="r", linestyle="--", linewidth=1, label="budget")
+        bottom.axhline(
+            result.budget_bytes / MIB, color="r", linestyle="--", linewidth=1, label="budget"
+        )
     bottom.set_ylabel("MiB")
     bottom.set_xlabel("seconds since densevm was ready")
     bottom.legend(loc="best", fontsize=8)
     for ax in (top, bottom):
         _shade_phases(ax, samples)
     c = result.config
-    fig.suptitle(f"{c['vms']} VMs, alpha {c['alpha']}, block {c['block']}, {c['policy']}, disk {c['disk']}: "
-                 f"{result.regime or result.status}")
+    fig.suptitle(
+        f"{c['vms']} VMs, alpha {c['alpha']}, block {c['block']}, {c['policy']}, disk {c['disk']}: "
+        f"{result.regime or result.status}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -58,8 +65,17 @@ def _shade_phases(ax, samples: list[dict]) -> None:
         ax.axvspan(min(ts), max(ts), color="0.9", zorder=0)
 
 
-def line_plot(rows: list[dict], x: str, ys: list[str], series: list[str], path: Path, title: str,
-              logx: bool = False, logy: bool = False, ylabel: str | None = None) -> None:
+def line_plot(
+    rows: list[dict],
+    x: str,
+    ys: list[str],
+    series: list[str],
+    path: Path,
+    title: str,
+    logx: bool = False,
+    logy: bool = False,
+    ylabel: str | None = None,
+) -> None:
     """One line per (series value, y metric) of y against x; rows are CSV-like dicts."""
     fig, ax = plt.subplots(figsize=(8, 5))
     groups: dict[tuple, list[dict]] = {}
@@ -74,8 +90,14 @@ def line_plot(rows: list[dict], x: str, ys: list[str], series: list[str], path: 
             label = ", ".join(f"{s}={v}" for s, v in zip(series, key))
             label = f"{label} {y}" if len(ys) > 1 else label
             # One colour per series; measured solid, the model (and other metrics) dashed/dotted.
-            ax.plot(*zip(*points), ("-", "--", ":")[yi % 3], color=f"C{index % 10}", marker="o",
-                    markersize=3, label=label.strip() or y)
+            ax.plot(
+                *zip(*points),
+                ("-", "--", ":")[yi % 3],
+                color=f"C{index % 10}",
+                marker="o",
+                markersize=3,
+                label=label.strip() or y,
+            )
     ax.set_xlabel(x)
     ax.set_ylabel(ylabel or ", ".join(ys))
     if logx:

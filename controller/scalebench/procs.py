@@ -6,6 +6,7 @@ Ctrl-C from reaching the children before scalebench has decided the order of
 teardown. SIGTERM to scalebench is turned into an exception (`Terminated`) so
 that the same `finally` blocks run as for Ctrl-C.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,8 +40,9 @@ class Child:
     """A started child process in its own process group."""
 
     def __init__(self, argv: list[str], stdout: IO | int | None, stderr: IO | int | None) -> None:
-        self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-                                      process_group=0)
+        self.popen = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, process_group=0
+        )
         self.pid = self.popen.pid
 
     def poll(self) -> int | None:

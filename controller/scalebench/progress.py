@@ -1,8 +1,9 @@
 """Progress of long phases (boot, warm-up, measurement), on stderr with rich."""
+
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -27,8 +28,12 @@ class ConsoleReporter(Reporter):
 
     @contextmanager
     def phase(self, name: str, total: float, unit: str) -> Iterator[Callable[[float], None]]:
-        columns = (TextColumn(f"[bold]{name:<12}"), BarColumn(),
-                   TextColumn(f"{{task.completed:>7.0f}}/{{task.total:.0f}} {unit}"), TimeElapsedColumn())
+        columns = (
+            TextColumn(f"[bold]{name:<12}"),
+            BarColumn(),
+            TextColumn(f"{{task.completed:>7.0f}}/{{task.total:.0f}} {unit}"),
+            TimeElapsedColumn(),
+        )
         with Progress(*columns, console=self.console, transient=False) as bar:
             task = bar.add_task(name, total=total)
             yield lambda completed: bar.update(task, completed=min(completed, total))

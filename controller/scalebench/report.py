@@ -5,6 +5,7 @@ each point's result and run plot. A small script checks, once the page has
 loaded, that every image decoded, and says so on the page (and in the body's
 `data-images` attribute, which the report test reads).
 """
+
 from __future__ import annotations
 
 import csv
@@ -39,7 +40,9 @@ def _table(path: Path) -> str:
     if not rows:
         return "<p>(empty)</p>"
     head = "".join(f"<th>{html.escape(c)}</th>" for c in rows[0])
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows[1:])
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows[1:]
+    )
     return f'<div class="scroll"><table><tr>{head}</tr>{body}</table></div>'
 
 
@@ -57,7 +60,9 @@ def render(directory: Path) -> Path:
         grid = ", ".join(f"{k}: {v}" for k, v in meta["grid"].items())
         parts.append(f"<p>Grid: {html.escape(grid)}</p>")
     for png in sorted(directory.glob("*.png")):
-        parts.append(f'<h2>{html.escape(png.stem)}</h2><img src="{html.escape(png.name)}" alt="{html.escape(png.stem)}">')
+        parts.append(
+            f'<h2>{html.escape(png.stem)}</h2><img src="{html.escape(png.name)}" alt="{html.escape(png.stem)}">'
+        )
     for table in sorted(directory.glob("*.csv")):
         parts.append(f"<h2>{html.escape(table.name)}</h2>{_table(table)}")
     points = sorted(p.parent for p in directory.glob("points/*/result.json"))
@@ -66,10 +71,14 @@ def render(directory: Path) -> Path:
         for p in points:
             rel = p.relative_to(directory)
             plot = f' <a href="{rel}/run.png">plot</a>' if (p / "run.png").exists() else ""
-            items.append(f'<li>{html.escape(p.name)}: <a href="{rel}/result.json">result</a>{plot}</li>')
+            items.append(
+                f'<li>{html.escape(p.name)}: <a href="{rel}/result.json">result</a>{plot}</li>'
+            )
         parts.append(f"<h2>Points</h2><ul>{''.join(items)}</ul>")
-    page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            f"<style>{_STYLE}</style></head><body>{''.join(parts)}<script>{_CHECK_IMAGES}</script></body></html>")
+    page = (
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"<style>{_STYLE}</style></head><body>{''.join(parts)}<script>{_CHECK_IMAGES}</script></body></html>"
+    )
     out = directory / "report.html"
     out.write_text(page)
     return out

@@ -1,12 +1,13 @@
 """The result document of one run (schema "scalebench.result/1", see controller/RESULTS.md)."""
+
 from __future__ import annotations
 
 import json
 import os
 import platform
 import socket
-from dataclasses import dataclass, asdict, field
-from datetime import datetime, timezone
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 from .config import host_memory_bytes
@@ -17,7 +18,7 @@ HOST_NAME_ENV, HOST_KIND_ENV = "SCALEBENCH_HOST_NAME", "SCALEBENCH_HOST_KIND"
 
 
 def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def cpu_model() -> str:
@@ -40,11 +41,19 @@ def kvm_platform() -> str:
 
 def host_info() -> dict:
     """Who ran a result: its host's name and kind (the facts that make figures comparable)."""
-    info = {"hostname": os.environ.get(HOST_NAME_ENV) or socket.gethostname(), "cpu_model": cpu_model(),
-            "cpus": os.cpu_count(), "memory_bytes": host_memory_bytes(), "kernel": platform.release(),
-            "kvm": kvm_platform(), "python": platform.python_version()}
-    fingerprint = (f"{info['cpu_model']} x{info['cpus']}, {round(info['memory_bytes'] / 2**30)} GiB, "
-                   f"Linux {info['kernel']}, {info['kvm']}")
+    info = {
+        "hostname": os.environ.get(HOST_NAME_ENV) or socket.gethostname(),
+        "cpu_model": cpu_model(),
+        "cpus": os.cpu_count(),
+        "memory_bytes": host_memory_bytes(),
+        "kernel": platform.release(),
+        "kvm": kvm_platform(),
+        "python": platform.python_version(),
+    }
+    fingerprint = (
+        f"{info['cpu_model']} x{info['cpus']}, {round(info['memory_bytes'] / 2**30)} GiB, "
+        f"Linux {info['kernel']}, {info['kvm']}"
+    )
     info["kind"] = os.environ.get(HOST_KIND_ENV) or fingerprint
     return info
 
@@ -56,36 +65,44 @@ class RunResult:
     run_id: str
     config: dict
     schema: str = SCHEMA
-    status: str = "running"               # "ok" | "failed" (never "running" once written)
+    status: str = "running"  # "ok" | "failed" (never "running" once written)
     error: str | None = None
     warnings: list = field(default_factory=list)  # one line each: results to read with care
     started_at: str = field(default_factory=now_iso)
     finished_at: str | None = None
     host: dict = field(default_factory=host_info)
     # measured, over the measurement phase
-    throughput_rps: float | None = None   # requests/s served, densevm's counter over the measurement window
-    client_rps: float | None = None       # replies/s seen by zipfperf over its whole run (warm-up included)
-    latency_ms: dict = field(default_factory=dict)   # p50, p90, p99, p999, mean, max
-    errors: int | None = None             # zipfperf's error total
+    throughput_rps: float | None = (
+        None  # requests/s served, densevm's counter over the measurement window
+    )
+    client_rps: float | None = (
+        None  # replies/s seen by zipfperf over its whole run (warm-up included)
+    )
+    latency_ms: dict = field(default_factory=dict)  # p50, p90, p99, p999, mean, max
+    errors: int | None = None  # zipfperf's error total
     error_detail: dict = field(default_factory=dict)
-    replies: int | None = None            # zipfperf's replies, whole run
-    duration_s: float | None = None       # the measurement window
+    replies: int | None = None  # zipfperf's replies, whole run
+    duration_s: float | None = None  # the measurement window
     boot_seconds: float | None = None
-    resident_bytes: int | None = None     # at the end of the measurement
+    resident_bytes: int | None = None  # at the end of the measurement
     budget_bytes: int | None = None
-    footprint_bytes: int | None = None    # measured per-VM footprint (hot VMs' resident bytes)
+    footprint_bytes: int | None = None  # measured per-VM footprint (hot VMs' resident bytes)
     faults: int | None = None
     faults_per_s: float | None = None
-    swap_read_bytes: int | None = None    # during the measurement phase
+    swap_read_bytes: int | None = None  # during the measurement phase
     swap_write_bytes: int | None = None
-    swap_read_mbps: float | None = None   # MB/s = 10^6 bytes/s
+    swap_read_mbps: float | None = None  # MB/s = 10^6 bytes/s
     swap_write_mbps: float | None = None
-    disk_busy: float | None = None        # densevm io_seconds per wall second
-    drive: dict = field(default_factory=dict)  # the modeled drives over the measurement, see RESULTS.md
+    disk_busy: float | None = None  # densevm io_seconds per wall second
+    drive: dict = field(
+        default_factory=dict
+    )  # the modeled drives over the measurement, see RESULTS.md
     fault_latency_us: dict = field(default_factory=dict)
-    regime: str | None = None             # "in-core" | "disk-bound", see RESULTS.md
-    hit_ratio: float | None = None        # 1 - (swap-in bytes / footprint) / requests: against model.hit_ratio
-    resident_mass: float | None = None    # Zipf request share of the VMs wholly resident at the end
+    regime: str | None = None  # "in-core" | "disk-bound", see RESULTS.md
+    hit_ratio: float | None = (
+        None  # 1 - (swap-in bytes / footprint) / requests: against model.hit_ratio
+    )
+    resident_mass: float | None = None  # Zipf request share of the VMs wholly resident at the end
     # model
     model_rps: float | None = None
     measured_over_model: float | None = None
@@ -96,12 +113,14 @@ class RunResult:
     containment: dict = field(default_factory=dict)
     psi: dict = field(default_factory=dict)
     # raw material
-    phases: dict = field(default_factory=dict)       # per phase: zipfperf summary and window
-    timeseries: list = field(default_factory=list)   # densevm stats samples, about 1/s
+    phases: dict = field(default_factory=dict)  # per phase: zipfperf summary and window
+    timeseries: list = field(default_factory=list)  # densevm stats samples, about 1/s
     pager: dict = field(default_factory=dict)
     db: list = field(default_factory=list)
     files: dict = field(default_factory=dict)
-    placement: dict = field(default_factory=dict)  # a sweep point run on a cluster: where, how many attempts
+    placement: dict = field(
+        default_factory=dict
+    )  # a sweep point run on a cluster: where, how many attempts
 
     def fail(self, message: str) -> None:
         if self.status != "failed":  # the first failure is the cause; later ones are fallout
@@ -115,4 +134,3 @@ class RunResult:
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(json.dumps(self.as_dict(), indent=2, default=str) + "\n")
         tmp.replace(path)  # a reader never sees half a document
-

@@ -7,17 +7,18 @@ run). Whatever happens, densevm and zipfperf are stopped, the cgroup is removed
 and the result is written: status "ok", or "failed" with the error and
 everything measured until then.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import resource
-from collections import Counter
 import time
 import traceback
+from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from . import calibration, diskbench
@@ -25,7 +26,14 @@ from .cgroup import Containment, memory_limit
 from .config import RunConfig, binary
 from .densevm import DenseVM, DenseVMArgs, DenseVMError
 from .disks import differences, disk_model
-from .model import DEFAULT_FAULT_US, ModelInput, estimate_written, estimate_footprint, predict, zipf_popularity
+from .model import (
+    DEFAULT_FAULT_US,
+    ModelInput,
+    estimate_footprint,
+    estimate_written,
+    predict,
+    zipf_popularity,
+)
 from .procs import Terminated
 from .progress import Reporter
 from .result import RunResult, now_iso
@@ -50,8 +58,15 @@ SETTLE_TURNS = 1.5
 SETTLE_MAX_S = 120.0
 SETTLE_CONCURRENCY = 64
 # The stats totals the measurement is computed from (INTERFACES.md, densevm control API).
-CONTRACT_TOTALS = ("requests", "resident_bytes", "budget_bytes", "faults", "swap_read_bytes", "swap_write_bytes",
-                   "io_seconds")
+CONTRACT_TOTALS = (
+    "requests",
+    "resident_bytes",
+    "budget_bytes",
+    "faults",
+    "swap_read_bytes",
+    "swap_write_bytes",
+    "io_seconds",
+)
 
 
 @dataclass(frozen=True)
@@ -60,13 +75,13 @@ class Binaries:
     zipfperf: Path
 
     @classmethod
-    def find(cls) -> "Binaries":
+    def find(cls) -> Binaries:
         """Both binaries, or ConfigError before anything starts."""
         return cls(binary("densevm"), binary("zipfperf"))
 
 
 def new_run_id(cfg: RunConfig) -> str:
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
     return f"{stamp}-{cfg.vms}vm-{cfg.block}-{cfg.policy}-{os.getpid()}"
 
 
@@ -89,7 +104,9 @@ def hot_footprint(vms: list[dict]) -> int | None:
     where 264 did). The busiest VMs are no guide out of core either: they too
     are evicted and paged back in.
     """
-    sizes = sorted(v["resident_bytes"] for v in vms if v.get("requests", 0) > 0 and v.get("resident_bytes"))
+    sizes = sorted(
+        v["resident_bytes"] for v in vms if v.get("requests", 0) > 0 and v.get("resident_bytes")
+    )
     if not sizes:
         return None
     floor = 0.5 * sizes[int(0.9 * (len(sizes) - 1))]
@@ -100,13 +117,26 @@ def hot_footprint(vms: list[dict]) -> int | None:
 def resident_mass(vms: list[dict], footprint: int, alpha: float) -> float:
     """The share of Zipf(alpha) requests (VM i has rank i) that go to VMs wholly resident now."""
     p = zipf_popularity(len(vms), alpha)
-    return float(sum(p[v["id"]] for v in vms if v.get("resident_bytes", 0) >= 0.75 * footprint and v["id"] < len(p)))
+    return float(
+        sum(
+            p[v["id"]]
+            for v in vms
+            if v.get("resident_bytes", 0) >= 0.75 * footprint and v["id"] < len(p)
+        )
+    )
 
 
 class Sampler:
     """densevm totals about once a second, tagged by phase: the run's time series."""
 
-    KEYS = ("requests", "faults", "resident_bytes", "swap_read_bytes", "swap_write_bytes", "io_seconds")
+    KEYS = (
+        "requests",
+        "faults",
+        "resident_bytes",
+        "swap_read_bytes",
+        "swap_write_bytes",
+        "io_seconds",
+    )
     # The modeled drives' counters (totals.disk_usage), sampled as disk_<name>.
     DISK_KEYS = ("busy_seconds", "requests", "positioned", "positioning_seconds")
 
@@ -119,9 +149,13 @@ class Sampler:
         now = time.monotonic()
         # A busy densevm can take seconds to answer: date the figures mid-call, keep the delay.
         usage = totals.get("disk_usage") or {}
-        row = {"t": round((asked + now) / 2 - self.t0, 3), "stats_s": round(now - asked, 3), "phase": phase,
-               **{k: totals.get(k, 0) for k in self.KEYS},
-               **{f"disk_{k}": usage.get(k, 0) for k in self.DISK_KEYS}}
+        row = {
+            "t": round((asked + now) / 2 - self.t0, 3),
+            "stats_s": round(now - asked, 3),
+            "phase": phase,
+            **{k: totals.get(k, 0) for k in self.KEYS},
+            **{f"disk_{k}": usage.get(k, 0) for k in self.DISK_KEYS},
+        }
         self.samples.append(row)
         self.last = now
         return row
@@ -136,7 +170,7 @@ class Sampler:
         if not at:
             return None
         # The sample that ends a phase is the next phase's first (warm-up -> measurement).
-        rows = self.samples[at[0]:at[-1] + 2]
+        rows = self.samples[at[0] : at[-1] + 2]
         while len(rows) > 1 and rows[-1]["requests"] == rows[-2]["requests"]:
             rows.pop()  # samples after the load stopped
         if len(rows) < 3:
@@ -157,13 +191,20 @@ def drive_usage(delta: dict, wall: float) -> dict:
     if wall <= 0 or delta["requests"] <= 0:
         return {}
     positioned = delta["positioned"]
-    return {"utilization": delta["busy_seconds"] / wall, "requests": delta["requests"], "positioned": positioned,
-            "positioning_ms": 1e3 * delta["positioning_seconds"] / positioned if positioned else 0.0}
+    return {
+        "utilization": delta["busy_seconds"] / wall,
+        "requests": delta["requests"],
+        "positioned": positioned,
+        "positioning_ms": 1e3 * delta["positioning_seconds"] / positioned if positioned else 0.0,
+    }
 
 
 def summarize_load(doc: dict) -> dict:
     """The part of a zipfperf document worth keeping per phase."""
-    return {k: doc.get(k) for k in ("duration_s", "connections", "requests", "replies", "latency_ms", "errors")}
+    return {
+        k: doc.get(k)
+        for k in ("duration_s", "connections", "requests", "replies", "latency_ms", "errors")
+    }
 
 
 class Run:
@@ -175,10 +216,18 @@ class Run:
         self.run_id = new_run_id(cfg)
         self.out = Path(cfg.out) if cfg.out else Path.cwd() / "runs" / self.run_id
         self.result = RunResult(self.run_id, cfg.as_dict())
-        self.load = LoadSpec(targets=cfg.vms, addr_base=cfg.addr_base, port=cfg.port, alpha=cfg.alpha,
-                             seed=cfg.seed, duration_s=cfg.duration, concurrency=cfg.concurrency,
-                             calls_per_conn=cfg.calls_per_conn, uri=OBJECT_URI[cfg.object],
-                             timeout_s=cfg.timeout)
+        self.load = LoadSpec(
+            targets=cfg.vms,
+            addr_base=cfg.addr_base,
+            port=cfg.port,
+            alpha=cfg.alpha,
+            seed=cfg.seed,
+            duration_s=cfg.duration,
+            concurrency=cfg.concurrency,
+            calls_per_conn=cfg.calls_per_conn,
+            uri=OBJECT_URI[cfg.object],
+            timeout_s=cfg.timeout,
+        )
         self.dvm: DenseVM | None = None
         self.containment: Containment | None = None
         self.sampler: Sampler | None = None
@@ -214,6 +263,7 @@ class Run:
 
     def _finish(self) -> None:
         from .plots import run_plot  # matplotlib is slow to import; only needed here
+
         r = self.result
         r.finished_at = now_iso()
         path = self.out / "result.json"
@@ -234,24 +284,37 @@ class Run:
         bench = self._start(stack)
         if cfg.db_guests:
             from .db.alongside import db_guests  # libvirt is only needed with --db-guests
+
             guests = db_guests(cfg.db_guests, cfg.db_workload, cfg.db_mix, self.out / "db")
             stack.callback(lambda: setattr(r, "db", list(getattr(guests, "results", []) or [])))
             stack.enter_context(guests)
 
-        if cfg.cpu_us is None and cfg.vms * estimate_footprint(cfg.ws_bytes, cfg.block_bytes) > cfg.mem_bytes:
+        if (
+            cfg.cpu_us is None
+            and cfg.vms * estimate_footprint(cfg.ws_bytes, cfg.block_bytes) > cfg.mem_bytes
+        ):
             self._calibrate_before_touch()
         if cfg.touch:
             self._touch()
         # Warm-up and measurement are one zipfperf run, split by densevm's counters:
         # restarting zipfperf would abandon the warm-up's requests stuck on cold VMs,
         # whose paging then goes on while the new run's free slots race through hits.
-        doc = self._phase("load", replace(self.load, duration_s=cfg.warmup + cfg.duration), measure_from=cfg.warmup)
+        doc = self._phase(
+            "load",
+            replace(self.load, duration_s=cfg.warmup + cfg.duration),
+            measure_from=cfg.warmup,
+        )
         stats = self.dvm.stats()  # per-VM state at the end of the measurement
         window = [row for row in r.timeseries if row["phase"] == "measure"]
         self._record_measurement(doc, window[0], window[-1], stats)
         cpu_us, source = self._cpu_us()
         fault_us, fault_source = self._fault_us(cpu_us)
-        r.calibration = {"cpu_us": cpu_us, "source": source, "fault_us": fault_us, "fault_source": fault_source}
+        r.calibration = {
+            "cpu_us": cpu_us,
+            "source": source,
+            "fault_us": fault_us,
+            "fault_source": fault_source,
+        }
         if cpu_us is None:
             r.model = {"error": f"no in-core CPU cost: {source}"}
             r.warnings.append(r.model["error"])
@@ -277,10 +340,24 @@ class Run:
         r.psi["before"] = self.containment.pressure()
 
         api = self.out / "densevm.sock"
-        api.unlink(missing_ok=True)  # left by an earlier attempt at this point: densevm could not bind it
-        args = DenseVMArgs(vms=cfg.vms, addr_base=cfg.addr_base, port=cfg.port, ws=cfg.ws, mem=cfg.mem,
-                           block=cfg.block, policy=cfg.policy, disk=cfg.disk, swap=swap, api=api)
-        self.dvm = DenseVM(self.bins.densevm, args, self.out / "densevm.log", wrap=self.containment.wrap)
+        api.unlink(
+            missing_ok=True
+        )  # left by an earlier attempt at this point: densevm could not bind it
+        args = DenseVMArgs(
+            vms=cfg.vms,
+            addr_base=cfg.addr_base,
+            port=cfg.port,
+            ws=cfg.ws,
+            mem=cfg.mem,
+            block=cfg.block,
+            policy=cfg.policy,
+            disk=cfg.disk,
+            swap=swap,
+            api=api,
+        )
+        self.dvm = DenseVM(
+            self.bins.densevm, args, self.out / "densevm.log", wrap=self.containment.wrap
+        )
         stack.callback(self.dvm.stop)
         boot_timeout = 120 + 0.1 * cfg.vms
         with self.reporter.phase("boot", cfg.vms, "VMs") as update:
@@ -297,14 +374,18 @@ class Run:
         r = self.result
         try:
             r.pager = self.dvm.pager()
-        except DenseVMError as e:  # informational: a monitor without the request can still be measured
+        except (
+            DenseVMError
+        ) as e:  # informational: a monitor without the request can still be measured
             self._alive()
             r.pager = {"error": str(e)}
         pager_disk = (r.pager.get("pager") or {}).get("disk")
         diff = differences(disk_model(self.cfg.disk), pager_disk) if pager_disk else []
         if diff:
-            r.warnings.append(f"the pager's disk model differs from the performance model's "
-                              f"(disks.py): {'; '.join(diff)}")
+            r.warnings.append(
+                f"the pager's disk model differs from the performance model's "
+                f"(disks.py): {'; '.join(diff)}"
+            )
 
     # -- phases --------------------------------------------------------------
 
@@ -322,6 +403,7 @@ class Run:
         tag = name if measure_from is None else "warmup"
         self.sampler.sample(tag)
         with self.reporter.phase(name, spec.duration_s, "s") as update:
+
             def tick(elapsed: float) -> None:
                 nonlocal tag
                 update(elapsed)
@@ -329,6 +411,7 @@ class Run:
                     tag = "measure"
                     self.sampler.sample(tag)
                 self.sampler.maybe(tag)
+
             doc = run_load(self.bins.zipfperf, spec, self.out, name, tick=tick, alive=self._alive)
         self.sampler.sample(tag)
         self.result.phases[name] = summarize_load(doc)
@@ -355,17 +438,23 @@ class Run:
     def _touch_all(self) -> None:
         cfg = self.cfg
         with self.reporter.phase("touch", cfg.vms, "VMs") as update:
+
             def progress(done: int) -> None:
                 update(done)
                 self._alive()
                 self.sampler.maybe("touch")
+
             order = lru_order(cfg.vms, cfg.alpha, cfg.seed)
-            failed = touch_all(cfg.addr_base, cfg.port, order, min(cfg.concurrency, 64), cfg.timeout, progress)
+            failed = touch_all(
+                cfg.addr_base, cfg.port, order, min(cfg.concurrency, 64), cfg.timeout, progress
+            )
         self.sampler.sample("touch")
         self._alive()
         if failed:
-            self.result.warnings.append(f"{len(failed)} VM(s) did not answer the touch request "
-                                        f"(first: {', '.join(map(str, failed[:5]))})")
+            self.result.warnings.append(
+                f"{len(failed)} VM(s) did not answer the touch request "
+                f"(first: {', '.join(map(str, failed[:5]))})"
+            )
 
     def _settle(self) -> None:
         """Zipf load until the pager has swapped in SETTLE_TURNS times the VMs the budget holds
@@ -377,21 +466,36 @@ class Run:
             return  # everything fits: nothing is ever evicted
         target = int(SETTLE_TURNS * fit)
         first = self.sampler.sample("settle")
-        swapped_in = lambda: int((self.sampler.samples[-1]["swap_read_bytes"] - first["swap_read_bytes"]) / footprint)
-        spec = replace(self.load, duration_s=SETTLE_MAX_S, concurrency=max(cfg.concurrency, SETTLE_CONCURRENCY))
+        swapped_in = lambda: int(
+            (self.sampler.samples[-1]["swap_read_bytes"] - first["swap_read_bytes"]) / footprint
+        )
+        spec = replace(
+            self.load, duration_s=SETTLE_MAX_S, concurrency=max(cfg.concurrency, SETTLE_CONCURRENCY)
+        )
         with self.reporter.phase("settle", target, "swap-ins") as update:
+
             def tick(_elapsed: float) -> None:
                 self.sampler.maybe("settle")
                 update(min(swapped_in(), target))
-            doc = run_load(self.bins.zipfperf, spec, self.out, "settle", tick=tick, alive=self._alive,
-                           until=lambda: swapped_in() >= target)
+
+            doc = run_load(
+                self.bins.zipfperf,
+                spec,
+                self.out,
+                "settle",
+                tick=tick,
+                alive=self._alive,
+                until=lambda: swapped_in() >= target,
+            )
         self.sampler.sample("settle")
         done = swapped_in()
         self.result.phases["settle"] = {**summarize_load(doc), "swap_ins": done, "target": target}
         if done < target:
-            self.result.warnings.append(f"the settle phase swapped in {done} VMs in {SETTLE_MAX_S:.0f} s, not "
-                                        f"{target}: the pager's policy may start the warm-up short of its "
-                                        f"steady state")
+            self.result.warnings.append(
+                f"the settle phase swapped in {done} VMs in {SETTLE_MAX_S:.0f} s, not "
+                f"{target}: the pager's policy may start the warm-up short of its "
+                f"steady state"
+            )
 
     def _calibrate_before_touch(self) -> None:
         """The calibration phase of a run that is out of core by construction: the
@@ -405,25 +509,44 @@ class Run:
         waits for an eviction, and the phase measured 1,566 us where in core is ~100.
         """
         cfg = self.cfg
-        width = max(1, min(cfg.vms, CALIBRATION_MAX_VMS,
-                           cfg.mem_bytes // estimate_footprint(cfg.ws_bytes, cfg.block_bytes) // 4))
+        width = max(
+            1,
+            min(
+                cfg.vms,
+                CALIBRATION_MAX_VMS,
+                cfg.mem_bytes // estimate_footprint(cfg.ws_bytes, cfg.block_bytes) // 4,
+            ),
+        )
         # The window's VMs make their working sets first (zero-fill faults, no eviction), so
         # the phase is in core however slowly a loaded host serves those first requests.
-        touch_all(cfg.addr_base, cfg.port, range(width), min(cfg.concurrency, 64), cfg.timeout,
-                  lambda done: self._alive())
+        touch_all(
+            cfg.addr_base,
+            cfg.port,
+            range(width),
+            min(cfg.concurrency, 64),
+            cfg.timeout,
+            lambda done: self._alive(),
+        )
         self._phase("calibrate", self.load.window(0, width, 0.0, cfg.calibration_s))
         window = self.sampler.late_window("calibrate")
         if window is None:
             raise DenseVMError("the calibration phase served no requests")
         rps, faults_per_request = window
-        self.calibration = {"cpu_us": 1e6 / rps, "source": f"calibration phase ({width} VMs, before the touch)",
-                            "faults_per_request": faults_per_request,
-                            "paged": faults_per_request >= FAULTS_PER_REQUEST_DISK_BOUND}
+        self.calibration = {
+            "cpu_us": 1e6 / rps,
+            "source": f"calibration phase ({width} VMs, before the touch)",
+            "faults_per_request": faults_per_request,
+            "paged": faults_per_request >= FAULTS_PER_REQUEST_DISK_BOUND,
+        }
         if not self.calibration["paged"]:
-            calibration.store_cpu_us(cfg.object, self.calibration["cpu_us"], width, "calibration phase")
+            calibration.store_cpu_us(
+                cfg.object, self.calibration["cpu_us"], width, "calibration phase"
+            )
         else:
-            self.result.warnings.append(f"the calibration phase paged ({faults_per_request:.2f} faults per request): "
-                                        "its CPU cost is an overestimate and was not stored")
+            self.result.warnings.append(
+                f"the calibration phase paged ({faults_per_request:.2f} faults per request): "
+                "its CPU cost is an overestimate and was not stored"
+            )
 
     def _cpu_us(self) -> tuple[float | None, str]:
         """In-core CPU microseconds per request: --cpu-us, an in-core warm-up, this run's
@@ -443,8 +566,13 @@ class Run:
         if stored is not None:
             return stored, "stored"
         if self.calibration:
-            return self.calibration["cpu_us"], self.calibration["source"] + ", paged: an overestimate"
-        return None, "none: the warm-up paged and no calibration is stored (pass --cpu-us, or run once in core)"
+            return self.calibration["cpu_us"], self.calibration[
+                "source"
+            ] + ", paged: an overestimate"
+        return (
+            None,
+            "none: the warm-up paged and no calibration is stored (pass --cpu-us, or run once in core)",
+        )
 
     def _fault_us(self, cpu_us: float | None) -> tuple[float, str]:
         """Host microseconds per pager fault: --fault-us, this run's settle phase, the host's
@@ -465,7 +593,10 @@ class Run:
             if spare > 0:
                 fault_us = spare / (rps * faults_per_request) * 1e6
                 calibration.store_fault_us(cfg.block_bytes, fault_us, cfg.vms, "settle phase")
-                return fault_us, f"settle phase ({rps * faults_per_request:,.0f} faults/s, disk model off)"
+                return (
+                    fault_us,
+                    f"settle phase ({rps * faults_per_request:,.0f} faults/s, disk model off)",
+                )
         stored = calibration.load_fault_us(cfg.block_bytes)
         if stored is not None:
             return stored, "stored"
@@ -480,8 +611,10 @@ class Run:
         wall = after["t"] - before["t"]
         missing = [k for k in CONTRACT_TOTALS if k not in totals]
         if missing:
-            r.warnings.append(f"densevm's stats lack {', '.join(missing)} (INTERFACES.md): "
-                              "paging figures are zero and the regime is unreliable")
+            r.warnings.append(
+                f"densevm's stats lack {', '.join(missing)} (INTERFACES.md): "
+                "paging figures are zero and the regime is unreliable"
+            )
         d = {k: after[k] - before[k] for k in Sampler.KEYS if k != "resident_bytes"}
         replies = doc.get("replies", {})
         r.throughput_rps = d["requests"] / wall if wall > 0 else None
@@ -499,7 +632,9 @@ class Run:
         r.swap_read_mbps = d["swap_read_bytes"] / wall / 1e6
         r.swap_write_mbps = d["swap_write_bytes"] / wall / 1e6
         r.disk_busy = d["io_seconds"] / wall
-        r.drive = drive_usage({k: after[f"disk_{k}"] - before[f"disk_{k}"] for k in Sampler.DISK_KEYS}, wall)
+        r.drive = drive_usage(
+            {k: after[f"disk_{k}"] - before[f"disk_{k}"] for k in Sampler.DISK_KEYS}, wall
+        )
         r.fault_latency_us = totals.get("fault_latency_us", {})
         r.footprint_bytes = hot_footprint(stats.get("vms", []))
         if r.footprint_bytes and d["requests"] > 0:
@@ -510,8 +645,10 @@ class Run:
         connections = (doc.get("connections") or {}).get("total") or 0
         if self.cfg.calls_per_conn == 1 and r.replies and connections < 0.9 * r.replies:
             # Each connection is bound to one VM: Zipf then chose VMs per connection, not per request.
-            r.warnings.append(f"zipfperf reused connections ({connections} connections for {r.replies} replies): "
-                              "VMs were drawn per connection, not per request")
+            r.warnings.append(
+                f"zipfperf reused connections ({connections} connections for {r.replies} replies): "
+                "VMs were drawn per connection, not per request"
+            )
         r.phases["measure"] = {"from_s": before["t"], "to_s": after["t"], "requests": d["requests"]}
 
     def _record_model(self, cpu_us: float, bench: diskbench.DiskBench) -> None:
@@ -522,8 +659,10 @@ class Run:
         c, r = self.containment, self.result
         r.psi["after"] = c.pressure()
         if r.psi.get("before") and r.psi.get("after"):
-            r.psi["delta_total_us"] = {kind: r.psi["after"][kind]["total"] - r.psi["before"][kind]["total"]
-                                       for kind in r.psi["after"]}
+            r.psi["delta_total_us"] = {
+                kind: r.psi["after"][kind]["total"] - r.psi["before"][kind]["total"]
+                for kind in r.psi["after"]
+            }
         r.containment["memory"] = c.memory_stats()
         c.remove()
 
@@ -534,11 +673,22 @@ def apply_model(r: RunResult, cfg: RunConfig, cpu_us: float, bench: diskbench.Di
     if cfg.policy not in ("demand", "wsswap"):
         r.model = {"error": f"no model for policy {cfg.policy}"}
         return
-    p = predict(ModelInput(vms=cfg.vms, alpha=cfg.alpha, block_bytes=cfg.block_bytes,
-                           budget_bytes=cfg.mem_bytes, footprint_bytes=footprint, policy=cfg.policy,
-                           disk=disk_model(cfg.disk), cpu_s=cpu_us * 1e-6, bench=bench,
-                           fault_s=recorded_fault_us(r, cfg) * 1e-6, written_bytes=estimate_written(cfg.ws_bytes, cfg.block_bytes),
-                           swap_bytes=(r.pager.get("pager") or {}).get("swap_bytes")))
+    p = predict(
+        ModelInput(
+            vms=cfg.vms,
+            alpha=cfg.alpha,
+            block_bytes=cfg.block_bytes,
+            budget_bytes=cfg.mem_bytes,
+            footprint_bytes=footprint,
+            policy=cfg.policy,
+            disk=disk_model(cfg.disk),
+            cpu_s=cpu_us * 1e-6,
+            bench=bench,
+            fault_s=recorded_fault_us(r, cfg) * 1e-6,
+            written_bytes=estimate_written(cfg.ws_bytes, cfg.block_bytes),
+            swap_bytes=(r.pager.get("pager") or {}).get("swap_bytes"),
+        )
+    )
     r.model = p.as_dict()
     r.model["footprint_source"] = "measured" if r.footprint_bytes else "estimated"
     r.model_rps = p.model_rps
@@ -578,6 +728,8 @@ def _raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def run(cfg: RunConfig, reporter: Reporter | None = None, bins: Binaries | None = None) -> RunResult:
+def run(
+    cfg: RunConfig, reporter: Reporter | None = None, bins: Binaries | None = None
+) -> RunResult:
     """Library entry: one validated configuration, one result."""
     return Run(cfg, bins or Binaries.find(), reporter).execute()

@@ -1,4 +1,5 @@
 """The short human summary printed after a run."""
+
 from __future__ import annotations
 
 from .result import RunResult
@@ -11,8 +12,10 @@ def _num(x: float | None, fmt: str = "{:,.0f}") -> str:
 
 def summary(r: RunResult) -> str:
     c = r.config
-    lines = [f"scalebench {r.status}: {c['vms']} VMs, alpha {c['alpha']}, block {c['block']}, "
-             f"mem {c['mem']}, policy {c['policy']}, disk {c['disk']}, {c['object']} object"]
+    lines = [
+        f"scalebench {r.status}: {c['vms']} VMs, alpha {c['alpha']}, block {c['block']}, "
+        f"mem {c['mem']}, policy {c['policy']}, disk {c['disk']}, {c['object']} object"
+    ]
     if r.error:
         lines.append(f"  error:       {r.error}")
     lat = r.latency_ms or {}
@@ -22,21 +25,33 @@ def summary(r: RunResult) -> str:
         f"  memory:      resident {_num(r.resident_bytes and r.resident_bytes / MIB)} MiB of "
         f"{_num(r.budget_bytes and r.budget_bytes / MIB)} MiB budget   boot {_num(r.boot_seconds, '{:.2f}')} s",
         f"  paging:      {_num(r.faults_per_s)} faults/s   swap in {_num(r.swap_read_mbps, '{:.1f}')} MB/s, "
-        f"out {_num(r.swap_write_mbps, '{:.1f}')} MB/s" +
-        (f"   modeled drive busy {r.drive['utilization']:.0%}, {r.drive['positioning_ms']:.1f} ms a seek"
-         if r.drive else ""),
-        f"  regime:      {r.regime or 'n/a'}" + (f"   hit ratio {r.hit_ratio:.3f} (resident VMs draw "
-                                                 f"{r.resident_mass:.3f} of requests)" if r.hit_ratio is not None else ""),
+        f"out {_num(r.swap_write_mbps, '{:.1f}')} MB/s"
+        + (
+            f"   modeled drive busy {r.drive['utilization']:.0%}, {r.drive['positioning_ms']:.1f} ms a seek"
+            if r.drive
+            else ""
+        ),
+        f"  regime:      {r.regime or 'n/a'}"
+        + (
+            f"   hit ratio {r.hit_ratio:.3f} (resident VMs draw {r.resident_mass:.3f} of requests)"
+            if r.hit_ratio is not None
+            else ""
+        ),
     ]
     m = r.model or {}
     if m.get("model_rps") is not None:
-        lines.append(f"  model:       {_num(m['model_rps'])} requests/s ({m['regime']}; hit ratio "
-                     f"{m['hit_ratio']:.3f}, {m['cache_vms']} VMs fit, cliff at {m['cliff_vms']}, miss {m['miss_s'] * 1e3:.1f} ms, "
-                     f"cpu {m['cpu_us']:.0f} us/request from {r.calibration.get('source')})   "
-                     f"measured/model {_num(r.measured_over_model, '{:.2f}')}")
+        lines.append(
+            f"  model:       {_num(m['model_rps'])} requests/s ({m['regime']}; hit ratio "
+            f"{m['hit_ratio']:.3f}, {m['cache_vms']} VMs fit, cliff at {m['cliff_vms']}, miss {m['miss_s'] * 1e3:.1f} ms, "
+            f"cpu {m['cpu_us']:.0f} us/request from {r.calibration.get('source')})   "
+            f"measured/model {_num(r.measured_over_model, '{:.2f}')}"
+        )
     for warning in [(r.containment or {}).get("warning"), *r.warnings]:
         if warning:
             lines.append(f"  warning:     {warning}")
     if r.files.get("result"):
-        lines.append(f"  result:      {r.files['result']}" + (f"   plot: {r.files['plot']}" if r.files.get("plot") else ""))
+        lines.append(
+            f"  result:      {r.files['result']}"
+            + (f"   plot: {r.files['plot']}" if r.files.get("plot") else "")
+        )
     return "\n".join(lines)

@@ -7,6 +7,7 @@ DIR/points/<key>/result.json as soon as it finishes; a sweep started again on
 the same DIR skips every point whose stored result has status "ok", so an
 interrupted sweep continues where it stopped.
 """
+
 from __future__ import annotations
 
 import csv
@@ -14,11 +15,12 @@ import itertools
 import json
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
-from .checks import KINDS as CHECK_KINDS, CheckSpec, run_checks
+from .checks import KINDS as CHECK_KINDS
+from .checks import CheckSpec, run_checks
 from .config import ConfigError, RunConfig, validate
 from .progress import Reporter
 from .result import RunResult, now_iso
@@ -27,10 +29,28 @@ from .tables import cliff_rows
 SWEEP_SCHEMA = "scalebench.sweep/1"
 PLOT_KINDS = ("line", "cliff")
 PER_RUN_ONLY = {"out", "json", "labels"}  # set by the sweep itself, not by experiment files
-CSV_METRICS = ("status", "throughput_rps", "model_rps", "measured_over_model", "regime", "model_regime",
-               "latency_p50_ms", "latency_p99_ms", "errors", "boot_seconds", "resident_bytes", "budget_bytes",
-               "footprint_bytes", "faults_per_s", "swap_read_mbps", "swap_write_mbps", "hit_ratio",
-               "cliff_vms", "model_cpu_us", "error")
+CSV_METRICS = (
+    "status",
+    "throughput_rps",
+    "model_rps",
+    "measured_over_model",
+    "regime",
+    "model_regime",
+    "latency_p50_ms",
+    "latency_p99_ms",
+    "errors",
+    "boot_seconds",
+    "resident_bytes",
+    "budget_bytes",
+    "footprint_bytes",
+    "faults_per_s",
+    "swap_read_mbps",
+    "swap_write_mbps",
+    "hit_ratio",
+    "cliff_vms",
+    "model_cpu_us",
+    "error",
+)
 
 
 @dataclass(frozen=True)
@@ -39,7 +59,7 @@ class PlotSpec:
     x: str
     y: list[str] = field(default_factory=list)  # not used by "cliff" plots
     series: list[str] = field(default_factory=list)
-    kind: str = "line"        # "line": y against x; "cliff": cliff position (over vms) against x
+    kind: str = "line"  # "line": y against x; "cliff": cliff position (over vms) against x
     logx: bool = False
     logy: bool = False
     title: str = ""
@@ -54,7 +74,7 @@ class Experiment:
     plots: list[PlotSpec]
     checks: list[CheckSpec] = field(default_factory=list)
 
-    def restricted(self, only: list[str]) -> "Experiment":
+    def restricted(self, only: list[str]) -> Experiment:
         """The experiment with its grid cut to the `KEY=VALUE` settings given (sweep --only).
 
         Point keys stay those of the whole grid, so a later run of the whole file keeps
@@ -63,15 +83,19 @@ class Experiment:
         for item in only:
             key, sep, value = item.partition("=")
             if not sep or key not in grid:
-                raise ConfigError(f"--only {item}: expected KEY=VALUE with KEY one of the grid's "
-                                  f"({', '.join(grid)})")
+                raise ConfigError(
+                    f"--only {item}: expected KEY=VALUE with KEY one of the grid's "
+                    f"({', '.join(grid)})"
+                )
             kept = [v for v in grid[key] if str(v) == value]
             if not kept:
-                raise ConfigError(f"--only {item}: {key} takes {', '.join(map(str, grid[key]))} in this experiment")
+                raise ConfigError(
+                    f"--only {item}: {key} takes {', '.join(map(str, grid[key]))} in this experiment"
+                )
             grid[key] = kept
         return replace(self, grid=grid)
 
-    def overridden(self, settings: list[str]) -> "Experiment":
+    def overridden(self, settings: list[str]) -> Experiment:
         """The experiment with `KEY=VALUE` settings replacing its [base] ones (sweep --set).
 
         VALUE is read as a TOML value where it is one (30, 1.5, true, "x") and as a string
@@ -82,10 +106,14 @@ class Experiment:
         for item in settings:
             key, sep, text = item.partition("=")
             if not sep or key not in allowed:
-                raise ConfigError(f"--set {item}: expected KEY=VALUE with KEY a run setting "
-                                  f"({', '.join(sorted(allowed))})")
+                raise ConfigError(
+                    f"--set {item}: expected KEY=VALUE with KEY a run setting "
+                    f"({', '.join(sorted(allowed))})"
+                )
             if key in self.grid:
-                raise ConfigError(f"--set {item}: {key} is a grid axis of this experiment; use --only")
+                raise ConfigError(
+                    f"--set {item}: {key} is a grid axis of this experiment; use --only"
+                )
             try:
                 changes[key] = tomllib.loads(f"v = {text}")["v"]
             except tomllib.TOMLDecodeError:
@@ -109,7 +137,9 @@ class Experiment:
         for values in itertools.product(*(self.grid[n] for n in names)):
             changes = dict(zip(names, values))
             key = ",".join(f"{n}={v}" for n, v in changes.items()) or "base"
-            out.append((key, self.base.with_(**changes, labels={"point": key, "experiment": self.name})))
+            out.append(
+                (key, self.base.with_(**changes, labels={"point": key, "experiment": self.name}))
+            )
         return out
 
 
@@ -126,22 +156,34 @@ def load_experiment(path: Path) -> Experiment:
     for table, keys in (("base", base), ("grid", grid)):
         unknown = set(keys) - allowed
         if unknown:
-            raise ConfigError(f"{path}: unknown setting(s) in [{table}]: {', '.join(sorted(unknown))}")
+            raise ConfigError(
+                f"{path}: unknown setting(s) in [{table}]: {', '.join(sorted(unknown))}"
+            )
     bad = [k for k, v in grid.items() if not isinstance(v, list) or not v]
     if bad:
         raise ConfigError(f"{path}: [grid] values must be non-empty lists: {', '.join(bad)}")
     try:
         plots = [PlotSpec(**p) for p in doc.get("plot", [])]
         checks = [CheckSpec(**c) for c in doc.get("check", [])]
-        exp = Experiment(doc.get("name", Path(path).stem), doc.get("title", ""), RunConfig(**base), grid, plots,
-                         checks)
+        exp = Experiment(
+            doc.get("name", Path(path).stem),
+            doc.get("title", ""),
+            RunConfig(**base),
+            grid,
+            plots,
+            checks,
+        )
     except TypeError as e:
         raise ConfigError(f"{path}: {e}") from None
-    for what, kinds, known in (("plot", {p.kind for p in plots}, PLOT_KINDS),
-                               ("check", {c.kind for c in checks}, CHECK_KINDS)):
+    for what, kinds, known in (
+        ("plot", {p.kind for p in plots}, PLOT_KINDS),
+        ("check", {c.kind for c in checks}, CHECK_KINDS),
+    ):
         if kinds - set(known):
-            raise ConfigError(f"{path}: unknown {what} kind(s) {', '.join(sorted(kinds - set(known)))} "
-                              f"(known: {', '.join(known)})")
+            raise ConfigError(
+                f"{path}: unknown {what} kind(s) {', '.join(sorted(kinds - set(known)))} "
+                f"(known: {', '.join(known)})"
+            )
     exp.validate(f"{path}: ")
     return exp
 
@@ -156,11 +198,20 @@ def csv_row(key: str, doc: dict) -> dict:
     lat = doc.get("latency_ms") or {}
     row = {"point": key, **{k: v for k, v in doc["config"].items() if k not in ("labels",)}}
     row.update({m: doc.get(m) for m in CSV_METRICS})
-    row.update(latency_p50_ms=lat.get("p50"), latency_p99_ms=lat.get("p99"), model_regime=model.get("regime"),
-               hit_ratio=model.get("hit_ratio"), cliff_vms=model.get("cliff_vms"), model_cpu_us=model.get("cpu_us"))
+    row.update(
+        latency_p50_ms=lat.get("p50"),
+        latency_p99_ms=lat.get("p99"),
+        model_regime=model.get("regime"),
+        hit_ratio=model.get("hit_ratio"),
+        cliff_vms=model.get("cliff_vms"),
+        model_cpu_us=model.get("cpu_us"),
+    )
     host = doc.get("host") or {}
-    row.update(host=host.get("hostname"), host_kind=host.get("kind"),
-               retried=bool((doc.get("placement") or {}).get("retried")))
+    row.update(
+        host=host.get("hostname"),
+        host_kind=host.get("kind"),
+        retried=bool((doc.get("placement") or {}).get("retried")),
+    )
     return row
 
 
@@ -188,19 +239,32 @@ def write_csv(rows: list[dict], path: Path) -> None:
         w = csv.DictWriter(f, columns)
         w.writeheader()
         # Six significant digits: more is float noise (99.99999999999999 for 100).
-        w.writerows({k: f"{v:.6g}" if isinstance(v, float) else v for k, v in r.items()} for r in rows)
+        w.writerows(
+            {k: f"{v:.6g}" if isinstance(v, float) else v for k, v in r.items()} for r in rows
+        )
 
 
 PointRunner = Callable[[RunConfig], RunResult]
 
 
-def pending_points(exp: Experiment, out_dir: Path, reporter: Reporter) -> list[tuple[int, str, RunConfig]]:
+def pending_points(
+    exp: Experiment, out_dir: Path, reporter: Reporter
+) -> list[tuple[int, str, RunConfig]]:
     """Start (or resume) a sweep in out_dir: (index, key, config) of every point not done yet."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "experiment.json").write_text(json.dumps(
-        {"name": exp.name, "title": exp.title, "grid": exp.grid, "base": exp.base.as_dict()}, indent=2, default=str))
+    (out_dir / "experiment.json").write_text(
+        json.dumps(
+            {"name": exp.name, "title": exp.title, "grid": exp.grid, "base": exp.base.as_dict()},
+            indent=2,
+            default=str,
+        )
+    )
     points = exp.points()
-    todo = [(i, key, cfg) for i, (key, cfg) in enumerate(points) if _status(point_record(out_dir, key)) != "ok"]
+    todo = [
+        (i, key, cfg)
+        for i, (key, cfg) in enumerate(points)
+        if _status(point_record(out_dir, key)) != "ok"
+    ]
     if len(todo) < len(points):
         reporter.note(f"{len(points) - len(todo)} of {len(points)} point(s) already done: kept")
     return todo
@@ -211,7 +275,9 @@ def point_record(out_dir: Path, key: str) -> Path:
     return out_dir / "points" / slug(key) / "result.json"
 
 
-def run_sweep(exp: Experiment, out_dir: Path, point_runner: PointRunner, reporter: Reporter | None = None) -> dict:
+def run_sweep(
+    exp: Experiment, out_dir: Path, point_runner: PointRunner, reporter: Reporter | None = None
+) -> dict:
     """Run every point not already done, then write results.csv, plots and sweep.json.
 
     Returns the sweep document (schema scalebench.sweep/1).
@@ -246,12 +312,15 @@ def _status(record: Path) -> str | None:
 def finish_sweep(exp: Experiment, out_dir: Path) -> dict:
     """results.csv, the plots, checks.csv and sweep.json from the stored point results."""
     from .plots import line_plot  # matplotlib is slow to import
+
     docs: dict[str, dict] = {}
     for key, _ in exp.points():
         record = point_record(out_dir, key)
         if record.exists():
             doc = json.loads(record.read_text())
-            doc.pop("timeseries", None)  # kept in the point's own file; too big for the sweep document
+            doc.pop(
+                "timeseries", None
+            )  # kept in the point's own file; too big for the sweep document
             docs[key] = doc
     rows = [csv_row(k, d) for k, d in docs.items()]
     write_csv(rows, out_dir / "results.csv")
@@ -260,16 +329,41 @@ def finish_sweep(exp: Experiment, out_dir: Path) -> dict:
         if spec.kind == "cliff":
             table = cliff_rows(rows, [spec.x, *spec.series])
             write_csv(table, out_dir / f"{spec.name}.csv")
-            line_plot(table, spec.x, ["measured_cliff_vms", "model_cliff_vms"], spec.series,
-                      out_dir / f"{spec.name}.png", title, spec.logx, spec.logy, "cliff position (VMs)")
+            line_plot(
+                table,
+                spec.x,
+                ["measured_cliff_vms", "model_cliff_vms"],
+                spec.series,
+                out_dir / f"{spec.name}.png",
+                title,
+                spec.logx,
+                spec.logy,
+                "cliff position (VMs)",
+            )
         else:
-            line_plot([r for r in rows if r.get("status") == "ok"], spec.x, spec.y, spec.series,
-                      out_dir / f"{spec.name}.png", title, spec.logx, spec.logy)
+            line_plot(
+                [r for r in rows if r.get("status") == "ok"],
+                spec.x,
+                spec.y,
+                spec.series,
+                out_dir / f"{spec.name}.png",
+                title,
+                spec.logx,
+                spec.logy,
+            )
     if exp.checks:
         write_csv(run_checks(exp.checks, rows), out_dir / "checks.csv")
     hosts = hosts_by_kind(docs)
     warnings = [mixed_hosts_warning(hosts)] if len(hosts) > 1 else []
-    doc = {"schema": SWEEP_SCHEMA, "name": exp.name, "title": exp.title, "written_at": now_iso(),
-           "grid": exp.grid, "hosts": hosts, "warnings": warnings, "points": docs}
+    doc = {
+        "schema": SWEEP_SCHEMA,
+        "name": exp.name,
+        "title": exp.title,
+        "written_at": now_iso(),
+        "grid": exp.grid,
+        "hosts": hosts,
+        "warnings": warnings,
+        "points": docs,
+    }
     (out_dir / "sweep.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
     return doc

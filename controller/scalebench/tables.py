@@ -1,4 +1,5 @@
 """Tables derived from a sweep's rows (CSV-like dicts): groups and cliff positions."""
+
 from __future__ import annotations
 
 import statistics
@@ -21,8 +22,10 @@ def cliff_rows(rows: list[dict], series: list[str]) -> list[dict]:
     best throughput at fewer VMs, interpolated linearly between the two grid
     points around the crossing. None when it never falls.
     """
-    groups = group_by([r for r in rows if r.get("status") == "ok" and r.get("throughput_rps") not in (None, "")],
-                      series)
+    groups = group_by(
+        [r for r in rows if r.get("status") == "ok" and r.get("throughput_rps") not in (None, "")],
+        series,
+    )
     out = []
     for key, group in groups.items():
         group.sort(key=lambda r: int(r["vms"]))
@@ -37,6 +40,12 @@ def cliff_rows(rows: list[dict], series: list[str]) -> list[dict]:
                 break
         models = [float(r["cliff_vms"]) for r in group if r.get("cliff_vms") not in (None, "")]
         model = statistics.median(models) if models else None
-        out.append({**dict(zip(series, key)), "measured_cliff_vms": measured, "model_cliff_vms": model,
-                    "measured_over_model": measured / model if measured and model else None})
+        out.append(
+            {
+                **dict(zip(series, key)),
+                "measured_cliff_vms": measured,
+                "model_cliff_vms": model,
+                "measured_over_model": measured / model if measured and model else None,
+            }
+        )
     return out

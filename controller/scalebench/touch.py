@@ -21,12 +21,13 @@ then a sample of the LRU steady state the model assumes. The pager's clock
 needs one more turn of its hand to reach its own steady state: the run's
 settle phase that follows (runner.py).
 """
+
 from __future__ import annotations
 
 import ipaddress
 import socket
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -51,8 +52,14 @@ def touch_one(addr: str, port: int, timeout_s: float) -> bool:
                     return False
                 data += chunk
             head, body = data.split(b"\r\n\r\n", 1)
-            length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")[1:]
-                           if line.lower().startswith(b"content-length:")), 0)
+            length = next(
+                (
+                    int(line.split(b":", 1)[1])
+                    for line in head.split(b"\r\n")[1:]
+                    if line.lower().startswith(b"content-length:")
+                ),
+                0,
+            )
             while len(body) < length:
                 chunk = s.recv(65536)
                 if not chunk:
@@ -74,8 +81,14 @@ def lru_order(vms: int, alpha: float, seed: int) -> list[int]:
     return never + [int(i) for i in seen[np.argsort(last[seen])]]
 
 
-def touch_all(addr_base: str, port: int, order: Sequence[int], parallel: int, timeout_s: float,
-              progress: Callable[[int], None] = lambda done: None) -> list[int]:
+def touch_all(
+    addr_base: str,
+    port: int,
+    order: Sequence[int],
+    parallel: int,
+    timeout_s: float,
+    progress: Callable[[int], None] = lambda done: None,
+) -> list[int]:
     """Request each VM of `order` once, `parallel` at a time; returns the VMs that did not answer."""
     base = ipaddress.IPv4Address(addr_base)
     failed: list[int] = []

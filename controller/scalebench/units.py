@@ -1,12 +1,27 @@
 """Byte sizes as the CLI and experiment files write them ("32k", "1G", "896K")."""
+
 from __future__ import annotations
 
 KIB = 1024
 MIB = 1024 * KIB
 GIB = 1024 * MIB
 
-_SUFFIX = {"": 1, "b": 1, "k": KIB, "kb": KIB, "kib": KIB, "m": MIB, "mb": MIB, "mib": MIB,
-           "g": GIB, "gb": GIB, "gib": GIB, "t": 1024 * GIB, "tb": 1024 * GIB, "tib": 1024 * GIB}
+_SUFFIX = {
+    "": 1,
+    "b": 1,
+    "k": KIB,
+    "kb": KIB,
+    "kib": KIB,
+    "m": MIB,
+    "mb": MIB,
+    "mib": MIB,
+    "g": GIB,
+    "gb": GIB,
+    "gib": GIB,
+    "t": 1024 * GIB,
+    "tb": 1024 * GIB,
+    "tib": 1024 * GIB,
+}
 
 
 def parse_size(text: str | int) -> int:

@@ -3,6 +3,7 @@
 Byte i of either object is PATTERN[i % 4096], where
 PATTERN[k] = ALPHABET[(k + k // 64) % 64] and ALPHABET is A-Z, a-z, 0-9, '+', '/'.
 """
+
 from __future__ import annotations
 
 import string

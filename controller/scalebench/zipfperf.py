@@ -7,6 +7,7 @@ connections would repeat the same VM instead of drawing a new one per request,
 and in the disk-bound regime a connection stuck on a cold VM would hold its
 slot for all its calls. `calls_per_conn` > 1 is available for in-core studies.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -41,20 +42,47 @@ class LoadSpec:
     timeout_s: float
 
     def argv(self, binary: Path, json_path: Path) -> list[str]:
-        return [str(binary), "--targets", str(self.targets), "--addr-base", self.addr_base,
-                "--port", str(self.port), "--alpha", repr(self.alpha), "--seed", str(self.seed),
-                "--concurrency", str(self.concurrency), "--duration", repr(self.duration_s),
-                "--num-calls", str(self.calls_per_conn), "--uri", self.uri, "--timeout", repr(self.timeout_s),
-                "--json", str(json_path)]
+        return [
+            str(binary),
+            "--targets",
+            str(self.targets),
+            "--addr-base",
+            self.addr_base,
+            "--port",
+            str(self.port),
+            "--alpha",
+            repr(self.alpha),
+            "--seed",
+            str(self.seed),
+            "--concurrency",
+            str(self.concurrency),
+            "--duration",
+            repr(self.duration_s),
+            "--num-calls",
+            str(self.calls_per_conn),
+            "--uri",
+            self.uri,
+            "--timeout",
+            repr(self.timeout_s),
+            "--json",
+            str(json_path),
+        ]
 
-    def window(self, first: int, targets: int, alpha: float, duration_s: float) -> "LoadSpec":
+    def window(self, first: int, targets: int, alpha: float, duration_s: float) -> LoadSpec:
         """The same load aimed at VMs first..first+targets-1 only (the calibration phase)."""
         base = str(ipaddress.IPv4Address(self.addr_base) + first)
         return replace(self, targets=targets, addr_base=base, alpha=alpha, duration_s=duration_s)
 
 
-def run_load(binary: Path, spec: LoadSpec, workdir: Path, name: str, tick=lambda elapsed: None,
-             alive=lambda: None, until=lambda: False) -> dict:
+def run_load(
+    binary: Path,
+    spec: LoadSpec,
+    workdir: Path,
+    name: str,
+    tick=lambda elapsed: None,
+    alive=lambda: None,
+    until=lambda: False,
+) -> dict:
     """Run one phase to completion and return zipfperf's JSON document.
 
     tick(elapsed_s) is called about ten times a second for progress; alive() is
@@ -85,7 +113,9 @@ def run_load(binary: Path, spec: LoadSpec, workdir: Path, name: str, tick=lambda
     code = child.poll()
     if code != 0:
         lines = log_path.read_text(errors="replace").strip().splitlines()
-        raise ZipfperfError(f"zipfperf ({name}) exited with status {code}: {lines[-1] if lines else '(no output)'}")
+        raise ZipfperfError(
+            f"zipfperf ({name}) exited with status {code}: {lines[-1] if lines else '(no output)'}"
+        )
     try:
         return json.loads(json_path.read_text())
     except (OSError, ValueError) as e:

@@ -12,6 +12,7 @@ fault at 4,000 VMs stays within 1.5x of that at 250, at >= 5,000 faults/s.
 
 Usage: experiments/bench/cells_scaling.py [--vms 250,4000] [--cell-vms 250] [--window 30] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,9 +71,29 @@ def tree_cpu(pid: int) -> tuple[float, float]:
 
 def zipfperf(vms: int, addr_base: str, seconds: float, alpha: float) -> dict:
     out = subprocess.run(
-        [str(ZIPFPERF), "--targets", str(vms), "--addr-base", addr_base, "--port", "8080", "--alpha", str(alpha),
-         "--concurrency", "64", "--num-calls", "1", "--duration", str(seconds), "--json", "-"],
-        capture_output=True, text=True, check=True)
+        [
+            str(ZIPFPERF),
+            "--targets",
+            str(vms),
+            "--addr-base",
+            addr_base,
+            "--port",
+            "8080",
+            "--alpha",
+            str(alpha),
+            "--concurrency",
+            "64",
+            "--num-calls",
+            "1",
+            "--duration",
+            str(seconds),
+            "--json",
+            "-",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout)
 
 
@@ -81,9 +102,31 @@ def measure(vms: int, cell_vms: int, window: float, workdir: Path, addr_base: st
     api = workdir / f"densevm-{vms}.sock"
     load_before = os.getloadavg()[0]
     proc = subprocess.Popen(
-        [str(DENSEVM), "serve", "--vms", str(vms), "--cell-vms", str(cell_vms), "--addr-base", addr_base,
-         "--api", str(api), "--mem", str(budget), "--block", "32k", "--disk", "none", "--boot-timeout", "600"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir)
+        [
+            str(DENSEVM),
+            "serve",
+            "--vms",
+            str(vms),
+            "--cell-vms",
+            str(cell_vms),
+            "--addr-base",
+            addr_base,
+            "--api",
+            str(api),
+            "--mem",
+            str(budget),
+            "--block",
+            "32k",
+            "--disk",
+            "none",
+            "--boot-timeout",
+            "600",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=workdir,
+    )
     try:
         line = proc.stdout.readline()
         if not line:
@@ -105,8 +148,19 @@ def measure(vms: int, cell_vms: int, window: float, workdir: Path, addr_base: st
     user = cpu_after[0] - cpu_before[0]
     kernel = cpu_after[1] - cpu_before[1]
     per = 1e6 / max(faults, 1)
-    return Point(vms, cell_vms, ready.get("cells", 1), ready["boot_seconds"], faults, faults / elapsed,
-                 (user + kernel) * per, kernel * per, user * per, load["replies"]["rate"], load_before)
+    return Point(
+        vms,
+        cell_vms,
+        ready.get("cells", 1),
+        ready["boot_seconds"],
+        faults,
+        faults / elapsed,
+        (user + kernel) * per,
+        kernel * per,
+        user * per,
+        load["replies"]["rate"],
+        load_before,
+    )
 
 
 def main() -> None:
@@ -122,10 +176,13 @@ def main() -> None:
             for vms in (int(n) for n in args.vms.split(",")):
                 point = measure(vms, cell_vms, args.window, Path(tmp), "127.3.0.0")
                 points.append(point)
-                print(f"{vms:>6} VMs  cells of {cell_vms:>4} ({point.cells:>3}): {point.faults_per_s:>8,.0f} faults/s  "
-                      f"CPU/fault {point.cpu_us_per_fault:6.0f} us (kernel {point.kernel_us_per_fault:5.0f}, "
-                      f"user {point.user_us_per_fault:5.0f})  {point.requests_per_s:>7,.0f} req/s  "
-                      f"boot {point.boot_seconds:5.1f} s  load {point.load_before:.1f}", flush=True)
+                print(
+                    f"{vms:>6} VMs  cells of {cell_vms:>4} ({point.cells:>3}): {point.faults_per_s:>8,.0f} faults/s  "
+                    f"CPU/fault {point.cpu_us_per_fault:6.0f} us (kernel {point.kernel_us_per_fault:5.0f}, "
+                    f"user {point.user_us_per_fault:5.0f})  {point.requests_per_s:>7,.0f} req/s  "
+                    f"boot {point.boot_seconds:5.1f} s  load {point.load_before:.1f}",
+                    flush=True,
+                )
     by_cells: dict[int, list[Point]] = {}
     for p in points:
         by_cells.setdefault(p.cell_vms, []).append(p)
@@ -133,8 +190,10 @@ def main() -> None:
         small, large = min(group, key=lambda p: p.vms), max(group, key=lambda p: p.vms)
         if small is not large:
             ratio = large.kernel_us_per_fault / small.kernel_us_per_fault
-            print(f"cells of {cell_vms}: kernel CPU per fault at {large.vms} VMs / at {small.vms} VMs = {ratio:.2f} "
-                  f"(target <= 1.5); faults/s at {large.vms} = {large.faults_per_s:,.0f} (target >= 5,000)")
+            print(
+                f"cells of {cell_vms}: kernel CPU per fault at {large.vms} VMs / at {small.vms} VMs = {ratio:.2f} "
+                f"(target <= 1.5); faults/s at {large.vms} = {large.faults_per_s:,.0f} (target >= 5,000)"
+            )
     if args.json:
         args.json.write_text(json.dumps([asdict(p) for p in points], indent=2))
 

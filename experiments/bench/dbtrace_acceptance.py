@@ -31,6 +31,7 @@ machine shifts the throughputs.
         [--clients 8] [--heavy-clients 16] [--memory MIB] [--rounds 2]
         [--sections 1,2,3] [--dilate [F]] [--overhead-disk hdd15k] [--window 30] [--out DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,17 +56,30 @@ from scalebench.db.workload import run_workload  # noqa: E402
 
 def run_one(conn, image, opts: RunOptions) -> RunResult:  # type: ignore[no-untyped-def]
     opts.out_dir.mkdir(parents=True, exist_ok=True)
-    config = GuestConfig(image=image, run_dir=opts.out_dir, disk=opts.disk, trace=opts.trace,
-                         memory_mib=opts.memory_mib, dilate=opts.dilate, dilation=opts.dilation)
+    config = GuestConfig(
+        image=image,
+        run_dir=opts.out_dir,
+        disk=opts.disk,
+        trace=opts.trace,
+        memory_mib=opts.memory_mib,
+        dilate=opts.dilate,
+        dilation=opts.dilation,
+    )
     with DbGuest(config, conn) as guest:
         result = run_on_guest(guest, opts, opts.out_dir)
     tp = result.throughput
     m = result.metrics
-    extra = (f" reads {m.read_share * 100:5.1f}% of sectors, {m.regions_per_1000:6.1f} MiB-regions/1k req"
-             if m else "")
+    extra = (
+        f" reads {m.read_share * 100:5.1f}% of sectors, {m.regions_per_1000:6.1f} MiB-regions/1k req"
+        if m
+        else ""
+    )
     dilation = f" dilated x{result.dilation:4.1f}" if opts.dilate else ""
-    print(f"  {opts.workload:5} {opts.mix:11} disk {opts.disk:6}{dilation} trace {'on ' if opts.trace else 'off'} "
-          f"c{opts.clients:<3} {tp.per_minute:8.1f} {tp.per_minute_label}{extra}", flush=True)
+    print(
+        f"  {opts.workload:5} {opts.mix:11} disk {opts.disk:6}{dilation} trace {'on ' if opts.trace else 'off'} "
+        f"c{opts.clients:<3} {tp.per_minute:8.1f} {tp.per_minute_label}{extra}",
+        flush=True,
+    )
     return result
 
 
@@ -82,17 +96,38 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=15.0)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--heavy-clients", type=int, default=16)
-    parser.add_argument("--memory", type=int, default=RunOptions.memory_mib, help="guest memory in MiB")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved repetitions in sections 1-3")
-    parser.add_argument("--sections", default="1,2,3", help="which of sections 1-3 to run (4 comes with 1)")
-    parser.add_argument("--dilate", nargs="?", type=float, const=0.0, metavar="F",
-                        help="section 2: time-dilate the disk models by F, or by the CPU slowdown the first "
-                             "run measures")
-    parser.add_argument("--overhead-disk", default="hdd15k", choices=DISKS,
-                        help="section 3's disk model (tracing off: our NBD server applies it without recording)")
-    parser.add_argument("--window", type=float, default=30.0, help="section 3: seconds of each on or off window")
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / time.strftime("dbtrace-acceptance-%Y%m%d-%H%M%S",
-                                                                                   time.gmtime()))
+    parser.add_argument(
+        "--memory", type=int, default=RunOptions.memory_mib, help="guest memory in MiB"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="interleaved repetitions in sections 1-3"
+    )
+    parser.add_argument(
+        "--sections", default="1,2,3", help="which of sections 1-3 to run (4 comes with 1)"
+    )
+    parser.add_argument(
+        "--dilate",
+        nargs="?",
+        type=float,
+        const=0.0,
+        metavar="F",
+        help="section 2: time-dilate the disk models by F, or by the CPU slowdown the first "
+        "run measures",
+    )
+    parser.add_argument(
+        "--overhead-disk",
+        default="hdd15k",
+        choices=DISKS,
+        help="section 3's disk model (tracing off: our NBD server applies it without recording)",
+    )
+    parser.add_argument(
+        "--window", type=float, default=30.0, help="section 3: seconds of each on or off window"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "runs" / time.strftime("dbtrace-acceptance-%Y%m%d-%H%M%S", time.gmtime()),
+    )
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, not {args.rounds}")
@@ -100,13 +135,23 @@ def main() -> int:
         parser.error(f"--dilate must be at least 1, not {args.dilate}")
     signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit("dbtrace_acceptance: terminated"))
     image = ensure_image()
-    base = RunOptions(workload="tpcc", mix="standard", clients=args.clients, duration_s=args.duration,
-                      disk="hdd15k", warmup_s=args.warmup, out_dir=args.out, memory_mib=args.memory)
+    base = RunOptions(
+        workload="tpcc",
+        mix="standard",
+        clients=args.clients,
+        duration_s=args.duration,
+        disk="hdd15k",
+        warmup_s=args.warmup,
+        out_dir=args.out,
+        memory_mib=args.memory,
+    )
 
     def opts(workload: str, mix: str, **kw: object) -> RunOptions:
         o = replace(base, workload=workload, mix=mix, **kw)  # type: ignore[arg-type]
-        tag = (f"{o.workload}-{o.mix}-{o.disk}{'-dilated' if o.dilate else ''}-c{o.clients}-"
-               f"{'trace' if o.trace else 'notrace'}-s{o.seed}")
+        tag = (
+            f"{o.workload}-{o.mix}-{o.disk}{'-dilated' if o.dilate else ''}-c{o.clients}-"
+            f"{'trace' if o.trace else 'notrace'}-s{o.seed}"
+        )
         return replace(o, out_dir=args.out / tag)
 
     sections = {int(x) for x in args.sections.split(",")}
@@ -116,29 +161,56 @@ def main() -> int:
     with Libvirt() as lv:
         if 1 in sections:
             print("1. qualitative findings (disk hdd15k):", flush=True)
-            for key, (w, m) in {"rubis-browsing": ("rubis", "browsing"), "rubis-highbidding": ("rubis", "highbidding"),
-                                "tpcc-standard": ("tpcc", "standard"),
-                                "tpcc-highwrite": ("tpcc", "highwrite")}.items():
+            for key, (w, m) in {
+                "rubis-browsing": ("rubis", "browsing"),
+                "rubis-highbidding": ("rubis", "highbidding"),
+                "tpcc-standard": ("tpcc", "standard"),
+                "tpcc-highwrite": ("tpcc", "highwrite"),
+            }.items():
                 results[key] = run_one(lv.conn, image, opts(w, m))
             for rep in rounds:
                 for mix in ("browsing", "ordering"):
-                    results[f"tpcw-{mix}-{rep}"] = run_one(lv.conn, image, opts("tpcw", mix, seed=rep))
+                    results[f"tpcw-{mix}-{rep}"] = run_one(
+                        lv.conn, image, opts("tpcw", mix, seed=rep)
+                    )
         if 2 in sections:
             dilate = args.dilate is not None
-            print(f"2. TPC-C standard, heavy load ({args.heavy_clients} clients), {time_base(dilate)}:",
-                  flush=True)
+            print(
+                f"2. TPC-C standard, heavy load ({args.heavy_clients} clients), {time_base(dilate)}:",
+                flush=True,
+            )
             factor = args.dilate or None
             for rep in rounds:
-                for disk in (DISKS if rep % 2 else DISKS[::-1]):
-                    r = results[f"disk-{disk}-{rep}"] = run_one(lv.conn, image, opts(
-                        "tpcc", "standard", disk=disk, clients=args.heavy_clients, seed=rep, dilate=dilate,
-                        dilation=factor))
-                    factor = factor or r.dilation  # the first run's measured slowdown, for all the others
+                for disk in DISKS if rep % 2 else DISKS[::-1]:
+                    r = results[f"disk-{disk}-{rep}"] = run_one(
+                        lv.conn,
+                        image,
+                        opts(
+                            "tpcc",
+                            "standard",
+                            disk=disk,
+                            clients=args.heavy_clients,
+                            seed=rep,
+                            dilate=dilate,
+                            dilation=factor,
+                        ),
+                    )
+                    factor = (
+                        factor or r.dilation
+                    )  # the first run's measured slowdown, for all the others
         if 3 in sections:
-            print(f"3. tracing overhead (TPC-C standard, disk {args.overhead_disk}, one guest, {args.window:g} s "
-                  f"windows: on, off, off, on, ...):", flush=True)
-            windows = tracing_windows(lv.conn, image, opts("tpcc", "standard", disk=args.overhead_disk),
-                                      args.rounds, args.window)
+            print(
+                f"3. tracing overhead (TPC-C standard, disk {args.overhead_disk}, one guest, {args.window:g} s "
+                f"windows: on, off, off, on, ...):",
+                flush=True,
+            )
+            windows = tracing_windows(
+                lv.conn,
+                image,
+                opts("tpcc", "standard", disk=args.overhead_disk),
+                args.rounds,
+                args.window,
+            )
 
     if 1 in sections:
         print_findings(results, args.rounds)
@@ -148,8 +220,17 @@ def main() -> int:
         print_overhead(windows, args.overhead_disk)
     if 1 in sections:
         print("\n== 4. ours beside the study's (heavy load) ==")
-        docs = [results[k].to_json() for k in ("tpcw-browsing-1", "tpcw-ordering-1", "rubis-browsing",
-                                               "rubis-highbidding", "tpcc-standard", "tpcc-highwrite")]
+        docs = [
+            results[k].to_json()
+            for k in (
+                "tpcw-browsing-1",
+                "tpcw-ordering-1",
+                "rubis-browsing",
+                "rubis-highbidding",
+                "tpcc-standard",
+                "tpcc-highwrite",
+            )
+        ]
         print(compare_table(docs, load_study(), "heavy"))
     print(f"\nend: {load_average()}")
     save(results, args.out)
@@ -175,58 +256,110 @@ def print_findings(results: dict[str, RunResult], rounds: int) -> None:
     print("\n== 1. qualitative findings ==")
     std, hw = share(results, "tpcc-standard"), share(results, "tpcc-highwrite")
     checks = [
-        ("TPC-W browsing reads >= 95% of sectors", f"{share(results, 'tpcw-browsing-1'):.1f}%",
-         share(results, "tpcw-browsing-1") >= 95),
-        ("RUBiS browsing reads >= 95% of sectors", f"{share(results, 'rubis-browsing'):.1f}%",
-         share(results, "rubis-browsing") >= 95),
+        (
+            "TPC-W browsing reads >= 95% of sectors",
+            f"{share(results, 'tpcw-browsing-1'):.1f}%",
+            share(results, "tpcw-browsing-1") >= 95,
+        ),
+        (
+            "RUBiS browsing reads >= 95% of sectors",
+            f"{share(results, 'rubis-browsing'):.1f}%",
+            share(results, "rubis-browsing") >= 95,
+        ),
         ("TPC-C standard reads in [50%, 75%]", f"{std:.1f}%", 50 <= std <= 75),
-        ("TPC-C high write: larger written share", f"{100 - hw:.1f}% vs {100 - std:.1f}% written", hw < std),
+        (
+            "TPC-C high write: larger written share",
+            f"{100 - hw:.1f}% vs {100 - std:.1f}% written",
+            hw < std,
+        ),
     ]
     for rep in range(1, rounds + 1):
         fb, fo = results[f"tpcw-browsing-{rep}"].metrics, results[f"tpcw-ordering-{rep}"].metrics
         assert fb is not None and fo is not None
-        checks.append((f"TPC-W browsing -> ordering, round {rep}: MiB regions / 1k requests grow",
-                       f"{fb.regions_per_1000:.1f} -> {fo.regions_per_1000:.1f}",
-                       fo.regions_per_1000 > fb.regions_per_1000))
-        checks.append((f"  (4K blocks / 1k requests, information; requests {fb.reads + fb.writes} -> "
-                       f"{fo.reads + fo.writes})", f"{fb.blocks_per_1000:.1f} -> {fo.blocks_per_1000:.1f}", None))
+        checks.append(
+            (
+                f"TPC-W browsing -> ordering, round {rep}: MiB regions / 1k requests grow",
+                f"{fb.regions_per_1000:.1f} -> {fo.regions_per_1000:.1f}",
+                fo.regions_per_1000 > fb.regions_per_1000,
+            )
+        )
+        checks.append(
+            (
+                f"  (4K blocks / 1k requests, information; requests {fb.reads + fb.writes} -> "
+                f"{fo.reads + fo.writes})",
+                f"{fb.blocks_per_1000:.1f} -> {fo.blocks_per_1000:.1f}",
+                None,
+            )
+        )
     for text, value, ok in checks:
         print(f"  {text:72} {value:28} {'' if ok is None else ('PASS' if ok else 'FAIL')}")
 
 
 def time_base(dilate: bool) -> str:
-    return "disk models time-dilated by one factor, the guest's CPU slowdown" if dilate else "real time"
+    return (
+        "disk models time-dilated by one factor, the guest's CPU slowdown"
+        if dilate
+        else "real time"
+    )
 
 
 def print_disks(results: dict[str, RunResult], clients: int, rounds: int, base: str) -> None:
     print(f"\n== 2. disk configurations, TPC-C standard, {clients} clients, {base} ==")
     single = mean_tpm(results, "disk-hdd15k", rounds)
     for disk in DISKS:
-        each = ", ".join(f"{tpm(results, f'disk-{disk}-{rep}'):.1f}" for rep in range(1, rounds + 1))
+        each = ", ".join(
+            f"{tpm(results, f'disk-{disk}-{rep}'):.1f}" for rep in range(1, rounds + 1)
+        )
         value = mean_tpm(results, f"disk-{disk}", rounds)
-        print(f"    {disk:7} mean {value:8.1f} transactions/min ({each})  x{value / single:5.2f} of the single disk")
-    print(f"    array > single: {'PASS' if mean_tpm(results, 'disk-array', rounds) > single else 'FAIL'}; "
-          f"raid5 > single: {'PASS' if mean_tpm(results, 'disk-raid5', rounds) > single else 'FAIL'}; "
-          f"ssd >= 5x single: {'PASS' if mean_tpm(results, 'disk-ssd', rounds) >= 5 * single else 'FAIL'}")
+        print(
+            f"    {disk:7} mean {value:8.1f} transactions/min ({each})  x{value / single:5.2f} of the single disk"
+        )
+    print(
+        f"    array > single: {'PASS' if mean_tpm(results, 'disk-array', rounds) > single else 'FAIL'}; "
+        f"raid5 > single: {'PASS' if mean_tpm(results, 'disk-raid5', rounds) > single else 'FAIL'}; "
+        f"ssd >= 5x single: {'PASS' if mean_tpm(results, 'disk-ssd', rounds) >= 5 * single else 'FAIL'}"
+    )
 
 
-def tracing_windows(conn, image, o: RunOptions, rounds: int, window_s: float) -> list[tuple[bool, float]]:  # type: ignore[no-untyped-def]
+def tracing_windows(
+    conn, image, o: RunOptions, rounds: int, window_s: float
+) -> list[tuple[bool, float]]:  # type: ignore[no-untyped-def]
     """Throughput (transactions/min) of consecutive windows on one guest, recording switched on and
     off between them: on, off / off, on / ..., so a drift during the section favours neither."""
     o.out_dir.mkdir(parents=True, exist_ok=True)
-    config = GuestConfig(image=image, run_dir=o.out_dir, disk=o.disk, trace=True, memory_mib=o.memory_mib)
+    config = GuestConfig(
+        image=image, run_dir=o.out_dir, disk=o.disk, trace=True, memory_mib=o.memory_mib
+    )
     workload = WORKLOADS[o.workload]
     windows = []
     with DbGuest(config, conn) as guest:
-        run_workload(workload, o.mix, guest.port, o.clients, o.warmup_s, seed=o.seed + 7, check=guest.check_alive)
+        run_workload(
+            workload,
+            o.mix,
+            guest.port,
+            o.clients,
+            o.warmup_s,
+            seed=o.seed + 7,
+            check=guest.check_alive,
+        )
         for rep in range(rounds):
             for i, on in enumerate((True, False) if rep % 2 == 0 else (False, True)):
                 guest.set_tracing(on)
-                tp = run_workload(workload, o.mix, guest.port, o.clients, window_s, seed=o.seed + 2 * rep + i,
-                                  check=guest.check_alive)
+                tp = run_workload(
+                    workload,
+                    o.mix,
+                    guest.port,
+                    o.clients,
+                    window_s,
+                    seed=o.seed + 2 * rep + i,
+                    check=guest.check_alive,
+                )
                 windows.append((on, tp.per_minute))
-                print(f"  window {len(windows):2}  tracing {'on ' if on else 'off'} {tp.per_minute:8.1f} "
-                      f"{tp.per_minute_label}", flush=True)
+                print(
+                    f"  window {len(windows):2}  tracing {'on ' if on else 'off'} {tp.per_minute:8.1f} "
+                    f"{tp.per_minute_label}",
+                    flush=True,
+                )
     return windows
 
 
@@ -236,11 +369,15 @@ def print_overhead(windows: list[tuple[bool, float]], disk: str) -> None:
     off = [x for traced, x in windows if not traced]
     mean_on, mean_off = sum(on) / len(on), sum(off) / len(off)
     pairs = [(a - b) / b * 100 for a, b in zip(on, off)]
-    print(f"  tracing on: {', '.join(f'{x:.1f}' for x in on)}  off (the model applied, nothing recorded): "
-          f"{', '.join(f'{x:.1f}' for x in off)} transactions/min")
+    print(
+        f"  tracing on: {', '.join(f'{x:.1f}' for x in on)}  off (the model applied, nothing recorded): "
+        f"{', '.join(f'{x:.1f}' for x in off)} transactions/min"
+    )
     print(f"  on beside off, round by round: {', '.join(f'{d:+.1f}%' for d in pairs)}")
-    print(f"  mean on {mean_on:.1f}, off {mean_off:.1f}: difference {(mean_on - mean_off) / mean_off * 100:+.1f}%  "
-          f"{'PASS' if abs(mean_on - mean_off) <= 0.10 * mean_off else 'FAIL'} (within 10%)")
+    print(
+        f"  mean on {mean_on:.1f}, off {mean_off:.1f}: difference {(mean_on - mean_off) / mean_off * 100:+.1f}%  "
+        f"{'PASS' if abs(mean_on - mean_off) <= 0.10 * mean_off else 'FAIL'} (within 10%)"
+    )
 
 
 def save(results: dict[str, RunResult], out: Path) -> None:
@@ -248,8 +385,9 @@ def save(results: dict[str, RunResult], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for key, result in results.items():
         result.extra["acceptance_key"] = key
-    (out / "results.json").write_text(json.dumps([r.to_json() for r in results.values()], indent=2,
-                                                 default=str) + "\n")
+    (out / "results.json").write_text(
+        json.dumps([r.to_json() for r in results.values()], indent=2, default=str) + "\n"
+    )
     print(f"\nresults: {out / 'results.json'}")
 
 

@@ -12,6 +12,7 @@
 
 Usage: experiments/bench/densevm_acceptance.py [--vms 4000] [--rounds 3] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,21 @@ class Densevm:
     def __init__(self, workdir: Path, vms: int, addr_base: str, *extra: str):
         self.api = workdir / f"densevm-{addr_base}.sock"
         self.proc = subprocess.Popen(
-            [str(DENSEVM), "serve", "--vms", str(vms), "--addr-base", addr_base, "--api", str(self.api), *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [
+                str(DENSEVM),
+                "serve",
+                "--vms",
+                str(vms),
+                "--addr-base",
+                addr_base,
+                "--api",
+                str(self.api),
+                *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         line = self.proc.stdout.readline()
         if not line:
             raise SystemExit(f"densevm failed: {self.proc.stderr.read().strip()}")
@@ -110,7 +124,9 @@ def boot_and_memory(workdir: Path, vms: int) -> dict:
 
 
 def wrk(url: str, seconds: int) -> float:
-    out = subprocess.run(["wrk", "-t1", "-c32", f"-d{seconds}s", url], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["wrk", "-t1", "-c32", f"-d{seconds}s", url], capture_output=True, text=True, check=True
+    ).stdout
     return float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
 
 
@@ -121,7 +137,10 @@ def native_execution(workdir: Path) -> dict:
     after = dv.stats()["vms"][0]
     dv.stop()
     requests = after["requests"] - before["requests"]
-    delta = {k: after["kvm"][k] - before["kvm"][k] for k in ("insn_emulation", "exits", "halt_exits", "irq_injections")}
+    delta = {
+        k: after["kvm"][k] - before["kvm"][k]
+        for k in ("insn_emulation", "exits", "halt_exits", "irq_injections")
+    }
     return {"requests": requests, **{f"{k}_per_request": v / requests for k, v in delta.items()}}
 
 
@@ -168,21 +187,34 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         boot = boot_and_memory(workdir, args.vms)
-        print(f"boot: {boot['vms']} VMs in {boot['boot_seconds']:.2f} s ({boot['vms_per_second']:.0f} VMs/s) on {boot['platform']}; "
-              f"{boot['exact_answers']}/{boot['vms']} answered GET / with the exact {len(SMALL)} bytes; "
-              f"shutdown {boot['shutdown_seconds']:.1f} s")
-        print(f"memory: MemAvailable fell {boot['memavailable_drop_bytes'] / 2**20:.0f} MiB, guest RAM resident "
-              f"{boot['guest_ram_resident_bytes'] / 2**20:.0f} MiB -> {boot['host_bytes_per_idle_vm'] / 2**20:.3f} MiB "
-              f"of kernel + monitor memory per idle VM")
+        print(
+            f"boot: {boot['vms']} VMs in {boot['boot_seconds']:.2f} s ({boot['vms_per_second']:.0f} VMs/s) on {boot['platform']}; "
+            f"{boot['exact_answers']}/{boot['vms']} answered GET / with the exact {len(SMALL)} bytes; "
+            f"shutdown {boot['shutdown_seconds']:.1f} s"
+        )
+        print(
+            f"memory: MemAvailable fell {boot['memavailable_drop_bytes'] / 2**20:.0f} MiB, guest RAM resident "
+            f"{boot['guest_ram_resident_bytes'] / 2**20:.0f} MiB -> {boot['host_bytes_per_idle_vm'] / 2**20:.3f} MiB "
+            f"of kernel + monitor memory per idle VM"
+        )
         native = native_execution(workdir)
-        print(f"native: {native['requests']} requests, {native['insn_emulation_per_request']:.3f} emulated instructions, "
-              f"{native['exits_per_request']:.3f} exits, {native['halt_exits_per_request']:.3f} halts per request")
+        print(
+            f"native: {native['requests']} requests, {native['insn_emulation_per_request']:.3f} emulated instructions, "
+            f"{native['exits_per_request']:.3f} exits, {native['halt_exits_per_request']:.3f} halts per request"
+        )
         tput = throughput(workdir, args.rounds, args.seconds)
-        print("throughput (wrk -t1 -c32, 2,258 B): " + ", ".join(
-            f"nginx {n:.0f} / densevm {v:.0f}" for n, v in zip(tput["nginx_rps"], tput["densevm_rps"]))
-            + f" -> ratio {tput['ratio_median']:.2f} (median)")
+        print(
+            "throughput (wrk -t1 -c32, 2,258 B): "
+            + ", ".join(
+                f"nginx {n:.0f} / densevm {v:.0f}"
+                for n, v in zip(tput["nginx_rps"], tput["densevm_rps"])
+            )
+            + f" -> ratio {tput['ratio_median']:.2f} (median)"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"boot": boot, "native": native, "throughput": tput}, indent=2))
+        args.json.write_text(
+            json.dumps({"boot": boot, "native": native, "throughput": tput}, indent=2)
+        )
 
 
 if __name__ == "__main__":

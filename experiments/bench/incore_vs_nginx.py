@@ -11,6 +11,7 @@ so a drifting host load favours neither. The cells issue asks for densevm >=
 
 Usage: experiments/bench/incore_vs_nginx.py [--vms 4000] [--rounds 2] [--seconds 30] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,9 +37,29 @@ PORT = 8080
 
 def zipfperf(vms: int, seconds: float) -> float:
     out = subprocess.run(
-        [str(ZIPFPERF), "--targets", str(vms), "--addr-base", ADDR_BASE, "--port", str(PORT), "--alpha", "1.0",
-         "--concurrency", "64", "--num-calls", "1", "--duration", str(seconds), "--json", "-"],
-        capture_output=True, text=True, check=True)
+        [
+            str(ZIPFPERF),
+            "--targets",
+            str(vms),
+            "--addr-base",
+            ADDR_BASE,
+            "--port",
+            str(PORT),
+            "--alpha",
+            "1.0",
+            "--concurrency",
+            "64",
+            "--num-calls",
+            "1",
+            "--duration",
+            str(seconds),
+            "--json",
+            "-",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     doc = json.loads(out.stdout)
     if doc["errors"]["total"]:
         print(f"  zipfperf errors: {doc['errors']}", flush=True)
@@ -48,9 +69,27 @@ def zipfperf(vms: int, seconds: float) -> float:
 def densevm_round(vms: int, seconds: float, workdir: Path) -> float:
     api = workdir / "densevm.sock"
     proc = subprocess.Popen(
-        [str(DENSEVM), "serve", "--vms", str(vms), "--addr-base", ADDR_BASE, "--port", str(PORT), "--api", str(api),
-         "--mem", str(vms * 2 << 20), "--boot-timeout", "600"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir)
+        [
+            str(DENSEVM),
+            "serve",
+            "--vms",
+            str(vms),
+            "--addr-base",
+            ADDR_BASE,
+            "--port",
+            str(PORT),
+            "--api",
+            str(api),
+            "--mem",
+            str(vms * 2 << 20),
+            "--boot-timeout",
+            "600",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=workdir,
+    )
     try:
         if not proc.stdout.readline():
             raise SystemExit(f"densevm failed: {proc.stderr.read().strip()}")
@@ -85,13 +124,18 @@ def main() -> None:
         for r in range(args.rounds):
             order = ("densevm", "nginx") if r % 2 == 0 else ("nginx", "densevm")
             for server in order:
-                rate = densevm_round(args.vms, args.seconds, Path(tmp)) if server == "densevm" else \
-                    nginx_round(args.vms, args.seconds)
+                rate = (
+                    densevm_round(args.vms, args.seconds, Path(tmp))
+                    if server == "densevm"
+                    else nginx_round(args.vms, args.seconds)
+                )
                 results[server].append(rate)
                 print(f"round {r + 1}: {server:<8} {rate:>9,.0f} requests/s", flush=True)
     d, n = statistics.mean(results["densevm"]), statistics.mean(results["nginx"])
-    print(f"{args.vms} VMs in core, Zipf 1.0, 64 in flight, a connection per request: densevm {d:,.0f} requests/s, "
-          f"nginx (2 workers) {n:,.0f}: ratio {d / n:.2f} (target >= 0.7)")
+    print(
+        f"{args.vms} VMs in core, Zipf 1.0, 64 in flight, a connection per request: densevm {d:,.0f} requests/s, "
+        f"nginx (2 workers) {n:,.0f}: ratio {d / n:.2f} (target >= 0.7)"
+    )
     if args.json:
         args.json.write_text(json.dumps({"vms": args.vms, **results, "ratio": d / n}, indent=2))
 

@@ -15,18 +15,19 @@
 
 Usage: experiments/bench/pager_acceptance.py [--part all|integrity|budget|wsswap|pagesim]
 """
+
 from __future__ import annotations
 
 import argparse
 import ipaddress
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 import json
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,9 +45,24 @@ class Run:
         self.addr_base = addr_base
         self.vms = vms
         self.proc = subprocess.Popen(
-            [str(BIN / "densevm"), "serve", "--vms", str(vms), "--addr-base", addr_base, "--api", str(self.api),
-             "--swap", str(workdir / "swap.img"), *flags],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir)
+            [
+                str(BIN / "densevm"),
+                "serve",
+                "--vms",
+                str(vms),
+                "--addr-base",
+                addr_base,
+                "--api",
+                str(self.api),
+                "--swap",
+                str(workdir / "swap.img"),
+                *flags,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=workdir,
+        )
         line = self.proc.stdout.readline()
         if not line:
             raise SystemExit(f"densevm failed: {self.proc.stderr.read().strip()}")
@@ -57,11 +73,34 @@ class Run:
 
     def load(self, seconds: float, alpha: float, concurrency: int = 32, seed: int = 1) -> dict:
         out = subprocess.run(
-            [str(BIN / "zipfperf"), "--targets", str(self.vms), "--addr-base", self.addr_base, "--port", "8080",
-             "--alpha", str(alpha), "--seed", str(seed), "--concurrency", str(concurrency), "--num-calls", "1",
-             "--duration", str(seconds), "--timeout", "30", "--json", "-"],
-            capture_output=True, text=True, check=True).stdout
-        return json.loads(out[out.index("{"):])
+            [
+                str(BIN / "zipfperf"),
+                "--targets",
+                str(self.vms),
+                "--addr-base",
+                self.addr_base,
+                "--port",
+                "8080",
+                "--alpha",
+                str(alpha),
+                "--seed",
+                str(seed),
+                "--concurrency",
+                str(concurrency),
+                "--num-calls",
+                "1",
+                "--duration",
+                str(seconds),
+                "--timeout",
+                "30",
+                "--json",
+                "-",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        return json.loads(out[out.index("{") :])
 
     def prime(self, concurrency: int = 32) -> float:
         """One request to every VM, so each has a working set and most of
@@ -69,7 +108,11 @@ class Run:
         started = time.monotonic()
         addrs = [str(ipaddress.IPv4Address(self.addr_base) + i) for i in range(self.vms)]
         with ThreadPoolExecutor(concurrency) as pool:
-            list(pool.map(lambda a: urllib.request.urlopen(f"http://{a}:8080/", timeout=600).read(), addrs))
+            list(
+                pool.map(
+                    lambda a: urllib.request.urlopen(f"http://{a}:8080/", timeout=600).read(), addrs
+                )
+            )
         return time.monotonic() - started
 
     def stop(self) -> None:
@@ -83,19 +126,42 @@ def integrity(workdir: Path, total_faults: int) -> list[dict]:
     rows = []
     for policy, block in configs:
         vms = 64
-        run = Run(workdir, vms, "--selfcheck", "--policy", policy, "--block", block, "--mem", str(vms * (1 << 20) // 4),
-                  "--cell-vms", "16")
+        run = Run(
+            workdir,
+            vms,
+            "--selfcheck",
+            "--policy",
+            policy,
+            "--block",
+            block,
+            "--mem",
+            str(vms * (1 << 20) // 4),
+            "--cell-vms",
+            "16",
+        )
         started = time.monotonic()
         while run.totals()["faults"] < per_config:
             run.load(5, alpha=0.0, concurrency=16)
         t = run.totals()
         run.stop()
-        rows.append({"policy": policy, "block": block, "faults": t["faults"], "requests": t["requests"],
-                     "pages_checked": t["selfcheck_pages"], "mismatches": t["selfcheck_errors"],
-                     "seconds": time.monotonic() - started})
-        print(f"integrity {policy:6} {block:>4}: {t['faults']:>8} faults, {t['selfcheck_pages']:>10} pages checked, "
-              f"{t['selfcheck_errors']} mismatches")
-    print(f"integrity total: {sum(r['faults'] for r in rows)} faults, {sum(r['mismatches'] for r in rows)} mismatches")
+        rows.append(
+            {
+                "policy": policy,
+                "block": block,
+                "faults": t["faults"],
+                "requests": t["requests"],
+                "pages_checked": t["selfcheck_pages"],
+                "mismatches": t["selfcheck_errors"],
+                "seconds": time.monotonic() - started,
+            }
+        )
+        print(
+            f"integrity {policy:6} {block:>4}: {t['faults']:>8} faults, {t['selfcheck_pages']:>10} pages checked, "
+            f"{t['selfcheck_errors']} mismatches"
+        )
+    print(
+        f"integrity total: {sum(r['faults'] for r in rows)} faults, {sum(r['mismatches'] for r in rows)} mismatches"
+    )
     return rows
 
 
@@ -125,18 +191,29 @@ def budget(workdir: Path) -> dict:
     slack = 8 * block
     pager_max = max(p for p, _ in samples)
     kernel_max = max(k for _, k in samples)
-    row = {"budget_bytes": mem, "max_resident_bytes": pager_max, "max_kernel_resident_bytes": kernel_max,
-           "samples": len(samples), "slack_bytes": slack,
-           "replies": result["replies"]["total"], "ok_2xx": result["replies"]["status"]["2xx"],
-           "errors": result["errors"]["total"], "faults": t["faults"]}
-    print(f"budget: {len(samples)} samples, max resident {pager_max / 2**20:.2f} MiB (kernel's non-atomic count "
-          f"{kernel_max / 2**20:.2f} MiB) vs budget {mem / 2**20:.2f} MiB "
-          f"(+{slack // 1024} KiB in flight allowed); {row['ok_2xx']}/{row['replies']} replies 2xx, "
-          f"{row['errors']} errors, {t['faults']} faults")
+    row = {
+        "budget_bytes": mem,
+        "max_resident_bytes": pager_max,
+        "max_kernel_resident_bytes": kernel_max,
+        "samples": len(samples),
+        "slack_bytes": slack,
+        "replies": result["replies"]["total"],
+        "ok_2xx": result["replies"]["status"]["2xx"],
+        "errors": result["errors"]["total"],
+        "faults": t["faults"],
+    }
+    print(
+        f"budget: {len(samples)} samples, max resident {pager_max / 2**20:.2f} MiB (kernel's non-atomic count "
+        f"{kernel_max / 2**20:.2f} MiB) vs budget {mem / 2**20:.2f} MiB "
+        f"(+{slack // 1024} KiB in flight allowed); {row['ok_2xx']}/{row['replies']} replies 2xx, "
+        f"{row['errors']} errors, {t['faults']} faults"
+    )
     return row
 
 
-def policy_run(workdir: Path, policy: str, warmup: float, seconds: float, trace: Path | None) -> dict:
+def policy_run(
+    workdir: Path, policy: str, warmup: float, seconds: float, trace: Path | None
+) -> dict:
     flags = ["--policy", policy, "--block", "32k", "--disk", "hdd", "--mem", "1G"]
     if trace:
         flags += ["--record-trace", str(trace)]
@@ -147,9 +224,16 @@ def policy_run(workdir: Path, policy: str, warmup: float, seconds: float, trace:
     result = run.load(seconds, alpha=1.0, seed=8)
     after = run.totals()
     run.stop()
-    return {"policy": policy, "rps": result["replies"]["rate"], "errors": result["errors"]["total"],
-            "requests": after["requests"] - before["requests"], "faults": after["faults"] - before["faults"],
-            "warmup_requests": before["requests"], "boot_seconds": run.ready["boot_seconds"], "prime_seconds": primed}
+    return {
+        "policy": policy,
+        "rps": result["replies"]["rate"],
+        "errors": result["errors"]["total"],
+        "requests": after["requests"] - before["requests"],
+        "faults": after["faults"] - before["faults"],
+        "warmup_requests": before["requests"],
+        "boot_seconds": run.ready["boot_seconds"],
+        "prime_seconds": primed,
+    }
 
 
 def wsswap_vs_demand(workdir: Path, warmup: float, seconds: float) -> dict:
@@ -157,26 +241,56 @@ def wsswap_vs_demand(workdir: Path, warmup: float, seconds: float) -> dict:
     demand = policy_run(workdir, "demand", warmup, seconds, trace)
     wsswap = policy_run(workdir, "wsswap", warmup, seconds, None)
     ratio = wsswap["rps"] / demand["rps"] if demand["rps"] else float("inf")
-    print(f"wsswap vs demand (4000 VMs, alpha 1.0, 32k, hdd, 1 GiB): demand {demand['rps']:.1f} req/s, "
-          f"wsswap {wsswap['rps']:.1f} req/s -> {ratio:.2f}x")
+    print(
+        f"wsswap vs demand (4000 VMs, alpha 1.0, 32k, hdd, 1 GiB): demand {demand['rps']:.1f} req/s, "
+        f"wsswap {wsswap['rps']:.1f} req/s -> {ratio:.2f}x"
+    )
     return {"demand": demand, "wsswap": wsswap, "ratio": ratio, "trace": str(trace)}
 
 
 def pagesim_agreement(demand: dict, trace: Path) -> dict:
-    out = subprocess.run([str(BIN / "pagesim"), "--trace", str(trace), "--mem", "1G", "--block", "32k",
-                          "--policy", "demand", "--disk", "hdd", "--warmup", str(demand["warmup_requests"]), "--json"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            str(BIN / "pagesim"),
+            "--trace",
+            str(trace),
+            "--mem",
+            "1G",
+            "--block",
+            "32k",
+            "--policy",
+            "demand",
+            "--disk",
+            "hdd",
+            "--warmup",
+            str(demand["warmup_requests"]),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     sim = json.loads(out)
     measured = 1 - demand["faults"] / (demand["requests"] * sim["request_blocks"])
     gap = abs(sim["hit_ratio"] - measured) * 100
-    print(f"pagesim: hit ratio {sim['hit_ratio']:.4f} vs densevm {measured:.4f} -> {gap:.2f} percentage points")
-    return {"pagesim_hit_ratio": sim["hit_ratio"], "measured_hit_ratio": measured, "gap_points": gap}
+    print(
+        f"pagesim: hit ratio {sim['hit_ratio']:.4f} vs densevm {measured:.4f} -> {gap:.2f} percentage points"
+    )
+    return {
+        "pagesim_hit_ratio": sim["hit_ratio"],
+        "measured_hit_ratio": measured,
+        "gap_points": gap,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", default="all", choices=["all", "integrity", "budget", "wsswap", "pagesim"])
-    parser.add_argument("--faults", type=int, default=1_000_000, help="integrity: total faults over the six runs")
+    parser.add_argument(
+        "--part", default="all", choices=["all", "integrity", "budget", "wsswap", "pagesim"]
+    )
+    parser.add_argument(
+        "--faults", type=int, default=1_000_000, help="integrity: total faults over the six runs"
+    )
     parser.add_argument("--warmup", type=float, default=30)
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--json", type=Path)
@@ -190,7 +304,9 @@ def main() -> None:
             figures["budget"] = budget(workdir)
         if args.part in ("all", "wsswap", "pagesim"):
             figures["wsswap"] = wsswap_vs_demand(workdir, args.warmup, args.seconds)
-            figures["pagesim"] = pagesim_agreement(figures["wsswap"]["demand"], Path(figures["wsswap"]["trace"]))
+            figures["pagesim"] = pagesim_agreement(
+                figures["wsswap"]["demand"], Path(figures["wsswap"]["trace"])
+            )
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
 

@@ -7,6 +7,7 @@ simulator process is printed beside it.
 
 Usage: experiments/bench/pagesim_speed.py [--requests N] [--disk hdd] [--repeat K]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,14 +41,38 @@ def main() -> None:
     for policy, alpha, block in CASES:
         best = None
         for _ in range(args.repeat):
-            r = json.loads(subprocess.run(
-                [str(PAGESIM), "--vms", str(args.vms), "--alpha", str(alpha), "--block", block, "--policy", policy,
-                 "--disk", args.disk, "--requests", str(args.requests), "--json"],
-                capture_output=True, text=True, check=True).stdout)
-            if best is None or r["sim_requests_per_cpu_second"] > best["sim_requests_per_cpu_second"]:
+            r = json.loads(
+                subprocess.run(
+                    [
+                        str(PAGESIM),
+                        "--vms",
+                        str(args.vms),
+                        "--alpha",
+                        str(alpha),
+                        "--block",
+                        block,
+                        "--policy",
+                        policy,
+                        "--disk",
+                        args.disk,
+                        "--requests",
+                        str(args.requests),
+                        "--json",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout
+            )
+            if (
+                best is None
+                or r["sim_requests_per_cpu_second"] > best["sim_requests_per_cpu_second"]
+            ):
                 best = r
-        print(f"{policy:7} {alpha:5.2f} {block:>5} {best['hit_ratio']:6.3f} "
-              f"{best['sim_requests_per_second']:12.0f} {best['sim_requests_per_cpu_second']:12.0f}")
+        print(
+            f"{policy:7} {alpha:5.2f} {block:>5} {best['hit_ratio']:6.3f} "
+            f"{best['sim_requests_per_second']:12.0f} {best['sim_requests_per_cpu_second']:12.0f}"
+        )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ addresses from 127.1.0.0 (or another base) on, serving the 2,258-byte object
 at `/` and the 134,007-byte object at `/large`. Never binds anything outside
 127.0.0.0/8.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -54,11 +55,19 @@ def _object(size: int) -> bytes:
 class NginxServer:
     """nginx listening on `port` at 127.0.0.1 and addr_base + i for i < extra_targets."""
 
-    def __init__(self, port: int, extra_targets: int = 0, nginx: str = "nginx", workers: int = 1,
-                 addr_base: str = "127.1.0.0") -> None:
+    def __init__(
+        self,
+        port: int,
+        extra_targets: int = 0,
+        nginx: str = "nginx",
+        workers: int = 1,
+        addr_base: str = "127.1.0.0",
+    ) -> None:
         self.port = port
         base = ipaddress.IPv4Address(addr_base)
-        if base not in ipaddress.IPv4Network("127.0.0.0/8") or base + extra_targets not in ipaddress.IPv4Network("127.0.0.0/8"):
+        if base not in ipaddress.IPv4Network(
+            "127.0.0.0/8"
+        ) or base + extra_targets not in ipaddress.IPv4Network("127.0.0.0/8"):
             raise ValueError(f"{extra_targets} addresses from {addr_base} leave 127.0.0.0/8")
         self.addresses = ["127.0.0.1"] + [str(base + i) for i in range(extra_targets)]
         self.nginx = nginx
@@ -66,7 +75,7 @@ class NginxServer:
         self.prefix = Path(tempfile.mkdtemp(prefix="zipfperf-nginx-"))
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def __enter__(self) -> "NginxServer":
+    def __enter__(self) -> NginxServer:
         self.prefix.chmod(0o755)
         html = self.prefix / "html"
         html.mkdir()
@@ -78,7 +87,15 @@ class NginxServer:
         conf = self.prefix / "nginx.conf"
         conf.write_text(_CONFIG.format(prefix=self.prefix, listens=listens, workers=self.workers))
         self.proc = subprocess.Popen(
-            [self.nginx, "-p", str(self.prefix), "-c", str(conf), "-e", str(self.prefix / "error.log")],
+            [
+                self.nginx,
+                "-p",
+                str(self.prefix),
+                "-c",
+                str(conf),
+                "-e",
+                str(self.prefix / "error.log"),
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )

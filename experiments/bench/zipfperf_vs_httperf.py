@@ -19,6 +19,7 @@ The machine is shared and noisy: compare only figures from the same run.
 Usage: python3 experiments/bench/zipfperf_vs_httperf.py [--rounds 2] [--port 18480]
            [--parts closed,open,high,sampler]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from zipfperf_nginx import NginxServer  # noqa: E402
+from zipfperf_nginx import NginxServer
 
 REPO = Path(__file__).resolve().parents[2]
 ZIPFPERF = REPO / "target" / "release" / "zipfperf"
@@ -52,7 +53,9 @@ def tool(name: str) -> str:
 
 def client_time_wait(server_port: int) -> int:
     """TIME_WAIT sockets holding a client-side port (not the server's own)."""
-    out = subprocess.run(["ss", "-Htan", "state", "time-wait"], capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["ss", "-Htan", "state", "time-wait"], capture_output=True, text=True
+    ).stdout
     n = 0
     for line in out.splitlines():
         fields = line.split()
@@ -75,8 +78,9 @@ def wait_for_ports(needed: int, server_port: int, limit_s: float = 120) -> float
 def run_bounded(cmd: list[str], limit_s: float) -> tuple[str, float, bool]:
     """Run cmd for at most limit_s; returns (stdout, wall seconds, finished)."""
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=limit_s)
         return out, time.monotonic() - t0, proc.returncode == 0
@@ -93,11 +97,17 @@ def run_bounded(cmd: list[str], limit_s: float) -> tuple[str, float, bool]:
 def httperf_figures(text: str) -> dict[str, float]:
     """The figures httperf-parsing scripts read; works on both tools' output."""
     f: dict[str, float] = {}
-    m = re.search(r"^Total: connections (\d+) requests (\d+) replies (\d+) test-duration ([\d.]+) s", text, re.M)
+    m = re.search(
+        r"^Total: connections (\d+) requests (\d+) replies (\d+) test-duration ([\d.]+) s",
+        text,
+        re.M,
+    )
     if m:
         f.update(conns=int(m[1]), replies=int(m[3]), duration=float(m[4]))
         f["reply_rate_total"] = f["replies"] / f["duration"] if f["duration"] else 0.0
-    m = re.search(r"^Reply rate \[replies/s\]: min [\d.]+ avg ([\d.]+) .*\((\d+) samples\)", text, re.M)
+    m = re.search(
+        r"^Reply rate \[replies/s\]: min [\d.]+ avg ([\d.]+) .*\((\d+) samples\)", text, re.M
+    )
     if m:
         f.update(reply_rate_avg=float(m[1]), samples=int(m[2]))
     m = re.search(r"^Errors: total (\d+)", text, re.M)
@@ -115,12 +125,21 @@ def httperf_figures(text: str) -> dict[str, float]:
 
 def open_loop(port: int, rounds: int, httperf: str) -> None:
     print("== 1. open loop: reply rate, httperf vs zipfperf (same nginx, interleaved) ==")
-    print(f"{'rate':>6} {'round':>5} {'httperf avg':>12} {'zipfperf avg':>13} {'ratio':>7}"
-          f" {'httperf tot':>12} {'zipfperf tot':>13} {'errors h/z':>11} {'zipfperf p99/max ms':>20}")
+    print(
+        f"{'rate':>6} {'round':>5} {'httperf avg':>12} {'zipfperf avg':>13} {'ratio':>7}"
+        f" {'httperf tot':>12} {'zipfperf tot':>13} {'errors h/z':>11} {'zipfperf p99/max ms':>20}"
+    )
     for rate in (1000, 2000, 4000):
         conns = rate * OPEN_LOOP_SECONDS
-        common = ["--server=127.0.0.1", f"--port={port}", "--uri=/", f"--rate={rate}",
-                  f"--num-conns={conns}", "--num-calls=1", "--timeout=5"]
+        common = [
+            "--server=127.0.0.1",
+            f"--port={port}",
+            "--uri=/",
+            f"--rate={rate}",
+            f"--num-conns={conns}",
+            "--num-calls=1",
+            "--timeout=5",
+        ]
         ratios, sustained = [], []
         for r in range(rounds):
             # httperf needs its ports back from its own TIME_WAIT (zipfperf leaves
@@ -130,44 +149,65 @@ def open_loop(port: int, rounds: int, httperf: str) -> None:
             h_out, _, h_done = run_bounded([httperf, "--hog", *common], OPEN_LOOP_SECONDS + 30)
             h, z = httperf_figures(h_out), httperf_figures(z_out)
             if not (h_done and z_done and "reply_rate_avg" in h and "reply_rate_avg" in z):
-                print(f"{rate:>6} {r:>5}  incomplete run (httperf finished={h_done}, zipfperf finished={z_done})")
+                print(
+                    f"{rate:>6} {r:>5}  incomplete run (httperf finished={h_done}, zipfperf finished={z_done})"
+                )
                 continue
-            ratio = z["reply_rate_avg"] / h["reply_rate_avg"] if h["reply_rate_avg"] else float("nan")
+            ratio = (
+                z["reply_rate_avg"] / h["reply_rate_avg"] if h["reply_rate_avg"] else float("nan")
+            )
             ratios.append(ratio)
             # The criterion is stated at rates httperf sustains: no errors, >= 97% of the offered rate.
             if h["errors"] == 0 and h["reply_rate_avg"] >= 0.97 * rate:
                 sustained.append(ratio)
             note = f"  (waited {waited:.0f} s for httperf's TIME_WAIT ports)" if waited > 1 else ""
-            print(f"{rate:>6} {r:>5} {h['reply_rate_avg']:>12.1f} {z['reply_rate_avg']:>13.1f} {ratio:>7.3f}"
-                  f" {h['reply_rate_total']:>12.1f} {z['reply_rate_total']:>13.1f}"
-                  f" {h['errors']:>5.0f}/{z['errors']:<5.0f} {z.get('p99_ms', 0):>10.1f}/{z.get('max_ms', 0):<9.1f}{note}")
+            print(
+                f"{rate:>6} {r:>5} {h['reply_rate_avg']:>12.1f} {z['reply_rate_avg']:>13.1f} {ratio:>7.3f}"
+                f" {h['reply_rate_total']:>12.1f} {z['reply_rate_total']:>13.1f}"
+                f" {h['errors']:>5.0f}/{z['errors']:<5.0f} {z.get('p99_ms', 0):>10.1f}/{z.get('max_ms', 0):<9.1f}{note}"
+            )
         if ratios:
             worst = max(abs(1 - x) for x in ratios)
-            print(f"{rate:>6}  all pairs: median ratio {statistics.median(ratios):.3f}, worst deviation {100 * worst:.2f}%")
+            print(
+                f"{rate:>6}  all pairs: median ratio {statistics.median(ratios):.3f}, worst deviation {100 * worst:.2f}%"
+            )
         if sustained:
             median = statistics.median(sustained)
             worst = max(abs(1 - x) for x in sustained)
-            print(f"{rate:>6}  pairs where httperf sustained the rate ({len(sustained)}): median ratio {median:.3f},"
-                  f" worst deviation {100 * worst:.2f}% -> {'PASS' if abs(1 - median) <= 0.05 else 'FAIL'}"
-                  " (median within 5%)")
+            print(
+                f"{rate:>6}  pairs where httperf sustained the rate ({len(sustained)}): median ratio {median:.3f},"
+                f" worst deviation {100 * worst:.2f}% -> {'PASS' if abs(1 - median) <= 0.05 else 'FAIL'}"
+                " (median within 5%)"
+            )
         else:
-            print(f"{rate:>6}  httperf did not sustain {rate}/s in any pair of this run: no verdict")
+            print(
+                f"{rate:>6}  httperf did not sustain {rate}/s in any pair of this run: no verdict"
+            )
 
 
 def high_rate(port: int, httperf: str) -> None:
     print("\n== 2. 12,000 new connections/s for 10 s (timeout 2 s) ==")
-    common = ["--server=127.0.0.1", f"--port={port}", "--uri=/", "--rate=12000",
-              "--num-conns=120000", "--num-calls=1", "--timeout=2"]
+    common = [
+        "--server=127.0.0.1",
+        f"--port={port}",
+        "--uri=/",
+        "--rate=12000",
+        "--num-conns=120000",
+        "--num-calls=1",
+        "--timeout=2",
+    ]
     bound = 10 + 2
     z_out, z_wall, z_done = run_bounded([str(ZIPFPERF), *common, "--json=-"], bound + 30)
     doc = json.loads(z_out) if z_done else {}
     if doc:
         achieved = doc["connections"]["total"] / doc["duration_s"]
-        print(f"zipfperf: finished={z_done} wall {z_wall:.2f} s (bound {bound} s) test-duration "
-              f"{doc['duration_s']:.2f} s, connections {doc['connections']['total']}, replies "
-              f"{doc['replies']['total']}, achieved {achieved:.0f} conn/s, reply rate "
-              f"{doc['replies']['rate']:.0f}/s, errors {doc['errors']['total']} {doc['errors']}"
-              f" -> {'PASS' if z_wall <= bound + 0.5 else 'FAIL'} (ends within duration + timeout)")
+        print(
+            f"zipfperf: finished={z_done} wall {z_wall:.2f} s (bound {bound} s) test-duration "
+            f"{doc['duration_s']:.2f} s, connections {doc['connections']['total']}, replies "
+            f"{doc['replies']['total']}, achieved {achieved:.0f} conn/s, reply rate "
+            f"{doc['replies']['rate']:.0f}/s, errors {doc['errors']['total']} {doc['errors']}"
+            f" -> {'PASS' if z_wall <= bound + 0.5 else 'FAIL'} (ends within duration + timeout)"
+        )
     else:
         print(f"zipfperf: did not finish (wall {z_wall:.1f} s) -> FAIL")
     limit = bound + 15
@@ -186,16 +226,27 @@ def child_cpu() -> float:
 
 
 def closed_loop(port: int, rounds: int, wrk: str) -> None:
-    print(f"\n== 3. closed loop, 32 keep-alive connections: wrk vs zipfperf ({rounds} pairs of"
-          f" {CLOSED_LOOP_SECONDS} s runs, order alternating) ==")
+    print(
+        f"\n== 3. closed loop, 32 keep-alive connections: wrk vs zipfperf ({rounds} pairs of"
+        f" {CLOSED_LOOP_SECONDS} s runs, order alternating) =="
+    )
     ratios, w_total, z_total = [], 0.0, 0.0
     for r in range(rounds):
         wrk_cmd = [wrk, "-t1", "-c32", f"-d{CLOSED_LOOP_SECONDS}s", f"http://127.0.0.1:{port}/"]
-        z_cmd = [str(ZIPFPERF), "--server=127.0.0.1", f"--port={port}", "--concurrency=32",
-                 f"--duration={CLOSED_LOOP_SECONDS}", "--json=-"]
+        z_cmd = [
+            str(ZIPFPERF),
+            "--server=127.0.0.1",
+            f"--port={port}",
+            "--concurrency=32",
+            f"--duration={CLOSED_LOOP_SECONDS}",
+            "--json=-",
+        ]
         outs = {}
-        for name, cmd in ([("wrk", wrk_cmd), ("zipfperf", z_cmd)] if r % 2 == 0
-                          else [("zipfperf", z_cmd), ("wrk", wrk_cmd)]):
+        for name, cmd in (
+            [("wrk", wrk_cmd), ("zipfperf", z_cmd)]
+            if r % 2 == 0
+            else [("zipfperf", z_cmd), ("wrk", wrk_cmd)]
+        ):
             cpu0 = child_cpu()
             out, _, _ = run_bounded(cmd, 30)
             outs[name] = (out, child_cpu() - cpu0)
@@ -212,31 +263,42 @@ def closed_loop(port: int, rounds: int, wrk: str) -> None:
         ratios.append(z_rps / w_rps)
         w_total += w_rps
         z_total += z_rps
-        print(f"pair {r}: wrk {w_rps:>8.0f} req/s ({w_us:.1f} CPU-us/req)  zipfperf {z_rps:>8.0f} replies/s"
-              f" ({z_us:.1f} CPU-us/req)  ratio {z_rps / w_rps:.3f}  zipfperf p50"
-              f" {doc['latency_ms']['p50']:.3f} ms p99 {doc['latency_ms']['p99']:.3f} ms errors {doc['errors']['total']}")
+        print(
+            f"pair {r}: wrk {w_rps:>8.0f} req/s ({w_us:.1f} CPU-us/req)  zipfperf {z_rps:>8.0f} replies/s"
+            f" ({z_us:.1f} CPU-us/req)  ratio {z_rps / w_rps:.3f}  zipfperf p50"
+            f" {doc['latency_ms']['p50']:.3f} ms p99 {doc['latency_ms']['p99']:.3f} ms errors {doc['errors']['total']}"
+        )
     if ratios:
         median = statistics.median(ratios)
-        print(f"median pair ratio {median:.3f}, ratio of sums {z_total / w_total:.3f} (min {min(ratios):.3f},"
-              f" max {max(ratios):.3f}) -> {'PASS' if median >= 0.9 else 'FAIL'} (median >= 0.90)")
+        print(
+            f"median pair ratio {median:.3f}, ratio of sums {z_total / w_total:.3f} (min {min(ratios):.3f},"
+            f" max {max(ratios):.3f}) -> {'PASS' if median >= 0.9 else 'FAIL'} (median >= 0.90)"
+        )
 
 
 def sampler() -> None:
     print("\n== 4. Zipf sampling speed (rand_distr Zipf, N = 4,000) ==")
-    out = subprocess.run([str(ZIPFPERF), "--bench-sampler=20000000"], capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [str(ZIPFPERF), "--bench-sampler=20000000"], capture_output=True, text=True
+    ).stdout
     print(out.rstrip())
     rates = [float(x) for x in re.findall(r"rate ([\d.]+) M samples/s", out)]
     if rates:
-        print(f"slowest {min(rates):.1f} M samples per CPU-second -> {'PASS' if min(rates) >= 10 else 'FAIL'}"
-              " (>= 10 M/s; the wall figure drops when other processes share the CPU)")
+        print(
+            f"slowest {min(rates):.1f} M samples per CPU-second -> {'PASS' if min(rates) >= 10 else 'FAIL'}"
+            " (>= 10 M/s; the wall figure drops when other processes share the CPU)"
+        )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--port", type=int, default=18480)
-    ap.add_argument("--parts", default="closed,open,high,sampler",
-                    help="comma-separated subset of closed,open,high,sampler (default: all)")
+    ap.add_argument(
+        "--parts",
+        default="closed,open,high,sampler",
+        help="comma-separated subset of closed,open,high,sampler (default: all)",
+    )
     args = ap.parse_args()
     # SIGTERM and SIGINT unwind normally, so nginx and any running tool are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -244,7 +306,11 @@ def main() -> None:
     if not ZIPFPERF.exists():
         sys.exit(f"{ZIPFPERF} is missing: cargo build --release -p zipfperf")
     httperf, wrk = tool("httperf"), tool("wrk")
-    print(time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "load:", open("/proc/loadavg").read().split()[:3])
+    print(
+        time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "load:",
+        open("/proc/loadavg").read().split()[:3],
+    )
     parts = set(args.parts.split(","))
     unknown = parts - {"closed", "open", "high", "sampler"}
     if unknown:

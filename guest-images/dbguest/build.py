@@ -24,6 +24,7 @@ Usage: ``build.py [--cache DIR]``; prints one JSON object with the paths.
 The cache directory defaults to ``$SCALEBENCH_CACHE`` or ``cache/`` next to
 this file.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -97,7 +98,7 @@ class GuestImage:
     rootfs: str
     key: str
     databases: tuple[str, ...]
-    cpu_probe_n: int          # scalebench_cpu_probe(n) in the postgres database ...
+    cpu_probe_n: int  # scalebench_cpu_probe(n) in the postgres database ...
     cpu_probe_native_s: float  # ... took this long natively at build time (best of 5)
 
 
@@ -112,7 +113,10 @@ def default_cache_dir() -> Path:
 
 def apt_mirror() -> str:
     """The Debian mirror apt is configured with (first `URIs:`/`deb` entry)."""
-    candidates = [Path("/etc/apt/sources.list"), *sorted(Path("/etc/apt/sources.list.d").glob("*.sources"))]
+    candidates = [
+        Path("/etc/apt/sources.list"),
+        *sorted(Path("/etc/apt/sources.list.d").glob("*.sources")),
+    ]
     for path in candidates:
         if not path.is_file():
             continue
@@ -145,8 +149,14 @@ def base_key() -> str:
 
 
 def image_key() -> str:
-    parts = [base_key().encode(), GUEST_PG_CONF.encode(), GUEST_PG_HBA.encode(), GUEST_INIT.read_bytes(),
-             _source_of(_build_image), f"{ROOTFS_SLACK_MIB} {RECYCLED_WAL_SEGMENTS}".encode()]
+    parts = [
+        base_key().encode(),
+        GUEST_PG_CONF.encode(),
+        GUEST_PG_HBA.encode(),
+        GUEST_INIT.read_bytes(),
+        _source_of(_build_image),
+        f"{ROOTFS_SLACK_MIB} {RECYCLED_WAL_SEGMENTS}".encode(),
+    ]
     parts += [(SQL_DIR / f"{name}.sql").read_bytes() for name in (*DATABASES, "probe")]
     return _hash(parts)
 
@@ -164,11 +174,18 @@ def _run(cmd: list[str], step: str, log: Path, env: dict[str, str] | None = None
         proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     if proc.returncode != 0:
         tail = log.read_text().splitlines()[-5:]
-        raise BuildError(f"image build failed at {step} (exit {proc.returncode}); see {log}: {' | '.join(tail)}")
+        raise BuildError(
+            f"image build failed at {step} (exit {proc.returncode}); see {log}: {' | '.join(tail)}"
+        )
 
 
 def _chroot_env() -> dict[str, str]:
-    return {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "DEBIAN_FRONTEND": "noninteractive", "LC_ALL": "C", "HOME": "/root"}
+    return {
+        "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+        "DEBIAN_FRONTEND": "noninteractive",
+        "LC_ALL": "C",
+        "HOME": "/root",
+    }
 
 
 def _build_base(root: Path, log: Path) -> None:
@@ -176,8 +193,18 @@ def _build_base(root: Path, log: Path) -> None:
     for tool in ("debootstrap", "mkfs.ext4", "chroot"):
         if shutil.which(tool) is None:
             raise BuildError(f"{tool} is not installed (apt-get install debootstrap e2fsprogs)")
-    _run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", SUITE, str(root), apt_mirror()],
-         "debootstrap", log)
+    _run(
+        [
+            "debootstrap",
+            "--variant=minbase",
+            f"--include={','.join(BASE_PACKAGES)}",
+            SUITE,
+            str(root),
+            apt_mirror(),
+        ],
+        "debootstrap",
+        log,
+    )
     conf = root / "etc/initramfs-tools"
     (conf / "conf.d").mkdir(parents=True, exist_ok=True)
     (conf / "conf.d/scalebench").write_text("MODULES=list\nCOMPRESS=zstd\n")
@@ -185,8 +212,21 @@ def _build_base(root: Path, log: Path) -> None:
     shutil.copy("/etc/resolv.conf", root / "etc/resolv.conf")
     env = _chroot_env()
     _run(["chroot", str(root), "apt-get", "update", "-qq"], "apt-get update (chroot)", log, env)
-    _run(["chroot", str(root), "apt-get", "install", "-y", "-qq", "--no-install-recommends", KERNEL_PACKAGE],
-         "kernel install (chroot)", log, env)
+    _run(
+        [
+            "chroot",
+            str(root),
+            "apt-get",
+            "install",
+            "-y",
+            "-qq",
+            "--no-install-recommends",
+            KERNEL_PACKAGE,
+        ],
+        "kernel install (chroot)",
+        log,
+        env,
+    )
     _run(["chroot", str(root), "apt-get", "clean"], "apt-get clean (chroot)", log, env)
     for junk in ("usr/share/doc", "usr/share/man", "usr/share/locale", "var/lib/apt/lists"):
         shutil.rmtree(root / junk, ignore_errors=True)
@@ -221,42 +261,136 @@ def _build_image(base_root: Path, out: Path, log: Path) -> None:
     sock = "/tmp"
     (root / "run/postgresql").mkdir(parents=True, exist_ok=True)
     shutil.chown(root / "run/postgresql", *_postgres_ids(root))
-    server = [f"{PG_BIN}/pg_ctl", "-D", PG_DATA, "-w", "-t", "120", "-l", "/tmp/pg-build.log", "-o",
-              f"-c config_file={PG_CONF_DIR}/postgresql.conf -c listen_addresses='' -c unix_socket_directories={sock} "
-              "-c dynamic_shared_memory_type=mmap -c shared_buffers=256MB -c fsync=off -c full_page_writes=off "
-              "-c synchronous_commit=off -c max_wal_size=4GB -c maintenance_work_mem=256MB"]
+    server = [
+        f"{PG_BIN}/pg_ctl",
+        "-D",
+        PG_DATA,
+        "-w",
+        "-t",
+        "120",
+        "-l",
+        "/tmp/pg-build.log",
+        "-o",
+        f"-c config_file={PG_CONF_DIR}/postgresql.conf -c listen_addresses='' -c unix_socket_directories={sock} "
+        "-c dynamic_shared_memory_type=mmap -c shared_buffers=256MB -c fsync=off -c full_page_writes=off "
+        "-c synchronous_commit=off -c max_wal_size=4GB -c maintenance_work_mem=256MB",
+    ]
     _pg(root, log, "start PostgreSQL (build)", *server, "start")
     try:
         for name in DATABASES:
             _pg(root, log, f"create database {name}", "createdb", "-h", sock, name)
             shutil.copy(SQL_DIR / f"{name}.sql", root / f"tmp/{name}.sql")
-            _pg(root, log, f"load database {name}", "psql", "-h", sock, "-q", "-v", "ON_ERROR_STOP=1",
-                "-d", name, "-f", f"/tmp/{name}.sql")
-            _pg(root, log, f"vacuum database {name}", "psql", "-h", sock, "-q", "-d", name, "-c", "VACUUM (FREEZE, ANALYZE)")
+            _pg(
+                root,
+                log,
+                f"load database {name}",
+                "psql",
+                "-h",
+                sock,
+                "-q",
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-d",
+                name,
+                "-f",
+                f"/tmp/{name}.sql",
+            )
+            _pg(
+                root,
+                log,
+                f"vacuum database {name}",
+                "psql",
+                "-h",
+                sock,
+                "-q",
+                "-d",
+                name,
+                "-c",
+                "VACUUM (FREEZE, ANALYZE)",
+            )
             (root / f"tmp/{name}.sql").unlink()
         shutil.copy(SQL_DIR / "probe.sql", root / "tmp/probe.sql")
-        _pg(root, log, "install the CPU probe", "psql", "-h", sock, "-q", "-v", "ON_ERROR_STOP=1", "-d", "postgres",
-            "-f", "/tmp/probe.sql")
-        probe = subprocess.run(["chroot", str(root), "runuser", "-u", "postgres", "--", "psql", "-h", sock, "-At",
-                                "-d", "postgres", "-c", f"SELECT min(scalebench_cpu_probe({CPU_PROBE_N})) "
-                                "FROM generate_series(1, 5)"], capture_output=True, text=True, env=_chroot_env())
+        _pg(
+            root,
+            log,
+            "install the CPU probe",
+            "psql",
+            "-h",
+            sock,
+            "-q",
+            "-v",
+            "ON_ERROR_STOP=1",
+            "-d",
+            "postgres",
+            "-f",
+            "/tmp/probe.sql",
+        )
+        probe = subprocess.run(
+            [
+                "chroot",
+                str(root),
+                "runuser",
+                "-u",
+                "postgres",
+                "--",
+                "psql",
+                "-h",
+                sock,
+                "-At",
+                "-d",
+                "postgres",
+                "-c",
+                f"SELECT min(scalebench_cpu_probe({CPU_PROBE_N})) FROM generate_series(1, 5)",
+            ],
+            capture_output=True,
+            text=True,
+            env=_chroot_env(),
+        )
         if probe.returncode != 0:
             raise BuildError(f"the CPU probe failed: {probe.stderr.strip()}")
-        (out / "cpu_probe.json").write_text(json.dumps({"n": CPU_PROBE_N, "native_s": float(probe.stdout)}) + "\n")
+        (out / "cpu_probe.json").write_text(
+            json.dumps({"n": CPU_PROBE_N, "native_s": float(probe.stdout)}) + "\n"
+        )
     finally:
         _pg(root, log, "stop PostgreSQL (build)", *server, "-m", "fast", "stop")
     # After a clean shutdown only the segment holding the shutdown checkpoint (its REDO point) is needed. Older
     # segments go; of the recycled ones waiting under future names, a few stay, as on a server that has been
     # running (new segments would otherwise be zero-filled during the measured run).
-    control = subprocess.run(["chroot", str(root), "runuser", "-u", "postgres", "--", f"{PG_BIN}/pg_controldata",
-                              PG_DATA], capture_output=True, text=True, env=_chroot_env())
-    redo = [line.split(":", 1)[1].strip() for line in control.stdout.splitlines()
-            if line.startswith("Latest checkpoint's REDO WAL file")]
-    if control.returncode != 0 or not redo or "Database cluster state:               shut down\n" not in control.stdout:
-        raise BuildError(f"PostgreSQL did not shut down cleanly after the load: {control.stderr.strip()}")
-    segments = sorted(p for p in (root / PG_DATA.lstrip("/") / "pg_wal").iterdir() if p.is_file() and len(p.name) == 24)
+    control = subprocess.run(
+        [
+            "chroot",
+            str(root),
+            "runuser",
+            "-u",
+            "postgres",
+            "--",
+            f"{PG_BIN}/pg_controldata",
+            PG_DATA,
+        ],
+        capture_output=True,
+        text=True,
+        env=_chroot_env(),
+    )
+    redo = [
+        line.split(":", 1)[1].strip()
+        for line in control.stdout.splitlines()
+        if line.startswith("Latest checkpoint's REDO WAL file")
+    ]
+    if (
+        control.returncode != 0
+        or not redo
+        or "Database cluster state:               shut down\n" not in control.stdout
+    ):
+        raise BuildError(
+            f"PostgreSQL did not shut down cleanly after the load: {control.stderr.strip()}"
+        )
+    segments = sorted(
+        p
+        for p in (root / PG_DATA.lstrip("/") / "pg_wal").iterdir()
+        if p.is_file() and len(p.name) == 24
+    )
     keep = {p.name for p in segments if p.name >= redo[0]}
-    keep = set(sorted(keep)[:1 + RECYCLED_WAL_SEGMENTS])
+    keep = set(sorted(keep)[: 1 + RECYCLED_WAL_SEGMENTS])
     for segment in segments:
         if segment.name not in keep:
             segment.unlink()
@@ -268,10 +402,29 @@ def _build_image(base_root: Path, out: Path, log: Path) -> None:
     initrd = next(boot.glob("initrd.img-*"))
     shutil.copy(kernel, out / "vmlinuz")
     shutil.copy(initrd, out / "initrd.img")
-    used_kib = int(subprocess.run(["du", "-sk", str(root)], capture_output=True, text=True, check=True).stdout.split()[0])
+    used_kib = int(
+        subprocess.run(
+            ["du", "-sk", str(root)], capture_output=True, text=True, check=True
+        ).stdout.split()[0]
+    )
     size_mib = used_kib // 1024 + ROOTFS_SLACK_MIB
-    _run(["mkfs.ext4", "-q", "-F", "-L", "dbroot", "-E", "root_owner=0:0", "-d", str(root), str(out / "rootfs.img"),
-          f"{size_mib}M"], "mkfs.ext4 -d", log)
+    _run(
+        [
+            "mkfs.ext4",
+            "-q",
+            "-F",
+            "-L",
+            "dbroot",
+            "-E",
+            "root_owner=0:0",
+            "-d",
+            str(root),
+            str(out / "rootfs.img"),
+            f"{size_mib}M",
+        ],
+        "mkfs.ext4 -d",
+        log,
+    )
     shutil.rmtree(root)
     (out / "rootfs.img").chmod(0o444)
 
@@ -303,23 +456,40 @@ def build(cache: Path | None = None) -> GuestImage:
     log = cache / "build.log"
     with (cache / ".lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        for stale in cache.glob("*.partial"):  # left by a builder that was killed (we hold the lock)
+        for stale in cache.glob(
+            "*.partial"
+        ):  # left by a builder that was killed (we hold the lock)
             shutil.rmtree(stale, ignore_errors=True)
         bkey, ikey = base_key(), image_key()
         base = _cached_level(cache, f"base-{bkey}", lambda d: _build_base(d / "root", log), log)
-        image = _cached_level(cache, f"image-{ikey}", lambda d: _build_image(base / "root", d, log), log)
+        image = _cached_level(
+            cache, f"image-{ikey}", lambda d: _build_image(base / "root", d, log), log
+        )
     probe = json.loads((image / "cpu_probe.json").read_text())
-    return GuestImage(kernel=str(image / "vmlinuz"), initrd=str(image / "initrd.img"),
-                      rootfs=str(image / "rootfs.img"), key=ikey, databases=DATABASES,
-                      cpu_probe_n=probe["n"], cpu_probe_native_s=probe["native_s"])
+    return GuestImage(
+        kernel=str(image / "vmlinuz"),
+        initrd=str(image / "initrd.img"),
+        rootfs=str(image / "rootfs.img"),
+        key=ikey,
+        databases=DATABASES,
+        cpu_probe_n=probe["n"],
+        cpu_probe_native_s=probe["native_s"],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cache", type=Path, default=None, help="cache directory (default $SCALEBENCH_CACHE or ./cache)")
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        help="cache directory (default $SCALEBENCH_CACHE or ./cache)",
+    )
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
-        print("build.py: error: building the image needs root (debootstrap, chroot)", file=sys.stderr)
+        print(
+            "build.py: error: building the image needs root (debootstrap, chroot)", file=sys.stderr
+        )
         return 2
     # A SIGTERM unwinds like an error: the build's PostgreSQL is stopped and the partial level removed.
     signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit("build.py: error: terminated"))

@@ -188,7 +188,10 @@ mod tests {
     use std::collections::HashMap;
 
     fn header_defines() -> HashMap<String, u64> {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../guest-images/webguest/abi.h");
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../guest-images/webguest/abi.h"
+        );
         let text = std::fs::read_to_string(path).expect("abi.h");
         text.lines()
             .filter_map(|line| {
@@ -254,7 +257,11 @@ mod tests {
             ("CMD_TRIPLE", CMD_TRIPLE as u64),
         ];
         for (name, value) in ours {
-            assert_eq!(defines.get(*name), Some(value), "DV_{name} differs between abi.h and abi.rs");
+            assert_eq!(
+                defines.get(*name),
+                Some(value),
+                "DV_{name} differs between abi.h and abi.rs"
+            );
         }
     }
 

@@ -59,20 +59,28 @@ struct Raw {
 
 /// Parses one request line.
 pub fn parse(line: &[u8]) -> Result<Request, String> {
-    let text = std::str::from_utf8(line).map_err(|_| "request is not UTF-8".to_string())?.trim();
+    let text = std::str::from_utf8(line)
+        .map_err(|_| "request is not UTF-8".to_string())?
+        .trim();
     if text.is_empty() {
         return Err("empty request".into());
     }
     let raw: Raw = serde_json::from_str(text).map_err(|e| format!("malformed request: {e}"))?;
     let need_vm = || raw.vm.ok_or_else(|| format!("'{}' needs \"vm\"", raw.cmd));
     match raw.cmd.as_str() {
-        "stats" => Ok(Request::Stats { per_vm: raw.vms.unwrap_or(true) }),
+        "stats" => Ok(Request::Stats {
+            per_vm: raw.vms.unwrap_or(true),
+        }),
         "list" => Ok(Request::List),
         "pager" => Ok(Request::Pager),
-        "disk" => Ok(Request::Disk { modeled: raw.modeled.ok_or("'disk' needs \"modeled\": true|false")? }),
+        "disk" => Ok(Request::Disk {
+            modeled: raw.modeled.ok_or("'disk' needs \"modeled\": true|false")?,
+        }),
         "create" => match raw.count.unwrap_or(1) {
             0 => Err("'create' needs count >= 1".into()),
-            n if n > MAX_CREATE => Err(format!("'create' takes at most {MAX_CREATE} VMs at a time")),
+            n if n > MAX_CREATE => {
+                Err(format!("'create' takes at most {MAX_CREATE} VMs at a time"))
+            }
             count => Ok(Request::Create { count }),
         },
         "destroy" => Ok(Request::Destroy { vm: need_vm()? }),
@@ -82,7 +90,10 @@ pub fn parse(line: &[u8]) -> Result<Request, String> {
                 Some("triple") => true,
                 Some(other) => return Err(format!("unknown crash kind '{other}' (ud2 or triple)")),
             };
-            Ok(Request::Crash { vm: need_vm()?, triple })
+            Ok(Request::Crash {
+                vm: need_vm()?,
+                triple,
+            })
         }
         other => Err(format!("unknown command '{other}'")),
     }
@@ -94,13 +105,34 @@ mod tests {
 
     #[test]
     fn parses_every_command() {
-        assert_eq!(parse(br#"{"cmd":"stats"}"#), Ok(Request::Stats { per_vm: true }));
-        assert_eq!(parse(br#"{"cmd":"stats","vms":false}"#), Ok(Request::Stats { per_vm: false }));
+        assert_eq!(
+            parse(br#"{"cmd":"stats"}"#),
+            Ok(Request::Stats { per_vm: true })
+        );
+        assert_eq!(
+            parse(br#"{"cmd":"stats","vms":false}"#),
+            Ok(Request::Stats { per_vm: false })
+        );
         assert_eq!(parse(b"{\"cmd\":\"list\"}\n"), Ok(Request::List));
-        assert_eq!(parse(br#"{"cmd":"create","count":3}"#), Ok(Request::Create { count: 3 }));
-        assert_eq!(parse(br#"{"cmd":"destroy","vm":7}"#), Ok(Request::Destroy { vm: 7 }));
-        assert_eq!(parse(br#"{"cmd":"crash","vm":1,"how":"triple"}"#), Ok(Request::Crash { vm: 1, triple: true }));
-        assert_eq!(parse(br#"{"cmd":"disk","modeled":false}"#), Ok(Request::Disk { modeled: false }));
+        assert_eq!(
+            parse(br#"{"cmd":"create","count":3}"#),
+            Ok(Request::Create { count: 3 })
+        );
+        assert_eq!(
+            parse(br#"{"cmd":"destroy","vm":7}"#),
+            Ok(Request::Destroy { vm: 7 })
+        );
+        assert_eq!(
+            parse(br#"{"cmd":"crash","vm":1,"how":"triple"}"#),
+            Ok(Request::Crash {
+                vm: 1,
+                triple: true
+            })
+        );
+        assert_eq!(
+            parse(br#"{"cmd":"disk","modeled":false}"#),
+            Ok(Request::Disk { modeled: false })
+        );
     }
 
     #[test]
@@ -115,7 +147,10 @@ mod tests {
             (br#"{"cmd":"create","count":0}"#, "count >= 1"),
             (br#"{"cmd":"create","count":100000}"#, "at most"),
             (br#"{"cmd":"stats","extra":1}"#, "malformed"),
-            (br#"{"cmd":"crash","vm":1,"how":"gently"}"#, "unknown crash kind"),
+            (
+                br#"{"cmd":"crash","vm":1,"how":"gently"}"#,
+                "unknown crash kind",
+            ),
             (b"\xff\xfe", "UTF-8"),
             (b"   ", "empty"),
         ] {

@@ -34,7 +34,12 @@ impl RamLayout {
     /// `None` when they do not fit.
     pub fn new(ram_bytes: u64, bss_end: u64, rx_buffers: u64, ws_bytes: u64) -> Option<Self> {
         let ws_offset = bss_end.next_multiple_of(PAGE);
-        (ws_offset + ws_bytes + abi::STACK_BYTES <= ram_bytes).then_some(RamLayout { ram_bytes, ws_offset, ws_bytes, rx_buffers })
+        (ws_offset + ws_bytes + abi::STACK_BYTES <= ram_bytes).then_some(RamLayout {
+            ram_bytes,
+            ws_offset,
+            ws_bytes,
+            rx_buffers,
+        })
     }
 
     /// The smallest RAM that holds the layout.
@@ -65,7 +70,10 @@ pub fn write_system_pages(sys: &Mapping, info: &BootInfo) {
     sys.write_obj(abi::PML4_GPA, abi::PDPT_GPA | TABLE);
     sys.write_obj(abi::PDPT_GPA, abi::PD_GPA | TABLE);
     for (i, base) in (0..ram_end).step_by(HUGE_PAGE as usize).enumerate() {
-        sys.write_obj(abi::PD_GPA + 8 * i as u64, base | TABLE | PTE_DIRTY | PTE_HUGE);
+        sys.write_obj(
+            abi::PD_GPA + 8 * i as u64,
+            base | TABLE | PTE_DIRTY | PTE_HUGE,
+        );
     }
     let gdt: [u64; 5] = [
         0,
@@ -87,7 +95,11 @@ pub const TSS_SELECTOR: u16 = 0x18;
 
 fn tss_descriptor_low(base: u64, limit: u64) -> u64 {
     let access = 0x8b; // present, busy 64-bit TSS
-    (limit & 0xffff) | ((base & 0xff_ffff) << 16) | (access << 40) | (((limit >> 16) & 0xf) << 48) | (((base >> 24) & 0xff) << 56)
+    (limit & 0xffff)
+        | ((base & 0xff_ffff) << 16)
+        | (access << 40)
+        | (((limit >> 16) & 0xf) << 48)
+        | (((base >> 24) & 0xff) << 56)
 }
 
 #[cfg(test)]
@@ -100,20 +112,34 @@ mod tests {
         assert_eq!(layout.ws_offset, 0x87000);
         assert!(layout.ws_offset + layout.ws_bytes <= layout.ram_bytes - abi::STACK_BYTES);
         assert!(RamLayout::new(1 << 20, 0x86e08, 0x7000, 896 << 10).is_none());
-        assert_eq!(layout.request_footprint(), 0x7000 + 8192 + (896 << 10) + abi::STACK_BYTES);
-        assert_eq!(RamLayout::min_ram_bytes(0x86e08, 896 << 10), 0x87000 + (896 << 10) + abi::STACK_BYTES);
+        assert_eq!(
+            layout.request_footprint(),
+            0x7000 + 8192 + (896 << 10) + abi::STACK_BYTES
+        );
+        assert_eq!(
+            RamLayout::min_ram_bytes(0x86e08, 896 << 10),
+            0x87000 + (896 << 10) + abi::STACK_BYTES
+        );
     }
 
     #[test]
     fn page_tables_identity_map_ram_with_user_bits() {
         let sys = Mapping::anonymous(abi::SYS_BYTES as usize, false).unwrap();
-        let info = BootInfo { ram_gpa: abi::RAM_GPA, ram_bytes: 4 << 20, ..Default::default() };
+        let info = BootInfo {
+            ram_gpa: abi::RAM_GPA,
+            ram_bytes: 4 << 20,
+            ..Default::default()
+        };
         write_system_pages(&sys, &info);
         let pd = |i: u64| sys.read_volatile::<u64>(abi::PD_GPA + 8 * i);
         assert_eq!(pd(0) & !0xfff, 0);
         assert_eq!(pd(3) & !0xfff, 3 * HUGE_PAGE);
         assert_eq!(pd(4), 0, "nothing mapped past RAM");
-        for entry in [sys.read_volatile::<u64>(abi::PML4_GPA), sys.read_volatile::<u64>(abi::PDPT_GPA), pd(2)] {
+        for entry in [
+            sys.read_volatile::<u64>(abi::PML4_GPA),
+            sys.read_volatile::<u64>(abi::PDPT_GPA),
+            pd(2),
+        ] {
             assert_eq!(entry & PTE_USER, PTE_USER);
             assert_eq!(entry & PTE_PRESENT, PTE_PRESENT);
         }

@@ -56,8 +56,11 @@ fn serve_cell(link: UnixStream) -> Result<(), String> {
     };
     let mut line = serde_json::to_vec(&hello).expect("hello serializes");
     line.push(b'\n');
-    link.send_with_fds(&[&line[..]], &[handoff.uffd.as_raw_fd(), handoff.memfd.as_raw_fd()])
-        .map_err(|e| format!("hand the guest memory to the parent: {e}"))?;
+    link.send_with_fds(
+        &[&line[..]],
+        &[handoff.uffd.as_raw_fd(), handoff.memfd.as_raw_fd()],
+    )
+    .map_err(|e| format!("hand the guest memory to the parent: {e}"))?;
     drop(handoff);
     match read_message::<ToCell>(&link)? {
         ToCell::Go => {}
@@ -65,8 +68,12 @@ fn serve_cell(link: UnixStream) -> Result<(), String> {
     }
     let boot_started = Instant::now();
     let groups = config.count.div_ceil(DOORBELL_GROUP);
-    let doorbells = (0..groups).map(|_| EventFd::new(EFD_NONBLOCK)).collect::<Result<Vec<_>, _>>().map_err(|e| format!("doorbell eventfds: {e}"))?;
-    let vms = build_all(&ctx, &doorbells, config.count, config.args.boot_threads).map_err(|e| report(&link, e))?;
+    let doorbells = (0..groups)
+        .map(|_| EventFd::new(EFD_NONBLOCK))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("doorbell eventfds: {e}"))?;
+    let vms = build_all(&ctx, &doorbells, config.count, config.args.boot_threads)
+        .map_err(|e| report(&link, e))?;
     let setup = MonitorSetup {
         ctx,
         doorbells,
@@ -77,7 +84,8 @@ fn serve_cell(link: UnixStream) -> Result<(), String> {
         boot_timeout: Duration::from_secs(config.args.boot_timeout),
         inject_request: Duration::from_micros(config.args.inject_request_us),
     };
-    let (mut monitor, waker) = Monitor::new(setup).map_err(|e| report(&link, format!("event loop: {e}")))?;
+    let (mut monitor, waker) =
+        Monitor::new(setup).map_err(|e| report(&link, format!("event loop: {e}")))?;
     *waker_slot.lock().expect("waker") = Some(waker);
     // A crash reported before the waker existed is still in the queue.
     let _ = waker_slot.lock().expect("waker").as_ref().map(|w| w.wake());
@@ -94,7 +102,10 @@ fn serve_cell(link: UnixStream) -> Result<(), String> {
 
 /// Tells the parent why the cell cannot go on; returns the message.
 fn report(mut link: &UnixStream, error: String) -> String {
-    let mut line = serde_json::to_vec(&FromCell::Failed { error: error.clone() }).expect("serializes");
+    let mut line = serde_json::to_vec(&FromCell::Failed {
+        error: error.clone(),
+    })
+    .expect("serializes");
     line.push(b'\n');
     let _ = link.write_all(&line);
     error
@@ -138,14 +149,20 @@ fn stay_with_parent(parent_pid: u32) -> Result<(), String> {
 type CrashQueue = Arc<Mutex<Vec<u32>>>;
 type WakerSlot = Arc<Mutex<Option<Arc<mio::Waker>>>>;
 
-fn build_context(config: &CellConfig) -> Result<(BuildContext, CrashQueue, WakerSlot), ConfigError> {
+fn build_context(
+    config: &CellConfig,
+) -> Result<(BuildContext, CrashQueue, WakerSlot), ConfigError> {
     let args = &config.args;
     let (image, layout) = serve::load_guest(args)?;
     let kvm = Kvm::new().map_err(|e| ConfigError(format!("cannot open /dev/kvm: {e}")))?;
     let caps = VmCaps::probe(&kvm).map_err(ConfigError)?;
-    let platform = platform::detect(&kvm).map_err(|e| ConfigError(format!("probe the host: {e}")))?;
-    let cpuid = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(|e| ConfigError(format!("get supported CPUID: {e}")))?;
-    let ram = memory::RamSlots::new(layout.ram_bytes as usize, config.capacity as usize).map_err(|e| ConfigError(e.to_string()))?;
+    let platform =
+        platform::detect(&kvm).map_err(|e| ConfigError(format!("probe the host: {e}")))?;
+    let cpuid = kvm
+        .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+        .map_err(|e| ConfigError(format!("get supported CPUID: {e}")))?;
+    let ram = memory::RamSlots::new(layout.ram_bytes as usize, config.capacity as usize)
+        .map_err(|e| ConfigError(e.to_string()))?;
     let crashed: CrashQueue = Arc::new(Mutex::new(Vec::new()));
     let waker_slot: WakerSlot = Arc::new(Mutex::new(None));
     let on_exit = {
@@ -166,7 +183,11 @@ fn build_context(config: &CellConfig) -> Result<(BuildContext, CrashQueue, Waker
         platform,
         image,
         layout,
-        extra_flags: if args.selfcheck { crate::abi::FLAG_SELFCHECK } else { 0 },
+        extra_flags: if args.selfcheck {
+            crate::abi::FLAG_SELFCHECK
+        } else {
+            0
+        },
         ws_write_stride: args.ws_write_stride,
         addr_base: args.addr_base,
         port: args.port,
@@ -181,12 +202,21 @@ fn build_context(config: &CellConfig) -> Result<(BuildContext, CrashQueue, Waker
 }
 
 /// Builds the cell's first `count` VMs on `threads` threads, in id order.
-fn build_all(ctx: &BuildContext, doorbells: &[EventFd], count: u32, threads: u32) -> Result<Vec<MicroVm>, String> {
+fn build_all(
+    ctx: &BuildContext,
+    doorbells: &[EventFd],
+    count: u32,
+    threads: u32,
+) -> Result<Vec<MicroVm>, String> {
     let threads = threads.clamp(1, 16);
     let ids = ctx.first_id..ctx.first_id + count;
     // Every KVM VM is created before any vCPU maps its run page: creating
     // one visits every VMA, so this keeps the boot linear in the VM count.
-    let kvms = ids.clone().map(|id| vm::create(ctx, id)).collect::<Result<Vec<_>, _>>().map_err(|e| e.to_string())?;
+    let kvms = ids
+        .clone()
+        .map(|id| vm::create(ctx, id))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())?;
     let mut parts = Vec::with_capacity(count as usize);
     for (id, kvm) in ids.zip(kvms) {
         let vcpu = vm::park_vcpu(ctx, id).map_err(|e| e.to_string())?;
@@ -205,9 +235,18 @@ fn build_all(ctx: &BuildContext, doorbells: &[EventFd], count: u32, threads: u32
                 if index >= count {
                     return;
                 }
-                let prebuilt = parts[index as usize].lock().expect("prebuilt").take().expect("each VM built once");
+                let prebuilt = parts[index as usize]
+                    .lock()
+                    .expect("prebuilt")
+                    .take()
+                    .expect("each VM built once");
                 let id = ctx.first_id + index;
-                match vm::build(ctx, id, prebuilt, &doorbells[(index / DOORBELL_GROUP) as usize]) {
+                match vm::build(
+                    ctx,
+                    id,
+                    prebuilt,
+                    &doorbells[(index / DOORBELL_GROUP) as usize],
+                ) {
                     Ok(vm) => built.lock().expect("built")[index as usize] = Some(vm),
                     Err(e) => *failure.lock().expect("failure") = Some(e.to_string()),
                 }
@@ -217,5 +256,10 @@ fn build_all(ctx: &BuildContext, doorbells: &[EventFd], count: u32, threads: u32
     if let Some(error) = failure.into_inner().expect("failure") {
         return Err(error);
     }
-    Ok(built.into_inner().expect("built").into_iter().map(|vm| vm.expect("every VM built")).collect())
+    Ok(built
+        .into_inner()
+        .expect("built")
+        .into_iter()
+        .map(|vm| vm.expect("every VM built"))
+        .collect())
 }

@@ -29,8 +29,15 @@ pub struct PendingCell {
 impl PendingCell {
     /// Starts `densevm cell` for VMs `first_id..first_id + count`, with room
     /// for `capacity`, and sends it its configuration.
-    pub fn spawn(args: &ServeArgs, index: u32, first_id: u32, count: u32, capacity: u32) -> Result<PendingCell, String> {
-        let (ours, theirs) = UnixStream::pair().map_err(|e| format!("cell {index}: socketpair: {e}"))?;
+    pub fn spawn(
+        args: &ServeArgs,
+        index: u32,
+        first_id: u32,
+        count: u32,
+        capacity: u32,
+    ) -> Result<PendingCell, String> {
+        let (ours, theirs) =
+            UnixStream::pair().map_err(|e| format!("cell {index}: socketpair: {e}"))?;
         // This very binary, even if the file was replaced since it started.
         let child = Command::new("/proc/self/exe")
             .arg0("densevm")
@@ -40,10 +47,24 @@ impl PendingCell {
             .stderr(Stdio::inherit())
             .spawn()
             .map_err(|e| format!("cell {index}: start: {e}"))?;
-        let config = CellConfig { args: args.clone(), cell: index, parent_pid: std::process::id(), first_id, count, capacity };
+        let config = CellConfig {
+            args: args.clone(),
+            cell: index,
+            parent_pid: std::process::id(),
+            first_id,
+            count,
+            capacity,
+        };
         let mut line = serde_json::to_vec(&config).expect("config serializes");
         line.push(b'\n');
-        let mut cell = PendingCell { index, child, link: ours, first_id, count, capacity };
+        let mut cell = PendingCell {
+            index,
+            child,
+            link: ours,
+            first_id,
+            count,
+            capacity,
+        };
         if let Err(e) = (&cell.link).write_all(&line) {
             let _ = cell.child.kill();
             let _ = cell.child.wait();
@@ -57,7 +78,9 @@ impl PendingCell {
     pub fn handshake(mut self, pager: &Pager, ram_bytes: usize) -> Result<Cell, String> {
         match self.try_handshake(pager, ram_bytes) {
             Ok(space) => {
-                self.link.set_nonblocking(true).map_err(|e| format!("cell {}: link: {e}", self.index))?;
+                self.link
+                    .set_nonblocking(true)
+                    .map_err(|e| format!("cell {}: link: {e}", self.index))?;
                 let link = mio::net::UnixStream::from_std(self.link);
                 Ok(Cell {
                     index: self.index,
@@ -81,20 +104,34 @@ impl PendingCell {
     }
 
     fn try_handshake(&mut self, pager: &Pager, ram_bytes: usize) -> Result<SpaceId, String> {
-        self.link.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(|e| e.to_string())?;
+        self.link
+            .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+            .map_err(|e| e.to_string())?;
         let mut buf = vec![0u8; 4096];
         let mut fds = [-1; 2];
-        let mut iov = [libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() }];
+        let mut iov = [libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        }];
         // SAFETY: the iovec points into `buf`, which outlives the call.
-        let (bytes, nfds) = unsafe { self.link.recv_with_fds(&mut iov, &mut fds) }.map_err(|e| format!("receive its memory: {e}"))?;
+        let (bytes, nfds) = unsafe { self.link.recv_with_fds(&mut iov, &mut fds) }
+            .map_err(|e| format!("receive its memory: {e}"))?;
         // SAFETY: descriptors received are ours to own.
-        let received: Vec<OwnedFd> = fds[..nfds].iter().map(|&fd| unsafe { OwnedFd::from_raw_fd(fd) }).collect();
+        let received: Vec<OwnedFd> = fds[..nfds]
+            .iter()
+            .map(|&fd| unsafe { OwnedFd::from_raw_fd(fd) })
+            .collect();
         if bytes == 0 {
-            return Err(self.exit_reason().unwrap_or_else(|| "closed the link during start-up".into()));
+            return Err(self
+                .exit_reason()
+                .unwrap_or_else(|| "closed the link during start-up".into()));
         }
         let mut hello = buf[..bytes].to_vec();
         while !hello.ends_with(b"\n") {
-            let n = self.link.read(&mut buf).map_err(|e| format!("receive its memory: {e}"))?;
+            let n = self
+                .link
+                .read(&mut buf)
+                .map_err(|e| format!("receive its memory: {e}"))?;
             if n == 0 {
                 return Err("closed the link during start-up".into());
             }
@@ -105,8 +142,17 @@ impl PendingCell {
             return Err(error);
         }
         let hello: Hello = serde_json::from_slice(&hello).map_err(|e| format!("bad hello: {e}"))?;
-        let [uffd, memfd]: [OwnedFd; 2] = received.try_into().map_err(|_| "its hello lacks the guest-memory descriptors".to_string())?;
-        let space = pager.attach_space(SpaceHandoff { uffd, memfd, base: hello.base, len: hello.len }).map_err(|e| e.to_string())?;
+        let [uffd, memfd]: [OwnedFd; 2] = received
+            .try_into()
+            .map_err(|_| "its hello lacks the guest-memory descriptors".to_string())?;
+        let space = pager
+            .attach_space(SpaceHandoff {
+                uffd,
+                memfd,
+                base: hello.base,
+                len: hello.len,
+            })
+            .map_err(|e| e.to_string())?;
         for i in 0..self.count {
             let id = self.first_id + i;
             if let Err(e) = pager.register_vm(id, space, i as usize * ram_bytes, ram_bytes) {
@@ -116,7 +162,9 @@ impl PendingCell {
         }
         let mut go = serde_json::to_vec(&ToCell::Go).expect("serializes");
         go.push(b'\n');
-        self.link.write_all(&go).map_err(|e| format!("start it: {e}"))?;
+        self.link
+            .write_all(&go)
+            .map_err(|e| format!("start it: {e}"))?;
         Ok(space)
     }
 
@@ -185,10 +233,16 @@ impl Cell {
         loop {
             match self.child.try_wait() {
                 Ok(Some(status)) => return describe_exit(status),
-                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(5))
+                }
                 Ok(None) => {
                     let _ = self.child.kill();
-                    return self.child.wait().map(describe_exit).unwrap_or_else(|e| format!("lost: {e}"));
+                    return self
+                        .child
+                        .wait()
+                        .map(describe_exit)
+                        .unwrap_or_else(|e| format!("lost: {e}"));
                 }
                 Err(e) => return format!("lost: {e}"),
             }

@@ -45,7 +45,14 @@ pub struct LineStream<S> {
 impl<S: Read + Write> LineStream<S> {
     /// Frames `stream`, refusing lines longer than `max_line` bytes.
     pub fn new(stream: S, max_line: usize) -> Self {
-        LineStream { stream, input: Vec::new(), scanned: 0, output: Vec::new(), written: 0, max_line }
+        LineStream {
+            stream,
+            input: Vec::new(),
+            scanned: 0,
+            output: Vec::new(),
+            written: 0,
+            max_line,
+        }
     }
 
     /// Reads what the stream has now and appends every complete line (without
@@ -129,14 +136,20 @@ mod tests {
         framed.read_lines(&mut lines).unwrap();
         peer.write_all(b"o\nthree\n").unwrap();
         framed.read_lines(&mut lines).unwrap();
-        assert_eq!(lines, vec![b"one".to_vec(), b"two".to_vec(), b"three".to_vec()]);
+        assert_eq!(
+            lines,
+            vec![b"one".to_vec(), b"two".to_vec(), b"three".to_vec()]
+        );
     }
 
     #[test]
     fn a_line_without_end_is_refused_at_the_limit() {
         let (mut framed, mut peer) = pair();
         peer.write_all(&[b'x'; 100]).unwrap();
-        assert!(matches!(framed.read_lines(&mut Vec::new()), Err(FrameError::TooLong(64))));
+        assert!(matches!(
+            framed.read_lines(&mut Vec::new()),
+            Err(FrameError::TooLong(64))
+        ));
     }
 
     #[test]
@@ -145,7 +158,10 @@ mod tests {
         peer.write_all(b"last\n").unwrap();
         drop(peer);
         let mut lines = Vec::new();
-        assert!(matches!(framed.read_lines(&mut lines), Err(FrameError::Closed)));
+        assert!(matches!(
+            framed.read_lines(&mut lines),
+            Err(FrameError::Closed)
+        ));
         assert_eq!(lines, vec![b"last".to_vec()]);
     }
 

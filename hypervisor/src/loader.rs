@@ -52,7 +52,10 @@ pub struct GuestImage {
 
 /// Loads the ELF at `path`.
 pub fn load(path: &Path) -> Result<GuestImage, LoadError> {
-    let bytes = std::fs::read(path).map_err(|source| LoadError::Read { path: path.into(), source })?;
+    let bytes = std::fs::read(path).map_err(|source| LoadError::Read {
+        path: path.into(),
+        source,
+    })?;
     let elf = Elf::parse(&bytes).map_err(|_| LoadError::NotElf(path.into()))?;
     if !elf.is_64 || elf.header.e_machine != EM_X86_64 {
         return Err(LoadError::NotElf(path.into()));
@@ -61,7 +64,11 @@ pub fn load(path: &Path) -> Result<GuestImage, LoadError> {
     let mut image_end = 0u64;
     let mut bss_end = 0u64;
     for ph in elf.program_headers.iter().filter(|ph| ph.p_type == PT_LOAD) {
-        let bad = || LoadError::BadSegment { path: path.into(), vaddr: ph.p_vaddr, memsz: ph.p_memsz };
+        let bad = || LoadError::BadSegment {
+            path: path.into(),
+            vaddr: ph.p_vaddr,
+            memsz: ph.p_memsz,
+        };
         let end = ph.p_vaddr.checked_add(ph.p_memsz).ok_or_else(bad)?;
         if ph.p_vaddr >= IMAGE_GPA && end <= IMAGE_GPA + IMAGE_BYTES {
             let file = bytes
@@ -87,5 +94,11 @@ pub fn load(path: &Path) -> Result<GuestImage, LoadError> {
     if entry < IMAGE_GPA || entry >= IMAGE_GPA + image_end {
         return Err(LoadError::NotElf(path.into()));
     }
-    Ok(GuestImage { mapping, mapped_bytes: image_end.next_multiple_of(4096), entry, bss_end, rx_buffers })
+    Ok(GuestImage {
+        mapping,
+        mapped_bytes: image_end.next_multiple_of(4096),
+        entry,
+        bss_end,
+        rx_buffers,
+    })
 }

@@ -25,7 +25,11 @@ mod vstate;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "densevm", version, about = "Thousands of tiny web-server microVMs on KVM, in cells that share one pager")]
+#[command(
+    name = "densevm",
+    version,
+    about = "Thousands of tiny web-server microVMs on KVM, in cells that share one pager"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -63,7 +67,10 @@ fn main() {
                 e.exit();
             }
             let message = e.to_string();
-            let first = message.lines().find(|l| !l.trim().is_empty()).unwrap_or("bad arguments");
+            let first = message
+                .lines()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("bad arguments");
             eprintln!("densevm: {}", first.trim_start_matches("error: "));
             std::process::exit(2);
         }

@@ -41,7 +41,11 @@ unsafe impl Sync for Mapping {}
 impl Mapping {
     /// Maps `len` bytes of zeroed private (or shared) anonymous memory.
     pub fn anonymous(len: usize, shared: bool) -> io::Result<Self> {
-        let visibility = if shared { libc::MAP_SHARED } else { libc::MAP_PRIVATE };
+        let visibility = if shared {
+            libc::MAP_SHARED
+        } else {
+            libc::MAP_PRIVATE
+        };
         // SAFETY: a fresh anonymous mapping aliases nothing.
         let ptr = unsafe {
             libc::mmap(
@@ -56,7 +60,11 @@ impl Mapping {
         if ptr == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        Ok(Mapping { base: NonNull::new(ptr.cast()).expect("mmap returned null"), len, release: Release::Unmap })
+        Ok(Mapping {
+            base: NonNull::new(ptr.cast()).expect("mmap returned null"),
+            len,
+            release: Release::Unmap,
+        })
     }
 
     /// Host address of the first byte.
@@ -71,7 +79,11 @@ impl Mapping {
 
     /// Host address of byte `offset`; panics outside the mapping.
     pub fn at(&self, offset: u64) -> *mut u8 {
-        assert!(offset < self.len as u64, "offset {offset:#x} outside a {:#x}-byte mapping", self.len);
+        assert!(
+            offset < self.len as u64,
+            "offset {offset:#x} outside a {:#x}-byte mapping",
+            self.len
+        );
         // SAFETY: bounds checked above.
         unsafe { self.base.as_ptr().add(offset as usize) }
     }
@@ -93,7 +105,11 @@ impl Mapping {
     /// Reads a plain-data value at `offset` that the guest may be writing.
     pub fn read_volatile<T: Copy>(&self, offset: u64) -> T {
         assert!(offset as usize + std::mem::size_of::<T>() <= self.len);
-        assert_eq!(offset as usize % std::mem::align_of::<T>(), 0, "unaligned volatile read");
+        assert_eq!(
+            offset as usize % std::mem::align_of::<T>(),
+            0,
+            "unaligned volatile read"
+        );
         // SAFETY: bounds and alignment checked.
         unsafe { std::ptr::read_volatile(self.at(offset).cast::<T>()) }
     }
@@ -124,7 +140,9 @@ impl Drop for Mapping {
         unsafe {
             match self.release {
                 Release::Unmap => libc::munmap(self.base.as_ptr().cast(), self.len),
-                Release::DontNeed => libc::madvise(self.base.as_ptr().cast(), self.len, libc::MADV_DONTNEED),
+                Release::DontNeed => {
+                    libc::madvise(self.base.as_ptr().cast(), self.len, libc::MADV_DONTNEED)
+                }
                 Release::Pager => 0,
             };
         }
@@ -146,7 +164,11 @@ pub struct Arena {
 impl Arena {
     /// An arena of `slot_bytes` slots, mapped `slots_per_chunk` at a time.
     pub fn new(slot_bytes: usize, slots_per_chunk: usize) -> Self {
-        Arena { slot_bytes, slots_per_chunk, chunks: std::sync::Mutex::new(Vec::new()) }
+        Arena {
+            slot_bytes,
+            slots_per_chunk,
+            chunks: std::sync::Mutex::new(Vec::new()),
+        }
     }
 
     /// Slot `index`, zeroed on first use.
@@ -157,10 +179,20 @@ impl Arena {
             chunks.resize_with(chunk + 1, || None);
         }
         if chunks[chunk].is_none() {
-            chunks[chunk] = Some(Mapping::anonymous(self.slot_bytes * self.slots_per_chunk, false)?);
+            chunks[chunk] = Some(Mapping::anonymous(
+                self.slot_bytes * self.slots_per_chunk,
+                false,
+            )?);
         }
-        let base = chunks[chunk].as_ref().expect("chunk mapped").at((within * self.slot_bytes) as u64);
-        Ok(Mapping { base: NonNull::new(base).expect("non-null slot"), len: self.slot_bytes, release: Release::DontNeed })
+        let base = chunks[chunk]
+            .as_ref()
+            .expect("chunk mapped")
+            .at((within * self.slot_bytes) as u64);
+        Ok(Mapping {
+            base: NonNull::new(base).expect("non-null slot"),
+            len: self.slot_bytes,
+            release: Release::DontNeed,
+        })
     }
 }
 
@@ -177,7 +209,10 @@ pub struct RamSlots {
 impl RamSlots {
     /// Room for `slots` VMs of `slot_bytes` each.
     pub fn new(slot_bytes: usize, slots: usize) -> Result<Self, paging_policy::PagerError> {
-        Ok(RamSlots { memory: GuestMemory::new(slot_bytes * slots)?, slot_bytes })
+        Ok(RamSlots {
+            memory: GuestMemory::new(slot_bytes * slots)?,
+            slot_bytes,
+        })
     }
 
     /// The memory itself, for the hand-over to the pager.
@@ -187,9 +222,15 @@ impl RamSlots {
 
     /// Slot `index`; `None` past the end.
     pub fn slot(&self, index: usize) -> Option<Mapping> {
-        let offset = index.checked_mul(self.slot_bytes).filter(|o| o + self.slot_bytes <= self.memory.len())?;
+        let offset = index
+            .checked_mul(self.slot_bytes)
+            .filter(|o| o + self.slot_bytes <= self.memory.len())?;
         // SAFETY: in bounds of the mapping, which lives as long as the cell.
         let base = unsafe { self.memory.as_ptr().add(offset) };
-        Some(Mapping { base: NonNull::new(base).expect("non-null slot"), len: self.slot_bytes, release: Release::Pager })
+        Some(Mapping {
+            base: NonNull::new(base).expect("non-null slot"),
+            len: self.slot_bytes,
+            release: Release::Pager,
+        })
     }
 }

@@ -133,7 +133,8 @@ impl Monitor {
         let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
         setup.link.set_nonblocking(true)?;
         let mut link = UnixStream::from_std(setup.link);
-        poll.registry().register(&mut link, LINK, Interest::READABLE)?;
+        poll.registry()
+            .register(&mut link, LINK, Interest::READABLE)?;
         for (group, evt) in setup.doorbells.iter().enumerate() {
             register_doorbell(&poll, evt, group)?;
         }
@@ -143,7 +144,11 @@ impl Monitor {
             ctx: setup.ctx,
             doorbells: setup.doorbells,
             proxy: Proxy::new(conn_token),
-            parent: ParentLink { link: LineStream::new(link, MAX_LINK_LINE), counts: Vec::new(), since: None },
+            parent: ParentLink {
+                link: LineStream::new(link, MAX_LINK_LINE),
+                counts: Vec::new(),
+                since: None,
+            },
             crashed: setup.crashed,
             boot_started: setup.boot_started,
             boot_reported: false,
@@ -159,7 +164,11 @@ impl Monitor {
 
     fn adopt(&mut self, mut vm: MicroVm) -> io::Result<()> {
         let index = self.vms.len();
-        self.poll.registry().register(&mut vm.listener, token(KIND_LISTENER, index), Interest::READABLE)?;
+        self.poll.registry().register(
+            &mut vm.listener,
+            token(KIND_LISTENER, index),
+            Interest::READABLE,
+        )?;
         self.vms.push(vm);
         self.seen_requests.push(0);
         Ok(())
@@ -180,7 +189,8 @@ impl Monitor {
                 (false, true) => Duration::from_millis(500),
                 (false, false) => Duration::from_millis(50),
             };
-            crate::framing::nonblocking(|| self.poll.poll(&mut events, Some(timeout))).map_err(|e| format!("event loop: {e}"))?;
+            crate::framing::nonblocking(|| self.poll.poll(&mut events, Some(timeout)))
+                .map_err(|e| format!("event loop: {e}"))?;
             for event in events.iter() {
                 let Token(t) = event.token();
                 match event.token() {
@@ -196,7 +206,13 @@ impl Monitor {
                         match t >> KIND_SHIFT {
                             KIND_LISTENER => self.proxy.accept(&mut self.vms, index, registry),
                             KIND_DOORBELL => self.doorbell(index),
-                            KIND_CONN => self.proxy.ready(&mut self.vms, index, event.is_readable(), event.is_writable(), registry),
+                            KIND_CONN => self.proxy.ready(
+                                &mut self.vms,
+                                index,
+                                event.is_readable(),
+                                event.is_writable(),
+                                registry,
+                            ),
                             _ => {}
                         }
                     }
@@ -238,7 +254,9 @@ impl Monitor {
     // ---- guests ----
 
     fn doorbell(&mut self, group: usize) {
-        let Some(evt) = self.doorbells.get(group) else { return };
+        let Some(evt) = self.doorbells.get(group) else {
+            return;
+        };
         let _ = evt.read();
         let first = group * DOORBELL_GROUP as usize;
         let last = (first + DOORBELL_GROUP as usize).min(self.vms.len());
@@ -250,7 +268,9 @@ impl Monitor {
     /// Takes in what the guest produced, feeds it what it can now accept,
     /// and kicks it if it is idle.
     fn service_vm(&mut self, index: usize) {
-        let Some(vm) = self.vms.live(index) else { return };
+        let Some(vm) = self.vms.live(index) else {
+            return;
+        };
         let ctrl = vm.ctrl();
         if ctrl.state == abi::STATE_READY {
             vm.ready = true;
@@ -287,7 +307,9 @@ impl Monitor {
     fn reap_crashed(&mut self) {
         let ids: Vec<u32> = std::mem::take(&mut *self.crashed.lock().expect("crash queue"));
         for id in ids {
-            let Some(index) = self.vms.index_of(id) else { continue };
+            let Some(index) = self.vms.index_of(id) else {
+                continue;
+            };
             let reason = match self.vms.live(index) {
                 Some(vm) => vm.stop_reason().unwrap_or_default(),
                 None => continue,
@@ -299,9 +321,19 @@ impl Monitor {
     /// Stops a VM, closes its listener and connections, tells the pager, and
     /// keeps a record.
     fn kill_vm(&mut self, index: usize, state: VmState, reason: String) {
-        let Some(vm) = self.vms.live(index) else { return };
-        let dead = DeadVm { id: vm.id, addr: vm.addr, state, reason, ctrl: vm.ctrl() };
-        let Some(mut vm) = self.vms.bury(index, dead.clone()) else { return };
+        let Some(vm) = self.vms.live(index) else {
+            return;
+        };
+        let dead = DeadVm {
+            id: vm.id,
+            addr: vm.addr,
+            state,
+            reason,
+            ctrl: vm.ctrl(),
+        };
+        let Some(mut vm) = self.vms.bury(index, dead.clone()) else {
+            return;
+        };
         vm.vcpu.stop();
         let registry = self.poll.registry();
         let _ = registry.deregister(&mut vm.listener);
@@ -311,7 +343,10 @@ impl Monitor {
         // The vCPU no longer runs: the pager may free the VM's memory.
         self.parent.vm_stopped(dead.id);
         if state == VmState::Crashed {
-            eprintln!("densevm: VM {} ({}) stopped: {}", dead.id, dead.addr, dead.reason);
+            eprintln!(
+                "densevm: VM {} ({}) stopped: {}",
+                dead.id, dead.addr, dead.reason
+            );
         }
     }
 
@@ -342,24 +377,42 @@ impl Monitor {
     fn handle(&mut self, request: ToCell) -> Value {
         match request {
             ToCell::Go | ToCell::Shutdown => json!({ "error": "not expected now" }),
-            ToCell::Stats { per_vm } => stats::collect(self.vms.entries(), self.proxy.len(), per_vm),
-            ToCell::List => json!({ "ok": true, "vms": self.vms.entries().iter().map(stats::vm_summary).collect::<Vec<_>>() }),
+            ToCell::Stats { per_vm } => {
+                stats::collect(self.vms.entries(), self.proxy.len(), per_vm)
+            }
+            ToCell::List => {
+                json!({ "ok": true, "vms": self.vms.entries().iter().map(stats::vm_summary).collect::<Vec<_>>() })
+            }
             ToCell::Create { first, count } => self.create(first, count),
-            ToCell::Destroy { vm } => match self.vms.index_of(vm).filter(|&i| self.vms.live(i).is_some()) {
+            ToCell::Destroy { vm } => match self
+                .vms
+                .index_of(vm)
+                .filter(|&i| self.vms.live(i).is_some())
+            {
                 Some(index) => {
-                    self.kill_vm(index, VmState::Stopped, "destroyed through the control API".into());
+                    self.kill_vm(
+                        index,
+                        VmState::Stopped,
+                        "destroyed through the control API".into(),
+                    );
                     json!({ "ok": true, "vm": vm })
                 }
                 None => json!({ "error": format!("no running VM {vm}") }),
             },
-            ToCell::Crash { vm, triple } => match self.vms.index_of(vm).and_then(|i| self.vms.live(i)) {
-                Some(vm_ref) => {
-                    vm_ref.command(if triple { abi::CMD_TRIPLE } else { abi::CMD_CRASH });
-                    let _ = vm_ref.irq.write(1);
-                    json!({ "ok": true, "vm": vm })
+            ToCell::Crash { vm, triple } => {
+                match self.vms.index_of(vm).and_then(|i| self.vms.live(i)) {
+                    Some(vm_ref) => {
+                        vm_ref.command(if triple {
+                            abi::CMD_TRIPLE
+                        } else {
+                            abi::CMD_CRASH
+                        });
+                        let _ = vm_ref.irq.write(1);
+                        json!({ "ok": true, "vm": vm })
+                    }
+                    None => json!({ "error": format!("no running VM {vm}") }),
                 }
-                None => json!({ "error": format!("no running VM {vm}") }),
-            },
+            }
         }
     }
 
@@ -375,14 +428,21 @@ impl Monitor {
             if group >= self.doorbells.len() {
                 let evt = match EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK) {
                     Ok(evt) => evt,
-                    Err(e) => return json!({ "error": format!("create VM {id}: {e}"), "created": created }),
+                    Err(e) => {
+                        return json!({ "error": format!("create VM {id}: {e}"), "created": created })
+                    }
                 };
                 if let Err(e) = register_doorbell(&self.poll, &evt, group) {
                     return json!({ "error": format!("create VM {id}: {e}"), "created": created });
                 }
                 self.doorbells.push(evt);
             }
-            let parts = vm::park_vcpu(&self.ctx, id).and_then(|vcpu| Ok(vm::Prebuilt { vcpu, kvm: vm::create(&self.ctx, id)? }));
+            let parts = vm::park_vcpu(&self.ctx, id).and_then(|vcpu| {
+                Ok(vm::Prebuilt {
+                    vcpu,
+                    kvm: vm::create(&self.ctx, id)?,
+                })
+            });
             match parts.and_then(|parts| vm::build(&self.ctx, id, parts, &self.doorbells[group])) {
                 Ok(vm) => {
                     if let Err(e) = self.adopt(vm) {
@@ -418,5 +478,9 @@ impl Monitor {
 
 fn register_doorbell(poll: &Poll, evt: &EventFd, group: usize) -> io::Result<()> {
     let fd = std::os::fd::AsRawFd::as_raw_fd(evt);
-    poll.registry().register(&mut mio::unix::SourceFd(&fd), token(KIND_DOORBELL, group), Interest::READABLE)
+    poll.registry().register(
+        &mut mio::unix::SourceFd(&fd),
+        token(KIND_DOORBELL, group),
+        Interest::READABLE,
+    )
 }

@@ -125,11 +125,19 @@ mod tests {
 
     #[test]
     fn requests_and_events_round_trip() {
-        for request in [ToCell::Go, ToCell::Stats { per_vm: false }, ToCell::Create { first: 5, count: 2 }, ToCell::Shutdown] {
+        for request in [
+            ToCell::Go,
+            ToCell::Stats { per_vm: false },
+            ToCell::Create { first: 5, count: 2 },
+            ToCell::Shutdown,
+        ] {
             let line = serde_json::to_string(&request).unwrap();
             assert_eq!(serde_json::from_str::<ToCell>(&line).unwrap(), request);
         }
-        let line = serde_json::to_string(&FromCell::Access { counts: vec![(3, 2)] }).unwrap();
+        let line = serde_json::to_string(&FromCell::Access {
+            counts: vec![(3, 2)],
+        })
+        .unwrap();
         assert_eq!(line, r#"{"ev":"access","counts":[[3,2]]}"#);
     }
 }

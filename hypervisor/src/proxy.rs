@@ -73,7 +73,10 @@ pub struct Proxy {
 impl Proxy {
     /// A proxy whose connections are registered under `token(key)`.
     pub fn new(token: fn(usize) -> Token) -> Self {
-        Proxy { conns: Slab::new(), token }
+        Proxy {
+            conns: Slab::new(),
+            token,
+        }
     }
 
     /// Open connections.
@@ -112,7 +115,14 @@ impl Proxy {
             let _ = stream.set_nodelay(true);
             let entry = self.conns.vacant_entry();
             let key = entry.key();
-            if registry.register(&mut stream, (self.token)(key), Interest::READABLE | Interest::WRITABLE).is_err() {
+            if registry
+                .register(
+                    &mut stream,
+                    (self.token)(key),
+                    Interest::READABLE | Interest::WRITABLE,
+                )
+                .is_err()
+            {
                 continue;
             }
             entry.insert(Conn {
@@ -133,7 +143,14 @@ impl Proxy {
     }
 
     /// A connection's socket is ready.
-    pub fn ready(&mut self, vms: &mut VmTable, key: usize, readable: bool, writable: bool, registry: &Registry) {
+    pub fn ready(
+        &mut self,
+        vms: &mut VmTable,
+        key: usize,
+        readable: bool,
+        writable: bool,
+        registry: &Registry,
+    ) {
         if writable {
             self.flush(vms, key, registry);
         }
@@ -147,12 +164,19 @@ impl Proxy {
 
     /// Moves socket bytes into the rx ring as far as credit and room allow.
     pub fn pump_rx(&mut self, vms: &mut VmTable, key: usize) {
-        let Some(conn) = self.conns.get_mut(key) else { return };
-        let (Some(slot), false) = (conn.slot, conn.fin_sent) else { return };
+        let Some(conn) = self.conns.get_mut(key) else {
+            return;
+        };
+        let (Some(slot), false) = (conn.slot, conn.fin_sent) else {
+            return;
+        };
         let Some(vm) = vms.live(conn.vm) else { return };
         loop {
             let credit = vm.stream.rx_credit(&vm.sys, slot).min(READ_CHUNK);
-            let Some(space) = (credit > 0).then(|| vm.stream.rx_reserve(&vm.sys, credit)).flatten() else {
+            let Some(space) = (credit > 0)
+                .then(|| vm.stream.rx_reserve(&vm.sys, credit))
+                .flatten()
+            else {
                 wait_for_room(vm, key);
                 return;
             };
@@ -179,17 +203,28 @@ impl Proxy {
 
     /// Takes in everything the guest put in its tx ring: data goes to its
     /// connections, CLOSE records release slots. Err: a malformed record.
-    pub fn drain_tx(&mut self, vms: &mut VmTable, index: usize, registry: &Registry) -> Result<(), String> {
+    pub fn drain_tx(
+        &mut self,
+        vms: &mut VmTable,
+        index: usize,
+        registry: &Registry,
+    ) -> Result<(), String> {
         loop {
-            let Some(vm) = vms.live(index) else { return Ok(()) };
-            let Some(record) = vm.stream.tx_peek(&vm.sys).map_err(|e| e.to_string())? else { return Ok(()) };
+            let Some(vm) = vms.live(index) else {
+                return Ok(());
+            };
+            let Some(record) = vm.stream.tx_peek(&vm.sys).map_err(|e| e.to_string())? else {
+                return Ok(());
+            };
             match record {
                 TxRecord::Data { slot, offset, len } => {
                     let conn = vm.slots[slot].and_then(|k| self.conns.get_mut(k));
                     let mut buffered = 0;
                     if let Some(conn) = conn {
                         // SAFETY: tx_peek checked the payload lies in the tx ring.
-                        conn.send(unsafe { std::slice::from_raw_parts(vm.sys.at(offset), len as usize) });
+                        conn.send(unsafe {
+                            std::slice::from_raw_parts(vm.sys.at(offset), len as usize)
+                        });
                         buffered = conn.buffered();
                     }
                     vm.stream.tx_consume(&vm.sys, &record);
@@ -226,7 +261,9 @@ impl Proxy {
     }
 
     fn flush(&mut self, vms: &mut VmTable, key: usize, registry: &Registry) {
-        let Some(conn) = self.conns.get_mut(key) else { return };
+        let Some(conn) = self.conns.get_mut(key) else {
+            return;
+        };
         while conn.buffered() > 0 && !conn.broken {
             match nonblocking(|| conn.stream.write(&conn.out[conn.out_start..])) {
                 Ok(Some(n)) => conn.out_start += n,
@@ -249,7 +286,9 @@ impl Proxy {
 
     /// Closes a connection the guest released once its output is out.
     fn finish_if_done(&mut self, vms: &mut VmTable, key: usize, registry: &Registry) {
-        let Some(conn) = self.conns.get(key) else { return };
+        let Some(conn) = self.conns.get(key) else {
+            return;
+        };
         if conn.guest_closed && (conn.buffered() == 0 || conn.broken) {
             self.close(vms, key, registry);
         }
@@ -257,7 +296,9 @@ impl Proxy {
 
     /// Closes a connection and frees its slot.
     pub fn close(&mut self, vms: &mut VmTable, key: usize, registry: &Registry) {
-        let Some(mut conn) = self.conns.try_remove(key) else { return };
+        let Some(mut conn) = self.conns.try_remove(key) else {
+            return;
+        };
         let _ = registry.deregister(&mut conn.stream);
         let _ = conn.stream.shutdown(std::net::Shutdown::Write);
         if let (Some(slot), Some(vm)) = (conn.slot, vms.live(conn.vm)) {

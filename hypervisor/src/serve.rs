@@ -125,7 +125,10 @@ pub fn fds_per_vm(args: &ServeArgs) -> u64 {
 /// Raises the soft fd limit to the hard one; checks it covers `count`
 /// holders of `fds_each` descriptors.
 pub fn ensure_fd_budget(count: u32, fds_each: u64) -> Result<(), ConfigError> {
-    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
     // SAFETY: plain getrlimit/setrlimit on our own process.
     unsafe {
         libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit);
@@ -186,7 +189,9 @@ fn check_flags(args: &ServeArgs) -> Result<(), ConfigError> {
     let ws = size("--ws", &args.ws)?;
     let guest_mem = size("--guest-mem", &args.guest_mem)?;
     if ws % 4096 != 0 || guest_mem % 4096 != 0 {
-        return Err(ConfigError("--ws and --guest-mem must be multiples of 4 KiB".into()));
+        return Err(ConfigError(
+            "--ws and --guest-mem must be multiples of 4 KiB".into(),
+        ));
     }
     if guest_mem > 1 << 30 {
         return Err(ConfigError("--guest-mem is at most 1G".into()));
@@ -194,7 +199,12 @@ fn check_flags(args: &ServeArgs) -> Result<(), ConfigError> {
     let last = u32::from(args.addr_base).checked_add(args.vms - 1);
     match last.map(Ipv4Addr::from) {
         Some(addr) if addr.is_loopback() && args.addr_base.is_loopback() => {}
-        _ => return Err(ConfigError(format!("--addr-base {} + {} VMs leaves 127.0.0.0/8", args.addr_base, args.vms))),
+        _ => {
+            return Err(ConfigError(format!(
+                "--addr-base {} + {} VMs leaves 127.0.0.0/8",
+                args.addr_base, args.vms
+            )))
+        }
     }
     let needed = args.vms as u64 * KERNEL_BYTES_PER_VM;
     match mem_available() {
@@ -215,7 +225,11 @@ const GIB: f64 = (1u64 << 30) as f64;
 fn mem_available() -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib << 10)
+    line.split_whitespace()
+        .nth(1)?
+        .parse::<u64>()
+        .ok()
+        .map(|kib| kib << 10)
 }
 
 fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
@@ -232,9 +246,15 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
         swap_path: args.swap.clone(),
         keep_swap: args.keep_swap,
         disk: args.disk.clone(),
-        swap_bytes: args.swap_size.as_deref().map(|s| size("--swap-size", s)).transpose()?,
+        swap_bytes: args
+            .swap_size
+            .as_deref()
+            .map(|s| size("--swap-size", s))
+            .transpose()?,
     };
-    pager_config.validate(layout.ram_bytes, layout.request_footprint()).map_err(|e| ConfigError(e.to_string()))?;
+    pager_config
+        .validate(layout.ram_bytes, layout.request_footprint())
+        .map_err(|e| ConfigError(e.to_string()))?;
     let trace = match &args.record_trace {
         Some(path) => {
             let header = TraceHeader {
@@ -243,34 +263,59 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
                 vms: args.vms,
                 request_ranges: layout.request_ranges(),
             };
-            Some(TraceWriter::create(path, &header).map_err(|e| ConfigError(format!("--record-trace: {e}")))?)
+            Some(
+                TraceWriter::create(path, &header)
+                    .map_err(|e| ConfigError(format!("--record-trace: {e}")))?,
+            )
         }
         None => None,
     };
     // The cells open /dev/kvm; checking it here gives a configuration error
     // before anything starts.
     let kvm = Kvm::new().map_err(|e| ConfigError(format!("cannot open /dev/kvm: {e}")))?;
-    let platform = platform::detect(&kvm).map_err(|e| ConfigError(format!("probe the host: {e}")))?.name();
+    let platform = platform::detect(&kvm)
+        .map_err(|e| ConfigError(format!("probe the host: {e}")))?
+        .name();
 
-    let api_path = args.api.clone().unwrap_or_else(|| PathBuf::from(format!("densevm-{}.sock", std::process::id())));
+    let api_path = args
+        .api
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(format!("densevm-{}.sock", std::process::id())));
     if api_path.exists() {
         if std::os::unix::net::UnixStream::connect(&api_path).is_ok() {
-            return Err(ConfigError(format!("control socket {} is in use by another densevm", api_path.display())));
+            return Err(ConfigError(format!(
+                "control socket {} is in use by another densevm",
+                api_path.display()
+            )));
         }
         let _ = std::fs::remove_file(&api_path);
     }
     // Room in the swap for VMs created later through the API, too.
     let max_vms = args.vms.saturating_mul(2).max(args.vms + 64);
-    let pager = Pager::new(pager_config, max_vms, layout.ram_bytes).map_err(|e| ConfigError(e.to_string()))?;
+    let pager = Pager::new(pager_config, max_vms, layout.ram_bytes)
+        .map_err(|e| ConfigError(e.to_string()))?;
     // Only the owner may drive the monitor: the socket is created 0600, whatever the umask.
     // SAFETY: umask only changes this process's file-creation mask; restored right after.
     let umask = unsafe { libc::umask(0o177) };
     let api = std::os::unix::net::UnixListener::bind(&api_path);
     // SAFETY: as above.
     unsafe { libc::umask(umask) };
-    let api = api.map_err(|e| ConfigError(format!("cannot bind control socket {}: {e}", api_path.display())))?;
-    api.set_nonblocking(true).map_err(|e| ConfigError(format!("control socket: {e}")))?;
-    Ok(Prepared { api, api_path, pager, trace, layout, platform })
+    let api = api.map_err(|e| {
+        ConfigError(format!(
+            "cannot bind control socket {}: {e}",
+            api_path.display()
+        ))
+    })?;
+    api.set_nonblocking(true)
+        .map_err(|e| ConfigError(format!("control socket: {e}")))?;
+    Ok(Prepared {
+        api,
+        api_path,
+        pager,
+        trace,
+        layout,
+        platform,
+    })
 }
 
 /// Writes one JSON line to stdout; a reader that went away is not an error
@@ -289,7 +334,14 @@ pub fn run(args: ServeArgs) -> i32 {
             return 2;
         }
     };
-    let Prepared { api, api_path, pager, trace, layout, platform } = prepared;
+    let Prepared {
+        api,
+        api_path,
+        pager,
+        trace,
+        layout,
+        platform,
+    } = prepared;
     let boot_started = Instant::now();
     let fail = |message: String| {
         eprintln!("densevm: error: {message}");
@@ -326,7 +378,17 @@ pub fn run(args: ServeArgs) -> i32 {
         "cells": cells.len(),
         "cell_vms": args.cell_vms,
     });
-    let setup = SupervisorSetup { args, cells, pager: Arc::clone(&pager), ram_bytes: layout.ram_bytes as usize, api, api_path: api_path.clone(), boot_started, ready_line, trace };
+    let setup = SupervisorSetup {
+        args,
+        cells,
+        pager: Arc::clone(&pager),
+        ram_bytes: layout.ram_bytes as usize,
+        api,
+        api_path: api_path.clone(),
+        boot_started,
+        ready_line,
+        trace,
+    };
     let mut supervisor = match Supervisor::new(setup) {
         Ok(s) => s,
         Err(e) => return fail(format!("event loop: {e}")),
@@ -337,7 +399,10 @@ pub fn run(args: ServeArgs) -> i32 {
             // exiting releases everything anyway.
             std::thread::spawn(|| {
                 std::thread::sleep(TEARDOWN_GRACE);
-                eprintln!("densevm: teardown took over {} s; exiting with VMs still held", TEARDOWN_GRACE.as_secs());
+                eprintln!(
+                    "densevm: teardown took over {} s; exiting with VMs still held",
+                    TEARDOWN_GRACE.as_secs()
+                );
                 std::process::exit(1);
             });
             supervisor.shutdown();

@@ -7,14 +7,17 @@ use serde_json::{json, Value};
 pub fn vm_summary(entry: &VmEntry) -> Value {
     match entry {
         VmEntry::Live(vm) => {
-            let mut value = json!({ "id": vm.id, "addr": vm.addr.to_string(), "state": entry.state().name() });
+            let mut value =
+                json!({ "id": vm.id, "addr": vm.addr.to_string(), "state": entry.state().name() });
             // A vCPU that stopped is reported with its reason before the monitor reaps the VM.
             if let Some(reason) = vm.stop_reason() {
                 value["reason"] = json!(reason);
             }
             value
         }
-        VmEntry::Dead(dead) => json!({ "id": dead.id, "addr": dead.addr.to_string(), "state": dead.state.name(), "reason": dead.reason }),
+        VmEntry::Dead(dead) => {
+            json!({ "id": dead.id, "addr": dead.addr.to_string(), "state": dead.state.name(), "reason": dead.reason })
+        }
     }
 }
 
@@ -63,7 +66,9 @@ pub fn collect(vms: &[VmEntry], connections: usize, per_vm: bool) -> Value {
                 }
                 value
             }
-            VmEntry::Dead(dead) => json!({ "id": dead.id, "addr": dead.addr.to_string(), "state": state.name(), "reason": dead.reason }),
+            VmEntry::Dead(dead) => {
+                json!({ "id": dead.id, "addr": dead.addr.to_string(), "state": state.name(), "reason": dead.reason })
+            }
         };
         value["requests"] = json!(ctrl.requests);
         value["errors_4xx"] = json!(ctrl.responses_4xx);

@@ -98,9 +98,11 @@ impl Supervisor {
     pub fn new(setup: SupervisorSetup) -> io::Result<Self> {
         let poll = Poll::new()?;
         let mut api = UnixListener::from_std(setup.api);
-        poll.registry().register(&mut api, API, Interest::READABLE)?;
+        poll.registry()
+            .register(&mut api, API, Interest::READABLE)?;
         let mut signals = signal_hook_mio::v1_0::Signals::new([libc::SIGINT, libc::SIGTERM])?;
-        poll.registry().register(&mut signals, SIGNALS, Interest::READABLE)?;
+        poll.registry()
+            .register(&mut signals, SIGNALS, Interest::READABLE)?;
         let mut supervisor = Supervisor {
             poll,
             args: setup.args,
@@ -123,7 +125,11 @@ impl Supervisor {
 
     fn adopt(&mut self, mut cell: Cell) -> io::Result<()> {
         let index = self.cells.len();
-        self.poll.registry().register(&mut cell.link.stream, token(KIND_CELL, index), Interest::READABLE)?;
+        self.poll.registry().register(
+            &mut cell.link.stream,
+            token(KIND_CELL, index),
+            Interest::READABLE,
+        )?;
         self.cells.push(cell);
         Ok(())
     }
@@ -137,8 +143,13 @@ impl Supervisor {
                 return Err(format!("pager: {error}"));
             }
             self.check_boot();
-            let timeout = if self.ready_line.is_some() { Duration::from_millis(20) } else { Duration::from_millis(250) };
-            crate::framing::nonblocking(|| self.poll.poll(&mut events, Some(timeout))).map_err(|e| format!("event loop: {e}"))?;
+            let timeout = if self.ready_line.is_some() {
+                Duration::from_millis(20)
+            } else {
+                Duration::from_millis(250)
+            };
+            crate::framing::nonblocking(|| self.poll.poll(&mut events, Some(timeout)))
+                .map_err(|e| format!("event loop: {e}"))?;
             for event in events.iter() {
                 let Token(t) = event.token();
                 match event.token() {
@@ -162,7 +173,12 @@ impl Supervisor {
     }
 
     fn check_boot(&mut self) {
-        if self.ready_line.is_none() || self.cells.iter().any(|c| c.booted.is_none() && c.dead.is_none()) {
+        if self.ready_line.is_none()
+            || self
+                .cells
+                .iter()
+                .any(|c| c.booted.is_none() && c.dead.is_none())
+        {
             return;
         }
         let mut line = self.ready_line.take().expect("checked above");
@@ -210,7 +226,9 @@ impl Supervisor {
             FromCell::Booted { ready, failed } => self.cells[index].booted = Some((ready, failed)),
             FromCell::Access { counts } => self.note_access(index, &counts),
             FromCell::Stopped { vm } if self.cells[index].holds(vm) => self.pager.unregister_vm(vm),
-            FromCell::Stopped { vm } => eprintln!("densevm: cell {index}: reported VM {vm}, which it does not hold"),
+            FromCell::Stopped { vm } => {
+                eprintln!("densevm: cell {index}: reported VM {vm}, which it does not hold")
+            }
             FromCell::Reply { reply } => return Ok(Some(reply)),
             FromCell::Failed { error } => return Err(format!("cell {index}: {error}")),
         }
@@ -224,7 +242,8 @@ impl Supervisor {
             }
             self.pager.note_access(vm);
             if let Some(writer) = self.trace.as_mut() {
-                let recorded = (0..requests.min(MAX_TRACED_PER_REPORT)).try_for_each(|_| writer.record(vm));
+                let recorded =
+                    (0..requests.min(MAX_TRACED_PER_REPORT)).try_for_each(|_| writer.record(vm));
                 if let Err(e) = recorded {
                     eprintln!("densevm: error: trace: {e}; recording stops");
                     self.trace = None;
@@ -247,7 +266,10 @@ impl Supervisor {
             FrameError::Io(e) if e.kind() == io::ErrorKind::ConnectionReset => {
                 format!("cell {} (pid {}) {how}", cell.index, cell.pid)
             }
-            other => format!("cell {} (pid {}): link failed ({other}); {how}", cell.index, cell.pid),
+            other => format!(
+                "cell {} (pid {}): link failed ({other}); {how}",
+                cell.index, cell.pid
+            ),
         };
         eprintln!(
             "densevm: {reason}: its VMs {}..{} are down",
@@ -298,7 +320,11 @@ impl Supervisor {
             }
             let cell = &mut self.cells[index];
             let flushed = cell.link.flush();
-            if let Err(e) = cell.link.read_lines(&mut pending).and(flushed.map(drop).map_err(FrameError::from)) {
+            if let Err(e) = cell
+                .link
+                .read_lines(&mut pending)
+                .and(flushed.map(drop).map_err(FrameError::from))
+            {
                 for line in std::mem::take(&mut pending) {
                     if let Some(reply) = self.cell_message(index, &line)? {
                         self.cell_died(index, &e);
@@ -313,10 +339,20 @@ impl Supervisor {
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Ok(json!({ "error": format!("cell {index} did not answer within {} s", CELL_REPLY_TIMEOUT.as_secs()) }));
+                return Ok(
+                    json!({ "error": format!("cell {index} did not answer within {} s", CELL_REPLY_TIMEOUT.as_secs()) }),
+                );
             }
-            let events = if self.cells[index].link.unsent() > 0 { libc::POLLIN | libc::POLLOUT } else { libc::POLLIN };
-            let mut fds = [libc::pollfd { fd: self.cells[index].link.stream.as_raw_fd(), events, revents: 0 }];
+            let events = if self.cells[index].link.unsent() > 0 {
+                libc::POLLIN | libc::POLLOUT
+            } else {
+                libc::POLLIN
+            };
+            let mut fds = [libc::pollfd {
+                fd: self.cells[index].link.stream.as_raw_fd(),
+                events,
+                revents: 0,
+            }];
             // SAFETY: one valid pollfd.
             unsafe { libc::poll(fds.as_mut_ptr(), 1, left.as_millis().min(1000) as i32) };
         }
@@ -334,7 +370,16 @@ impl Supervisor {
                         continue;
                     }
                     let entry = self.clients.vacant_entry();
-                    if self.poll.registry().register(&mut stream, token(KIND_API_CLIENT, entry.key()), Interest::READABLE | Interest::WRITABLE).is_ok() {
+                    if self
+                        .poll
+                        .registry()
+                        .register(
+                            &mut stream,
+                            token(KIND_API_CLIENT, entry.key()),
+                            Interest::READABLE | Interest::WRITABLE,
+                        )
+                        .is_ok()
+                    {
                         entry.insert(LineStream::new(stream, MAX_API_LINE));
                     }
                 }
@@ -344,7 +389,9 @@ impl Supervisor {
     }
 
     fn client_ready(&mut self, key: usize) {
-        let Some(client) = self.clients.get_mut(key) else { return };
+        let Some(client) = self.clients.get_mut(key) else {
+            return;
+        };
         let mut lines = Vec::new();
         let read = client.read_lines(&mut lines);
         let mut replies = Vec::with_capacity(lines.len() + 1);
@@ -363,7 +410,9 @@ impl Supervisor {
             }
             Err(_) => true,
         };
-        let Some(client) = self.clients.get_mut(key) else { return };
+        let Some(client) = self.clients.get_mut(key) else {
+            return;
+        };
         for reply in replies {
             client.queue(reply.to_string().as_bytes());
         }
@@ -377,7 +426,9 @@ impl Supervisor {
     }
 
     fn live_cells(&self) -> Vec<usize> {
-        (0..self.cells.len()).filter(|&i| self.cells[i].dead.is_none()).collect()
+        (0..self.cells.len())
+            .filter(|&i| self.cells[i].dead.is_none())
+            .collect()
     }
 
     fn cell_of(&self, vm: u32) -> Option<usize> {
@@ -391,7 +442,9 @@ impl Supervisor {
             Request::Create { count } => self.create(count),
             Request::Destroy { vm } => self.forward(vm, ToCell::Destroy { vm }),
             Request::Crash { vm, triple } => self.forward(vm, ToCell::Crash { vm, triple }),
-            Request::Pager => Ok(json!({ "ok": true, "pager": self.pager.totals().get("config").cloned().unwrap_or(Value::Null) })),
+            Request::Pager => Ok(
+                json!({ "ok": true, "pager": self.pager.totals().get("config").cloned().unwrap_or(Value::Null) }),
+            ),
             Request::Disk { modeled } => {
                 self.pager.set_disk_modeled(modeled);
                 Ok(json!({ "ok": true, "modeled": modeled }))
@@ -404,7 +457,10 @@ impl Supervisor {
         let Some(index) = self.cell_of(vm).filter(|&i| self.cells[i].dead.is_none()) else {
             return Ok(json!({ "error": format!("no running VM {vm}") }));
         };
-        Ok(self.ask(&[index], &request)?.pop().map_or_else(|| json!({ "error": format!("no running VM {vm}") }), |(_, r)| r))
+        Ok(self.ask(&[index], &request)?.pop().map_or_else(
+            || json!({ "error": format!("no running VM {vm}") }),
+            |(_, r)| r,
+        ))
     }
 
     fn list(&mut self) -> Result<Value, String> {
@@ -432,7 +488,13 @@ impl Supervisor {
                     "reason": cell.dead,
                 });
                 if counters {
-                    for key in ["requests", "errors_4xx", "tx_bytes", "wakeups", "selfcheck_errors"] {
+                    for key in [
+                        "requests",
+                        "errors_4xx",
+                        "tx_bytes",
+                        "wakeups",
+                        "selfcheck_errors",
+                    ] {
                         vm[key] = json!(0);
                     }
                 }
@@ -448,7 +510,10 @@ impl Supervisor {
         let mut vms = Vec::new();
         for (index, reply) in replies {
             if let Some(error) = reply.get("error") {
-                return Err(format!("cell {index}: {}", error.as_str().unwrap_or("failed")));
+                return Err(format!(
+                    "cell {index}: {}",
+                    error.as_str().unwrap_or("failed")
+                ));
             }
             if let Some(theirs) = reply["totals"].as_object() {
                 add_totals(&mut totals, theirs);
@@ -457,7 +522,12 @@ impl Supervisor {
                 vms.extend(list.iter().cloned());
             }
         }
-        let dead: u64 = self.cells.iter().filter(|c| c.dead.is_some()).map(|c| c.count as u64).sum();
+        let dead: u64 = self
+            .cells
+            .iter()
+            .filter(|c| c.dead.is_some())
+            .map(|c| c.count as u64)
+            .sum();
         for key in ["vms", "crashed"] {
             let value = totals.get(key).and_then(Value::as_u64).unwrap_or(0) + dead;
             totals.insert(key.into(), json!(value));
@@ -469,7 +539,14 @@ impl Supervisor {
             sort_by_id(&mut vms);
             reply["vms"] = Value::Array(vms);
         }
-        merge_pager(&mut reply, &if per_vm { self.pager.stats() } else { self.pager.totals() });
+        merge_pager(
+            &mut reply,
+            &if per_vm {
+                self.pager.stats()
+            } else {
+                self.pager.totals()
+            },
+        );
         Ok(reply)
     }
 
@@ -480,7 +557,9 @@ impl Supervisor {
         let mut left = count;
         while left > 0 {
             let next_id = self.cells.last().map_or(0, |c| c.first_id + c.count);
-            let last = self.cells.len().checked_sub(1).filter(|&i| self.cells[i].dead.is_none() && self.cells[i].count < self.cells[i].capacity);
+            let last = self.cells.len().checked_sub(1).filter(|&i| {
+                self.cells[i].dead.is_none() && self.cells[i].count < self.cells[i].capacity
+            });
             let reply = match last {
                 Some(index) => {
                     let n = left.min(self.cells[index].capacity - self.cells[index].count);
@@ -499,7 +578,9 @@ impl Supervisor {
                 reply["created"] = json!(created);
                 return Ok(reply);
             }
-            left -= reply["created"].as_array().map_or(0, |ids| ids.len() as u32);
+            left -= reply["created"]
+                .as_array()
+                .map_or(0, |ids| ids.len() as u32);
         }
         Ok(json!({ "ok": true, "created": created }))
     }
@@ -508,7 +589,12 @@ impl Supervisor {
         let space = self.cells[index].space.ok_or("cell has no memory")?;
         let slot = (first - self.cells[index].first_id) as usize;
         for i in 0..count {
-            if let Err(e) = self.pager.register_vm(first + i, space, (slot + i as usize) * self.ram_bytes, self.ram_bytes) {
+            if let Err(e) = self.pager.register_vm(
+                first + i,
+                space,
+                (slot + i as usize) * self.ram_bytes,
+                self.ram_bytes,
+            ) {
                 for j in 0..i {
                     self.pager.unregister_vm(first + j);
                 }
@@ -516,9 +602,14 @@ impl Supervisor {
             }
         }
         self.cells[index].count += count;
-        let reply = self.ask(&[index], &ToCell::Create { first, count })?.pop().map(|(_, r)| r);
+        let reply = self
+            .ask(&[index], &ToCell::Create { first, count })?
+            .pop()
+            .map(|(_, r)| r);
         let reply = reply.unwrap_or_else(|| json!({ "error": format!("cell {index} is gone") }));
-        let made = reply["created"].as_array().map_or(0, |ids| ids.len() as u32);
+        let made = reply["created"]
+            .as_array()
+            .map_or(0, |ids| ids.len() as u32);
         // VMs the cell could not build are not its: release them.
         for id in first + made..first + count {
             self.pager.unregister_vm(id);
@@ -538,9 +629,9 @@ impl Supervisor {
                 // listening, as those a running cell creates are when it replies.
                 let index = self.cells.len() - 1;
                 match self.ask(&[index], &ToCell::List)?.pop() {
-                    Some((_, reply)) if reply.get("ok").is_some() => {
-                        Ok(json!({ "ok": true, "created": (first..first + count).collect::<Vec<_>>() }))
-                    }
+                    Some((_, reply)) if reply.get("ok").is_some() => Ok(
+                        json!({ "ok": true, "created": (first..first + count).collect::<Vec<_>>() }),
+                    ),
                     _ => Ok(json!({ "error": format!("create: cell {index} did not start") })),
                 }
             }
@@ -597,12 +688,18 @@ fn add_totals(sum: &mut Map<String, Value>, theirs: &Map<String, Value>) {
 /// `vms`, dead VMs included, stays), each VM's counters, and its settings
 /// under `pager`.
 fn merge_pager(reply: &mut Value, paging: &Value) {
-    if let (Some(totals), Some(ours)) = (paging.get("totals").and_then(|t| t.as_object()), reply["totals"].as_object_mut()) {
+    if let (Some(totals), Some(ours)) = (
+        paging.get("totals").and_then(|t| t.as_object()),
+        reply["totals"].as_object_mut(),
+    ) {
         for (key, value) in totals {
             ours.entry(key.clone()).or_insert_with(|| value.clone());
         }
     }
-    if let (Some(per_vm), Some(vms)) = (paging.get("vms"), reply.get_mut("vms").and_then(|v| v.as_array_mut())) {
+    if let (Some(per_vm), Some(vms)) = (
+        paging.get("vms"),
+        reply.get_mut("vms").and_then(|v| v.as_array_mut()),
+    ) {
         for vm in vms {
             let id = vm["id"].to_string();
             if let Some(theirs) = per_vm.get(&id).and_then(|v| v.as_object()) {
@@ -612,7 +709,10 @@ fn merge_pager(reply: &mut Value, paging: &Value) {
             }
         }
     }
-    reply["pager"] = paging.get("config").cloned().unwrap_or(paging["totals"].clone());
+    reply["pager"] = paging
+        .get("config")
+        .cloned()
+        .unwrap_or(paging["totals"].clone());
 }
 
 #[cfg(test)]
@@ -622,22 +722,42 @@ mod tests {
     #[test]
     fn cell_totals_add_up_and_the_rest_is_kept_once() {
         let mut sum = Map::new();
-        add_totals(&mut sum, json!({"requests": 5, "running": 2, "note": "a"}).as_object().unwrap());
-        add_totals(&mut sum, json!({"requests": 7, "running": 1, "note": "b", "crashed": 1}).as_object().unwrap());
-        assert_eq!(Value::Object(sum), json!({"requests": 12, "running": 3, "note": "a", "crashed": 1}));
+        add_totals(
+            &mut sum,
+            json!({"requests": 5, "running": 2, "note": "a"})
+                .as_object()
+                .unwrap(),
+        );
+        add_totals(
+            &mut sum,
+            json!({"requests": 7, "running": 1, "note": "b", "crashed": 1})
+                .as_object()
+                .unwrap(),
+        );
+        assert_eq!(
+            Value::Object(sum),
+            json!({"requests": 12, "running": 3, "note": "a", "crashed": 1})
+        );
     }
 
     #[test]
     fn pager_figures_join_the_reply_without_replacing_the_monitors() {
-        let mut reply = json!({"ok": true, "totals": {"vms": 3, "requests": 9}, "vms": [{"id": 0}, {"id": 2}]});
+        let mut reply =
+            json!({"ok": true, "totals": {"vms": 3, "requests": 9}, "vms": [{"id": 0}, {"id": 2}]});
         let paging = json!({
             "totals": {"vms": 2, "faults": 40},
             "vms": {"0": {"faults": 10}, "2": {"faults": 30}},
             "config": {"policy": "demand"},
         });
         merge_pager(&mut reply, &paging);
-        assert_eq!(reply["totals"], json!({"vms": 3, "requests": 9, "faults": 40}));
-        assert_eq!(reply["vms"], json!([{"id": 0, "faults": 10}, {"id": 2, "faults": 30}]));
+        assert_eq!(
+            reply["totals"],
+            json!({"vms": 3, "requests": 9, "faults": 40})
+        );
+        assert_eq!(
+            reply["vms"],
+            json!([{"id": 0, "faults": 10}, {"id": 2, "faults": 30}])
+        );
         assert_eq!(reply["pager"], json!({"policy": "demand"}));
     }
 }

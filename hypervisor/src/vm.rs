@@ -119,7 +119,10 @@ impl BuildContext {
 
     /// Address VM `id` listens on.
     pub fn addr_of(&self, id: u32) -> SocketAddrV4 {
-        SocketAddrV4::new(Ipv4Addr::from(u32::from(self.addr_base).wrapping_add(id)), self.port)
+        SocketAddrV4::new(
+            Ipv4Addr::from(u32::from(self.addr_base).wrapping_add(id)),
+            self.port,
+        )
     }
 }
 
@@ -163,7 +166,9 @@ impl MicroVm {
 
     /// Writes the host command word.
     pub fn command(&self, cmd: u32) {
-        self.sys.atomic_u32(abi::CTRL_GPA + 4).store(cmd, std::sync::atomic::Ordering::Release);
+        self.sys
+            .atomic_u32(abi::CTRL_GPA + 4)
+            .store(cmd, std::sync::atomic::Ordering::Release);
     }
 
     /// The vCPU's shared state.
@@ -177,7 +182,10 @@ impl MicroVm {
         let base = self.vcpu_state().reason()?;
         let ctrl = self.ctrl();
         Some(if ctrl.state == abi::STATE_PANICKED {
-            format!("{base}: vector {} at rip {:#x}, error code {:#x}", ctrl.panic_vector, ctrl.panic_rip, ctrl.panic_error_code)
+            format!(
+                "{base}: vector {} at rip {:#x}, error code {:#x}",
+                ctrl.panic_vector, ctrl.panic_rip, ctrl.panic_error_code
+            )
         } else {
             base
         })
@@ -198,8 +206,12 @@ pub fn create(ctx: &BuildContext, id: u32) -> Result<VmFd, BuildError> {
 
 /// Spawns the parked vCPU thread that [`build`] starts.
 pub fn park_vcpu(ctx: &BuildContext, id: u32) -> Result<VcpuHandle, BuildError> {
-    let stack = ctx.stack_arena.slot(ctx.slot_of(id)).map_err(|source| BuildError::Memory { vm: id, source })?;
-    VcpuHandle::park(id, stack, Arc::clone(&ctx.on_exit)).map_err(|source| BuildError::Vcpu { vm: id, source })
+    let stack = ctx
+        .stack_arena
+        .slot(ctx.slot_of(id))
+        .map_err(|source| BuildError::Memory { vm: id, source })?;
+    VcpuHandle::park(id, stack, Arc::clone(&ctx.on_exit))
+        .map_err(|source| BuildError::Vcpu { vm: id, source })
 }
 
 /// The pieces of a VM made ahead of [`build`]: creating every KVM VM before
@@ -213,11 +225,22 @@ pub struct Prebuilt {
 
 /// Builds and starts VM `id` from its prebuilt parts, its doorbell wired to
 /// `doorbell`.
-pub fn build(ctx: &BuildContext, id: u32, parts: Prebuilt, doorbell: &EventFd) -> Result<MicroVm, BuildError> {
+pub fn build(
+    ctx: &BuildContext,
+    id: u32,
+    parts: Prebuilt,
+    doorbell: &EventFd,
+) -> Result<MicroVm, BuildError> {
     let Prebuilt { mut vcpu, kvm } = parts;
     let layout = ctx.layout;
-    let sys = ctx.sys_arena.slot(ctx.slot_of(id)).map_err(|source| BuildError::Memory { vm: id, source })?;
-    let ram = ctx.ram.slot(ctx.slot_of(id)).ok_or(BuildError::NoSlot { vm: id })?;
+    let sys = ctx
+        .sys_arena
+        .slot(ctx.slot_of(id))
+        .map_err(|source| BuildError::Memory { vm: id, source })?;
+    let ram = ctx
+        .ram
+        .slot(ctx.slot_of(id))
+        .ok_or(BuildError::NoSlot { vm: id })?;
     let info = BootInfo {
         magic: abi::BOOT_MAGIC,
         version: abi::BOOT_VERSION,
@@ -233,25 +256,64 @@ pub fn build(ctx: &BuildContext, id: u32, parts: Prebuilt, doorbell: &EventFd) -
     // Fault in, writable, the pages the guest reads before it writes them:
     // a read would map the shared zero page, and the later copy-on-write
     // would visit every VM's MMU notifier.
-    for page in [abi::VIF_GPA, abi::CTRL_GPA, abi::RINGHDR_GPA, abi::CREDIT_GPA] {
+    for page in [
+        abi::VIF_GPA,
+        abi::CTRL_GPA,
+        abi::RINGHDR_GPA,
+        abi::CREDIT_GPA,
+    ] {
         sys.write_obj(page, 0u64);
     }
     let addr = ctx.addr_of(id);
-    let listener = std::net::TcpListener::bind(addr).map_err(|source| BuildError::Listen { vm: id, addr, source })?;
-    listener.set_nonblocking(true).map_err(|source| BuildError::Listen { vm: id, addr, source })?;
-    let irq = EventFd::new(EFD_NONBLOCK).map_err(|source| BuildError::EventFd { vm: id, source })?;
+    let listener = std::net::TcpListener::bind(addr).map_err(|source| BuildError::Listen {
+        vm: id,
+        addr,
+        source,
+    })?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|source| BuildError::Listen {
+            vm: id,
+            addr,
+            source,
+        })?;
+    let irq =
+        EventFd::new(EFD_NONBLOCK).map_err(|source| BuildError::EventFd { vm: id, source })?;
     let slots = [
-        Slot { gpa: abi::SYS_GPA, mapping: &sys, bytes: abi::SYS_BYTES, readonly: false },
-        Slot { gpa: abi::IMAGE_GPA, mapping: &ctx.image.mapping, bytes: ctx.image.mapped_bytes, readonly: true },
-        Slot { gpa: abi::RAM_GPA, mapping: &ram, bytes: layout.ram_bytes, readonly: false },
+        Slot {
+            gpa: abi::SYS_GPA,
+            mapping: &sys,
+            bytes: abi::SYS_BYTES,
+            readonly: false,
+        },
+        Slot {
+            gpa: abi::IMAGE_GPA,
+            mapping: &ctx.image.mapping,
+            bytes: ctx.image.mapped_bytes,
+            readonly: true,
+        },
+        Slot {
+            gpa: abi::RAM_GPA,
+            mapping: &ram,
+            bytes: layout.ram_bytes,
+            readonly: false,
+        },
     ];
     let vcpu_fd = kvm_vm::configure(&kvm, ctx.caps, &slots, &irq, doorbell, ctx.halt_poll_ns)
         .map_err(|source| BuildError::Kvm { vm: id, source })?;
     let stack_top = abi::RAM_GPA + layout.ram_bytes;
-    vcpu::configure(&vcpu_fd, &ctx.cpuid, ctx.platform.as_ref(), ctx.image.entry, stack_top)
-        .map_err(|source| BuildError::Vcpu { vm: id, source })?;
+    vcpu::configure(
+        &vcpu_fd,
+        &ctx.cpuid,
+        ctx.platform.as_ref(),
+        ctx.image.entry,
+        stack_top,
+    )
+    .map_err(|source| BuildError::Vcpu { vm: id, source })?;
     let kvm_stats = match ctx.vcpu_stats {
-        true => Some(VcpuStats::open(&vcpu_fd).map_err(|source| BuildError::Memory { vm: id, source })?),
+        true => Some(
+            VcpuStats::open(&vcpu_fd).map_err(|source| BuildError::Memory { vm: id, source })?,
+        ),
         false => None,
     };
     vcpu.start(vcpu_fd);

@@ -79,7 +79,10 @@ pub struct VmTable {
 impl VmTable {
     /// An empty table for VMs from `first_id` on.
     pub fn new(first_id: u32) -> Self {
-        VmTable { first_id, entries: Vec::new() }
+        VmTable {
+            first_id,
+            entries: Vec::new(),
+        }
     }
 
     /// Index of VM `id`, if the table has it.
@@ -90,7 +93,11 @@ impl VmTable {
 
     /// Adds the next VM (ids are consecutive); returns its index.
     pub fn push(&mut self, vm: MicroVm) -> usize {
-        debug_assert_eq!(vm.id, self.first_id + self.entries.len() as u32, "VM ids of a cell are consecutive");
+        debug_assert_eq!(
+            vm.id,
+            self.first_id + self.entries.len() as u32,
+            "VM ids of a cell are consecutive"
+        );
         self.entries.push(VmEntry::Live(Box::new(vm)));
         self.entries.len() - 1
     }

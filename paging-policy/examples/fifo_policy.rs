@@ -45,7 +45,12 @@ impl Policy for Fifo {
         self.queue.push_back((vm, block));
     }
 
-    fn choose_victims(&mut self, need: u32, _faulting_vm: VmId, victims: &mut Vec<(VmId, BlockId)>) {
+    fn choose_victims(
+        &mut self,
+        need: u32,
+        _faulting_vm: VmId,
+        victims: &mut Vec<(VmId, BlockId)>,
+    ) {
         // Propose the oldest resident blocks without dequeuing them: they
         // leave the queue when `on_evicted` confirms.
         let mut seen = HashSet::new();

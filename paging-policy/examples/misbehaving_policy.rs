@@ -43,7 +43,12 @@ impl Policy for Misbehaving {
         self.inner.on_installed(vm, block);
     }
 
-    fn choose_victims(&mut self, _need: u32, faulting_vm: VmId, victims: &mut Vec<(VmId, BlockId)>) {
+    fn choose_victims(
+        &mut self,
+        _need: u32,
+        faulting_vm: VmId,
+        victims: &mut Vec<(VmId, BlockId)>,
+    ) {
         match self.mode {
             Mode::Panic => panic!("misbehaving policy: deliberate panic in choose_victims"),
             Mode::Nonsense => victims.push((faulting_vm, u32::MAX - 1)),

@@ -144,7 +144,11 @@ impl PagerConfig {
     /// Checks every setting against a VM of `vm_ram_bytes` whose smallest
     /// resident footprint (what one request touches) is
     /// `vm_min_footprint_bytes`. Returns the first problem found.
-    pub fn validate(&self, vm_ram_bytes: u64, vm_min_footprint_bytes: u64) -> Result<(), PagerError> {
+    pub fn validate(
+        &self,
+        vm_ram_bytes: u64,
+        vm_min_footprint_bytes: u64,
+    ) -> Result<(), PagerError> {
         check_block(self.block_bytes)?;
         if !vm_ram_bytes.is_multiple_of(self.block_bytes) {
             return Err(PagerError::RamNotBlockMultiple {
@@ -221,8 +225,14 @@ mod tests {
     #[test]
     fn policy_specs() {
         assert_eq!(PolicySpec::parse("demand").unwrap(), PolicySpec::Demand);
-        assert_eq!(PolicySpec::parse("wsswap").unwrap(), PolicySpec::WsSwap { after: 3 });
-        assert_eq!(PolicySpec::parse("wsswap,after=1").unwrap(), PolicySpec::WsSwap { after: 1 });
+        assert_eq!(
+            PolicySpec::parse("wsswap").unwrap(),
+            PolicySpec::WsSwap { after: 3 }
+        );
+        assert_eq!(
+            PolicySpec::parse("wsswap,after=1").unwrap(),
+            PolicySpec::WsSwap { after: 1 }
+        );
         assert!(PolicySpec::parse("wsswap,after=0").is_err());
         assert!(PolicySpec::parse("demand,x=1").is_err());
         assert_eq!(

@@ -192,18 +192,24 @@ impl DiskSpec {
                 "overhead_ms" => drive.overhead_ms = num()?,
                 "lat_ms" => drive.lat_ms = num()?,
                 "drive" => {
-                    drive = DriveParams::by_name(v).ok_or_else(|| bad(format!("unknown drive '{v}'")))?;
+                    drive = DriveParams::by_name(v)
+                        .ok_or_else(|| bad(format!("unknown drive '{v}'")))?;
                 }
                 "stripe" => spec.stripe_bytes = parse_size(v).map_err(|e| bad(e.to_string()))?,
                 "span" => spec.span_bytes = parse_size(v).map_err(|e| bad(e.to_string()))?,
-                "seed" => spec.seed = v.parse().map_err(|_| bad(format!("seed '{v}' is not an integer")))?,
+                "seed" => {
+                    spec.seed = v
+                        .parse()
+                        .map_err(|_| bad(format!("seed '{v}' is not an integer")))?
+                }
                 _ => return Err(bad(format!("unknown parameter '{k}'"))),
             }
         }
         if drive.mb_s <= 0.0 {
             return Err(bad("mb_s must be positive".into()));
         }
-        if drive.kind == DriveKind::Rotating && (drive.rpm <= 0.0 || drive.seek_ms < drive.track_ms) {
+        if drive.kind == DriveKind::Rotating && (drive.rpm <= 0.0 || drive.seek_ms < drive.track_ms)
+        {
             return Err(bad("rpm must be positive and seek_ms >= track_ms".into()));
         }
         if spec.stripe_bytes < 512 || !spec.stripe_bytes.is_power_of_two() {
@@ -314,7 +320,11 @@ impl Drive {
     pub fn seek_s(&self, from: u64, to: u64) -> f64 {
         if from == u64::MAX || from == to {
             // Unknown position: charge the average seek.
-            return if from == to { 0.0 } else { self.p.seek_ms / 1e3 };
+            return if from == to {
+                0.0
+            } else {
+                self.p.seek_ms / 1e3
+            };
         }
         let d = (from.abs_diff(to) as f64 / self.span).min(1.0);
         (self.p.track_ms + (self.full_stroke_ms - self.p.track_ms) * d.sqrt()) / 1e3
@@ -338,9 +348,12 @@ impl Drive {
     fn service(&mut self, offset: u64, len: u64) -> f64 {
         let t = match self.p.kind {
             DriveKind::Flash => self.p.lat_ms / 1e3 + self.transfer_s(len),
-            DriveKind::Rotating if offset == self.head => self.p.overhead_ms / 1e3 + self.transfer_s(len),
+            DriveKind::Rotating if offset == self.head => {
+                self.p.overhead_ms / 1e3 + self.transfer_s(len)
+            }
             DriveKind::Rotating => {
-                let positioning = self.seek_s(self.head, offset) + self.next_unit() * self.revolution_s();
+                let positioning =
+                    self.seek_s(self.head, offset) + self.next_unit() * self.revolution_s();
                 self.positioned += 1;
                 self.positioning_total += positioning;
                 self.p.overhead_ms / 1e3 + positioning + self.transfer_s(len)
@@ -363,7 +376,10 @@ impl Drive {
         let read = self.service(offset, len);
         let write = match self.p.kind {
             DriveKind::Flash => self.p.lat_ms / 1e3 + self.transfer_s(len),
-            DriveKind::Rotating => self.revolution_s() - self.transfer_s(len).min(self.revolution_s()) + self.transfer_s(len),
+            DriveKind::Rotating => {
+                self.revolution_s() - self.transfer_s(len).min(self.revolution_s())
+                    + self.transfer_s(len)
+            }
         };
         self.finish(now, read + write)
     }
@@ -385,7 +401,6 @@ pub struct DiskModel {
 }
 
 impl DiskModel {
-
     /// True when the model adds no time.
     pub fn is_none(&self) -> bool {
         self.layout == DiskLayout::None
@@ -545,9 +560,23 @@ mod tests {
         assert_eq!(s.layout, DiskLayout::Single);
         assert_eq!(s.drive.seek_ms, 9.0);
         assert_eq!(s.drive.rpm, 5400.0);
-        assert_eq!(DiskSpec::parse("array:3").unwrap().layout, DiskLayout::Array(3));
-        assert_eq!(DiskSpec::parse("raid5:4,drive=ssd").unwrap().drive.kind, DriveKind::Flash);
-        for bad in ["floppy", "array:0", "raid5:2", "hdd,seek_ms", "hdd,foo=1", "hdd,rpm=-1", "hdd,stripe=3k"] {
+        assert_eq!(
+            DiskSpec::parse("array:3").unwrap().layout,
+            DiskLayout::Array(3)
+        );
+        assert_eq!(
+            DiskSpec::parse("raid5:4,drive=ssd").unwrap().drive.kind,
+            DriveKind::Flash
+        );
+        for bad in [
+            "floppy",
+            "array:0",
+            "raid5:2",
+            "hdd,seek_ms",
+            "hdd,foo=1",
+            "hdd,rpm=-1",
+            "hdd,stripe=3k",
+        ] {
             let e = DiskSpec::parse(bad).unwrap_err().to_string();
             assert!(!e.contains('\n') && e.contains(bad), "{bad}: {e}");
         }
@@ -561,8 +590,15 @@ mod tests {
         let transfer = 32768.0 / 40e6;
         assert!(approx(t2 - t1, 0.1e-3 + transfer, 1e-9), "{}", t2 - t1);
         let u = m.usage();
-        assert_eq!((u.requests, u.positioned), (2, 1), "only the first request seeks");
-        assert!(approx(u.positioning_s, t1 - 0.1e-3 - transfer, 1e-9), "{u:?}");
+        assert_eq!(
+            (u.requests, u.positioned),
+            (2, 1),
+            "only the first request seeks"
+        );
+        assert!(
+            approx(u.positioning_s, t1 - 0.1e-3 - transfer, 1e-9),
+            "{u:?}"
+        );
         assert!(approx(u.busiest_s, t2, 1e-9), "{u:?}");
     }
 
@@ -574,7 +610,9 @@ mod tests {
         let n = 20000;
         let mut now = 0.0;
         for _ in 0..n {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             let off = ((x >> 20) % (1 << 34)) & !32767;
             now = m.submit(now, off, 32768, false);
         }

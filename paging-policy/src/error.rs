@@ -10,7 +10,9 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum PagerError {
     /// A size string (`--mem`, `--block`, ...) could not be parsed.
-    #[error("invalid size '{0}': expected a number with an optional k/M/G/T suffix, e.g. 32k or 1G")]
+    #[error(
+        "invalid size '{0}': expected a number with an optional k/M/G/T suffix, e.g. 32k or 1G"
+    )]
     BadSize(String),
     /// The block size is not a power of two between 4 KiB and 256 KiB.
     #[error("invalid block size {0} bytes: must be a power of two between 4k and 256k")]

@@ -46,7 +46,10 @@ unsafe impl Send for GuestMemory {}
 unsafe impl Sync for GuestMemory {}
 
 fn mm_error(op: &'static str) -> PagerError {
-    PagerError::Mm { op, source: std::io::Error::last_os_error() }
+    PagerError::Mm {
+        op,
+        source: std::io::Error::last_os_error(),
+    }
 }
 
 impl GuestMemory {
@@ -56,7 +59,9 @@ impl GuestMemory {
         if len == 0 || !len.is_multiple_of(4096) {
             return Err(PagerError::Mm {
                 op: "guest memory",
-                source: std::io::Error::other(format!("length {len} is not a non-zero multiple of 4 KiB")),
+                source: std::io::Error::other(format!(
+                    "length {len} is not a non-zero multiple of 4 KiB"
+                )),
             });
         }
         // SAFETY: plain syscall; the name is a NUL-terminated literal.
@@ -88,7 +93,12 @@ impl GuestMemory {
         // Huge pages would turn one block's eviction into splitting a 2 MiB page.
         // SAFETY: advice on our own mapping.
         unsafe { libc::madvise(ptr, len, libc::MADV_NOHUGEPAGE) };
-        let memory = GuestMemory { memfd, uffd: Uffd::new()?, base, len };
+        let memory = GuestMemory {
+            memfd,
+            uffd: Uffd::new()?,
+            base,
+            len,
+        };
         memory.uffd.register(ptr as usize, len)?;
         Ok(memory)
     }
@@ -143,10 +153,16 @@ mod tests {
     fn hands_over_the_mapping_it_made() {
         let memory = GuestMemory::new(64 << 10).unwrap();
         let handoff = memory.handoff().unwrap();
-        assert_eq!((handoff.base, handoff.len), (memory.as_ptr() as usize, 64 << 10));
+        assert_eq!(
+            (handoff.base, handoff.len),
+            (memory.as_ptr() as usize, 64 << 10)
+        );
         // SAFETY: fstat on a descriptor we own.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        assert_eq!(unsafe { libc::fstat(std::os::fd::AsRawFd::as_raw_fd(&handoff.memfd), &mut st) }, 0);
+        assert_eq!(
+            unsafe { libc::fstat(std::os::fd::AsRawFd::as_raw_fd(&handoff.memfd), &mut st) },
+            0
+        );
         assert_eq!(st.st_size, 64 << 10);
     }
 }

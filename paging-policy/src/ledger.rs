@@ -171,7 +171,10 @@ pub fn cluster_writes(victims: &mut [PlanBlock], block_bytes: u64) {
 /// Groups the swap writes of an eviction plan: the ranges of `victims` that
 /// are dirty and contiguous on swap, each one write. The pager and pagesim
 /// batch writes alike through this.
-pub fn write_runs(victims: &[PlanBlock], block_bytes: u64) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+pub fn write_runs(
+    victims: &[PlanBlock],
+    block_bytes: u64,
+) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
     let mut i = 0;
     std::iter::from_fn(move || {
         while i < victims.len() && !victims[i].dirty {
@@ -182,7 +185,10 @@ pub fn write_runs(victims: &[PlanBlock], block_bytes: u64) -> impl Iterator<Item
         }
         let start = i;
         i += 1;
-        while i < victims.len() && victims[i].dirty && victims[i].loc == victims[i - 1].loc + block_bytes {
+        while i < victims.len()
+            && victims[i].dirty
+            && victims[i].loc == victims[i - 1].loc + block_bytes
+        {
             i += 1;
         }
         Some(start..i)
@@ -194,7 +200,12 @@ pub fn write_runs(victims: &[PlanBlock], block_bytes: u64) -> impl Iterator<Item
 /// whose copies are contiguous on swap. Each run is one read, whatever the
 /// blocks' order in RAM (a working set written back in several batches
 /// lies in several extents; adjacent ones are read together).
-pub fn read_runs(plan: &[PlanBlock], block_bytes: u64, order: &mut Vec<usize>, runs: &mut Vec<(usize, usize)>) {
+pub fn read_runs(
+    plan: &[PlanBlock],
+    block_bytes: u64,
+    order: &mut Vec<usize>,
+    runs: &mut Vec<(usize, usize)>,
+) {
     order.clear();
     runs.clear();
     order.extend((0..plan.len()).filter(|&i| plan[i].loc != NO_LOC));
@@ -230,7 +241,12 @@ pub struct Ledger {
 
 impl Ledger {
     /// A ledger with no VMs.
-    pub fn new(policy: Box<dyn Policy>, space: SwapSpace, block_bytes: u64, budget_bytes: u64) -> Ledger {
+    pub fn new(
+        policy: Box<dyn Policy>,
+        space: SwapSpace,
+        block_bytes: u64,
+        budget_bytes: u64,
+    ) -> Ledger {
         Ledger {
             block_bytes,
             budget_blocks: budget_bytes / block_bytes,
@@ -275,7 +291,6 @@ impl Ledger {
         self.space.layout()
     }
 
-
     /// Resident blocks (installed, not yet dropped).
     pub fn resident_blocks(&self) -> u64 {
         self.resident
@@ -285,7 +300,6 @@ impl Ledger {
     pub fn swap_used_bytes(&self) -> u64 {
         self.space.used_bytes()
     }
-
 
     /// A VM's accounting, if registered.
     pub fn vm(&self, vm: VmId) -> Option<&VmLedger> {
@@ -363,7 +377,12 @@ impl Ledger {
         };
         debug_assert_eq!(v.busy, 0);
         self.resident -= v.resident as u64;
-        let mut locs: Vec<u64> = v.blocks.iter().map(|b| b.loc).filter(|&l| l != NO_LOC).collect();
+        let mut locs: Vec<u64> = v
+            .blocks
+            .iter()
+            .map(|b| b.loc)
+            .filter(|&l| l != NO_LOC)
+            .collect();
         self.space.release(&mut locs);
         self.space.unregister(vm);
         if !v.dying {
@@ -445,19 +464,29 @@ impl Ledger {
     /// write-protecting the prefetched ones would only cost a write-protect
     /// fault each (the pager's content hash still spares unchanged blocks
     /// the write-back).
-    pub fn plan_fault(&mut self, vm: VmId, block: BlockId, write: bool, plan: &mut Vec<PlanBlock>) -> Result<(), PagerError> {
+    pub fn plan_fault(
+        &mut self,
+        vm: VmId,
+        block: BlockId,
+        write: bool,
+        plan: &mut Vec<PlanBlock>,
+    ) -> Result<(), PagerError> {
         plan.clear();
         let mut prefetch = std::mem::take(&mut self.prefetch);
         prefetch.clear();
         self.policy.on_fault(vm, block, &mut prefetch);
         let r = self.policy_err();
         let budget = self.budget_blocks;
-        let v = self.vms[vm as usize].as_mut().expect("classified VM exists");
+        let v = self.vms[vm as usize]
+            .as_mut()
+            .expect("classified VM exists");
         let nblocks = v.blocks.len();
         if let Some(&bad) = prefetch.iter().find(|&&b| b as usize >= nblocks) {
             self.prefetch = prefetch;
             r?;
-            return Err(self.nonsense(format!("prefetch of block {bad} beyond VM {vm}'s {nblocks} blocks")));
+            return Err(self.nonsense(format!(
+                "prefetch of block {bad} beyond VM {vm}'s {nblocks} blocks"
+            )));
         }
         r?;
         prefetch.push(block);
@@ -586,7 +615,10 @@ impl Ledger {
         Ok(skipped)
     }
 
-    fn start_eviction(&mut self, victims: &[(VmId, BlockId)]) -> Result<Vec<PlanBlock>, PagerError> {
+    fn start_eviction(
+        &mut self,
+        victims: &[(VmId, BlockId)],
+    ) -> Result<Vec<PlanBlock>, PagerError> {
         let mut plan = Vec::with_capacity(victims.len());
         let mut places = std::mem::take(&mut self.places);
         let mut i = 0;
@@ -655,7 +687,9 @@ impl Ledger {
         let mut released = std::mem::take(&mut self.released);
         released.clear();
         for p in plan {
-            let v = self.vms[p.vm as usize].as_mut().expect("busy VM stays registered");
+            let v = self.vms[p.vm as usize]
+                .as_mut()
+                .expect("busy VM stays registered");
             let e = &mut v.blocks[p.block as usize];
             if p.dirty {
                 if p.old_loc != NO_LOC && p.old_loc != p.loc {
@@ -690,11 +724,19 @@ impl Ledger {
 
     /// A fault-in finished: the blocks are installed (dirty ones writable).
     /// Counts one fault for the VM with `latency_us`.
-    pub fn finish_install(&mut self, plan: &[PlanBlock], io_seconds: f64, latency_us: u64, wakes: &mut Wakes) {
+    pub fn finish_install(
+        &mut self,
+        plan: &[PlanBlock],
+        io_seconds: f64,
+        latency_us: u64,
+        wakes: &mut Wakes,
+    ) {
         let Some(first) = plan.first() else { return };
         let vm = first.vm;
         let bs = self.block_bytes;
-        let v = self.vms[vm as usize].as_mut().expect("busy VM stays registered");
+        let v = self.vms[vm as usize]
+            .as_mut()
+            .expect("busy VM stays registered");
         let mut read = 0;
         for p in plan {
             let e = &mut v.blocks[p.block as usize];
@@ -722,7 +764,6 @@ impl Ledger {
     pub fn check_policy(&mut self) -> Result<(), PagerError> {
         self.policy_err()
     }
-
 }
 
 impl VmLedger {
@@ -737,7 +778,14 @@ mod write_runs_tests {
     use super::*;
 
     fn victim(loc: u64, dirty: bool) -> PlanBlock {
-        PlanBlock { vm: 0, block: 0, loc, dirty, old_loc: NO_LOC, sum: 0 }
+        PlanBlock {
+            vm: 0,
+            block: 0,
+            loc,
+            dirty,
+            old_loc: NO_LOC,
+            sum: 0,
+        }
     }
 
     #[test]
@@ -758,17 +806,30 @@ mod write_runs_tests {
     }
 
     fn unchanged(old_loc: u64) -> PlanBlock {
-        PlanBlock { old_loc, ..victim(NO_LOC, false) }
+        PlanBlock {
+            old_loc,
+            ..victim(NO_LOC, false)
+        }
     }
 
     #[test]
     fn short_gaps_of_unchanged_blocks_are_rewritten_to_join_writes() {
         let bs = 4096;
         // Written blocks at 0 and 4 with three unchanged ones in between, in place: one write.
-        let mut victims = [victim(0, true), unchanged(bs), unchanged(2 * bs), unchanged(3 * bs), victim(4 * bs, true)];
+        let mut victims = [
+            victim(0, true),
+            unchanged(bs),
+            unchanged(2 * bs),
+            unchanged(3 * bs),
+            victim(4 * bs, true),
+        ];
         cluster_writes(&mut victims, bs);
         assert!(victims.iter().all(|p| p.dirty));
-        assert_eq!(victims[2].loc, 2 * bs, "an unchanged block is rewritten where its copy is");
+        assert_eq!(
+            victims[2].loc,
+            2 * bs,
+            "an unchanged block is rewritten where its copy is"
+        );
         assert_eq!(write_runs(&victims, bs).collect::<Vec<_>>(), vec![0..5]);
         // Not joined: a block without a swap copy in the gap, a copy elsewhere,
         // a gap longer than WRITE_CLUSTER_GAP_BYTES, nothing written after the gap.

@@ -55,12 +55,15 @@ use serde_json::{json, Map, Value};
 use crate::config::{check_block, default_swap_path, PagerConfig};
 use crate::disk::DiskSpec;
 use crate::error::PagerError;
-use crate::ledger::{cluster_writes, read_runs, write_runs, Access, Admission, Classified, Ledger, PlanBlock, Wakes, NO_LOC};
+use crate::guest_memory::{SpaceHandoff, SpaceId};
+use crate::ledger::{
+    cluster_writes, read_runs, write_runs, Access, Admission, Classified, Ledger, PlanBlock, Wakes,
+    NO_LOC,
+};
 use crate::policy::{build_policy, BlockId, SwapLayout, VmId};
 use crate::space::SwapSpace;
 use crate::stats::TotalLatency;
 use crate::swap::{AlignedBuf, SwapDevice};
-use crate::guest_memory::{SpaceHandoff, SpaceId};
 use crate::uffd::{space_gone, Fault, FaultKind, Uffd};
 
 /// Fault-service threads. Faults mostly wait on I/O (or on the disk
@@ -124,17 +127,18 @@ struct State {
 
 impl State {
     fn lookup(&self, space: SpaceId, addr: usize) -> Option<(VmId, Place)> {
-        let (&(_, base), &(vm, len)) = self.regions.range((space, 0)..=(space, addr)).next_back()?;
+        let (&(_, base), &(vm, len)) =
+            self.regions.range((space, 0)..=(space, addr)).next_back()?;
         (addr < base + len).then(|| (vm, self.places[&vm].clone()))
     }
 
     fn addrs(&self, wakes: &Wakes, block: usize, out: &mut Vec<WakeAddr>) {
         out.clear();
-        out.extend(
-            wakes
-                .iter()
-                .filter_map(|(vm, b)| self.places.get(vm).map(|p| (Arc::clone(&p.space), p.addr(*b, block)))),
-        );
+        out.extend(wakes.iter().filter_map(|(vm, b)| {
+            self.places
+                .get(vm)
+                .map(|p| (Arc::clone(&p.space), p.addr(*b, block)))
+        }));
     }
 }
 
@@ -176,7 +180,11 @@ impl Pager {
     /// Opens the swap device (O_DIRECT), loads the policy and starts the
     /// fault-service threads. Every configuration error surfaces here,
     /// before any VM exists.
-    pub fn new(cfg: PagerConfig, max_vms: u32, vm_ram_bytes: u64) -> Result<Arc<Pager>, PagerError> {
+    pub fn new(
+        cfg: PagerConfig,
+        max_vms: u32,
+        vm_ram_bytes: u64,
+    ) -> Result<Arc<Pager>, PagerError> {
         check_block(cfg.block_bytes)?;
         cfg.validate(vm_ram_bytes, cfg.block_bytes)?;
         let block = cfg.block_bytes;
@@ -289,7 +297,12 @@ impl Pager {
             len: handoff.len,
             gone: AtomicBool::new(false),
         });
-        epoll_ctl(&self.epoll, libc::EPOLL_CTL_ADD, space.uffd.as_raw_fd(), id as u64)?;
+        epoll_ctl(
+            &self.epoll,
+            libc::EPOLL_CTL_ADD,
+            space.uffd.as_raw_fd(),
+            id as u64,
+        )?;
         st.next_space += 1;
         st.spaces.insert(id, space);
         Ok(id)
@@ -298,9 +311,19 @@ impl Pager {
     /// Registers a VM's RAM: bytes `[offset, offset + len)` of the space's
     /// memfd, not touched yet; `len` is a non-zero multiple of the block
     /// size, at most the `vm_ram_bytes` given to [`Pager::new`].
-    pub fn register_vm(&self, vm: u32, space: SpaceId, offset: usize, len: usize) -> Result<(), PagerError> {
+    pub fn register_vm(
+        &self,
+        vm: u32,
+        space: SpaceId,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), PagerError> {
         let bad = |reason: String| PagerError::BadVm { vm, reason };
-        if !offset.is_multiple_of(4096) || len == 0 || !len.is_multiple_of(self.block) || len as u64 > self.vm_ram {
+        if !offset.is_multiple_of(4096)
+            || len == 0
+            || !len.is_multiple_of(self.block)
+            || len as u64 > self.vm_ram
+        {
             return Err(bad(format!(
                 "region at offset {offset:#x}+{len:#x} must be page-aligned, a non-zero multiple of the block size and at most {} bytes",
                 self.vm_ram
@@ -314,7 +337,10 @@ impl Pager {
             return Err(bad(format!("no attached space {space}")));
         };
         if offset.checked_add(len).is_none_or(|end| end > space.len) {
-            return Err(bad(format!("region {offset:#x}+{len:#x} ends past its space ({:#x} bytes)", space.len)));
+            return Err(bad(format!(
+                "region {offset:#x}+{len:#x} ends past its space ({:#x} bytes)",
+                space.len
+            )));
         }
         let addr = space.base + offset;
         let overlaps = st
@@ -327,7 +353,15 @@ impl Pager {
         }
         st.ledger.register(vm, (len / self.block) as u32)?;
         st.regions.insert((space.id, addr), (vm, len));
-        st.places.insert(vm, Place { space, base: addr, offset, len });
+        st.places.insert(
+            vm,
+            Place {
+                space,
+                base: addr,
+                offset,
+                len,
+            },
+        );
         Ok(())
     }
 
@@ -341,7 +375,11 @@ impl Pager {
                 Ok(None) => return,
                 Ok(Some(0)) => break,
                 Ok(Some(_)) if !self.failed.load(Ordering::SeqCst) => {
-                    st = self.room.wait_timeout(st, WAIT_SLICE).unwrap_or_else(|e| e.into_inner()).0;
+                    st = self
+                        .room
+                        .wait_timeout(st, WAIT_SLICE)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
                 }
                 Ok(Some(_)) => return,
                 Err(e) => {
@@ -374,15 +412,27 @@ impl Pager {
     pub fn detach_space(&self, space: SpaceId) {
         let (target, vms) = {
             let st = self.lock();
-            let Some(target) = st.spaces.get(&space).cloned() else { return };
-            let vms: Vec<VmId> = st.places.iter().filter(|(_, p)| p.space.id == space).map(|(&vm, _)| vm).collect();
+            let Some(target) = st.spaces.get(&space).cloned() else {
+                return;
+            };
+            let vms: Vec<VmId> = st
+                .places
+                .iter()
+                .filter(|(_, p)| p.space.id == space)
+                .map(|(&vm, _)| vm)
+                .collect();
             (target, vms)
         };
         target.gone.store(true, Ordering::SeqCst);
         for vm in vms {
             self.unregister_vm(vm);
         }
-        let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_DEL, target.uffd.as_raw_fd(), space as u64);
+        let _ = epoll_ctl(
+            &self.epoll,
+            libc::EPOLL_CTL_DEL,
+            target.uffd.as_raw_fd(),
+            space as u64,
+        );
         self.lock().spaces.remove(&space);
     }
 
@@ -443,7 +493,10 @@ impl Pager {
         let l = &st.ledger;
         let mut totals = l.totals.to_json();
         let t = totals.as_object_mut().expect("object");
-        t.insert("resident_bytes".into(), json!(l.resident_blocks() * self.block as u64));
+        t.insert(
+            "resident_bytes".into(),
+            json!(l.resident_blocks() * self.block as u64),
+        );
         t.insert("budget_bytes".into(), json!(self.cfg.budget_bytes));
         t.insert("block_bytes".into(), json!(self.block));
         t.insert("fault_latency_us".into(), st.latency.to_json());
@@ -477,7 +530,10 @@ impl Pager {
         };
         let mut j = v.stats.to_json();
         let o = j.as_object_mut().expect("object");
-        o.insert("resident_bytes".into(), json!(v.resident_blocks() as u64 * self.block as u64));
+        o.insert(
+            "resident_bytes".into(),
+            json!(v.resident_blocks() as u64 * self.block as u64),
+        );
         o.insert("budget_bytes".into(), json!(self.cfg.budget_bytes));
         j
     }
@@ -511,7 +567,9 @@ impl Pager {
                 std::thread::sleep(WAIT_SLICE);
                 continue;
             }
-            let Some(space) = self.lock().spaces.get(&(ready[0].u64 as SpaceId)).cloned() else { continue };
+            let Some(space) = self.lock().spaces.get(&(ready[0].u64 as SpaceId)).cloned() else {
+                continue;
+            };
             match space.uffd.read_fault() {
                 Ok(Some(f)) => {
                     if let Err(e) = self.handle(&space, f, &mut scratch) {
@@ -577,7 +635,9 @@ impl Pager {
                 self.wake(&s.addrs);
                 Ok(())
             }
-            Classified::FaultIn => self.fault_in(st, vm, place, block, access == Access::Write, t0, s),
+            Classified::FaultIn => {
+                self.fault_in(st, vm, place, block, access == Access::Write, t0, s)
+            }
         }
     }
 
@@ -602,10 +662,15 @@ impl Pager {
             match st.ledger.admit(n, vm)? {
                 Admission::Go => break,
                 Admission::Wait => {
-                    st = self.room.wait_timeout(st, WAIT_SLICE).unwrap_or_else(|e| e.into_inner()).0;
+                    st = self
+                        .room
+                        .wait_timeout(st, WAIT_SLICE)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
                 }
                 Admission::Evict(mut victims) => {
-                    let places: Vec<Place> = victims.iter().map(|p| st.places[&p.vm].clone()).collect();
+                    let places: Vec<Place> =
+                        victims.iter().map(|p| st.places[&p.vm].clone()).collect();
                     drop(st);
                     let io = self.evict(&mut victims, &places, s)?;
                     st = self.lock();
@@ -648,7 +713,10 @@ impl Pager {
             while j < plan.len() && plan[j].block == plan[j - 1].block + 1 {
                 j += 1;
             }
-            let _ = place.space.uffd.wake(place.addr(plan[i].block, bs), (j - i) * bs);
+            let _ = place
+                .space
+                .uffd
+                .wake(place.addr(plan[i].block, bs), (j - i) * bs);
             i = j;
         }
         s.plan = plan;
@@ -669,7 +737,9 @@ impl Pager {
         let bs = self.block;
         s.read.reserve(plan.len() * bs);
         read_runs(plan, bs as u64, &mut s.order, &mut s.runs);
-        let mut slots: Vec<&mut [u8]> = s.read.as_mut_slice()[..plan.len() * bs].chunks_mut(bs).collect();
+        let mut slots: Vec<&mut [u8]> = s.read.as_mut_slice()[..plan.len() * bs]
+            .chunks_mut(bs)
+            .collect();
         for (i, p) in plan.iter().enumerate() {
             if p.loc == NO_LOC {
                 slots[i].fill(0);
@@ -696,13 +766,21 @@ impl Pager {
         let mut i = 0;
         while i < plan.len() {
             let mut j = i + 1;
-            while j < plan.len() && plan[j].block == plan[j - 1].block + 1 && plan[j].dirty == plan[i].dirty {
+            while j < plan.len()
+                && plan[j].block == plan[j - 1].block + 1
+                && plan[j].dirty == plan[i].dirty
+            {
                 j += 1;
             }
             let dst = place.addr(plan[i].block, bs);
             // SAFETY: source is our buffer of (j-i) blocks; the destination
             // blocks are registered and absent (busy in the ledger).
-            let copied = unsafe { place.space.uffd.copy(dst, buf[i * bs..].as_ptr(), (j - i) * bs, !plan[i].dirty) };
+            let copied = unsafe {
+                place
+                    .space
+                    .uffd
+                    .copy(dst, buf[i * bs..].as_ptr(), (j - i) * bs, !plan[i].dirty)
+            };
             tolerate(&place.space, copied)?;
             i = j;
         }
@@ -711,13 +789,30 @@ impl Pager {
 
     /// Evicts the victims: write-protect, write dirty ones to swap, drop.
     /// `places[i]` is where `victims[i]`'s VM lives.
-    fn evict(&self, victims: &mut [PlanBlock], places: &[Place], s: &mut Scratch) -> Result<f64, PagerError> {
+    fn evict(
+        &self,
+        victims: &mut [PlanBlock],
+        places: &[Place],
+        s: &mut Scratch,
+    ) -> Result<f64, PagerError> {
         let bs = self.block;
         let adj: Vec<bool> = (0..victims.len())
-            .map(|i| i > 0 && victims[i].vm == victims[i - 1].vm && victims[i].block == victims[i - 1].block + 1)
+            .map(|i| {
+                i > 0
+                    && victims[i].vm == victims[i - 1].vm
+                    && victims[i].block == victims[i - 1].block + 1
+            })
             .collect();
-        let addrs: Vec<usize> = victims.iter().zip(places).map(|(v, p)| p.addr(v.block, bs)).collect();
-        let offsets: Vec<usize> = victims.iter().zip(places).map(|(v, p)| p.offset(v.block, bs)).collect();
+        let addrs: Vec<usize> = victims
+            .iter()
+            .zip(places)
+            .map(|(v, p)| p.addr(v.block, bs))
+            .collect();
+        let offsets: Vec<usize> = victims
+            .iter()
+            .zip(places)
+            .map(|(v, p)| p.offset(v.block, bs))
+            .collect();
         let addr = |i: usize| addrs[i];
         let offset = |i: usize| offsets[i];
         // Runs of blocks adjacent in one VM's memory.
@@ -734,7 +829,12 @@ impl Pager {
         // 1. Stop writers: from here on a write blocks on the protection.
         for run in &adjacent_runs {
             let space = &places[run.start].space;
-            tolerate(space, space.uffd.write_protect(addr(run.start), run.len() * bs, true))?;
+            tolerate(
+                space,
+                space
+                    .uffd
+                    .write_protect(addr(run.start), run.len() * bs, true),
+            )?;
         }
         // 2. Blocks flagged dirty whose content is what was installed need
         //    no write: their swap copy (or zero) is still right. Not for a
@@ -760,7 +860,11 @@ impl Pager {
             s.write.reserve((j - i) * bs);
             let buf = s.write.as_mut_slice();
             for k in i..j {
-                pread_exact(&places[k].space.memfd, &mut buf[(k - i) * bs..(k - i + 1) * bs], offset(k))?;
+                pread_exact(
+                    &places[k].space.memfd,
+                    &mut buf[(k - i) * bs..(k - i + 1) * bs],
+                    offset(k),
+                )?;
             }
             io += self.swap.write(victims[i].loc, &buf[..(j - i) * bs])?;
         }
@@ -773,10 +877,16 @@ impl Pager {
 }
 
 fn epoll_ctl(epoll: &OwnedFd, op: libc::c_int, fd: RawFd, key: u64) -> Result<(), PagerError> {
-    let mut event = libc::epoll_event { events: libc::EPOLLIN as u32, u64: key };
+    let mut event = libc::epoll_event {
+        events: libc::EPOLLIN as u32,
+        u64: key,
+    };
     // SAFETY: valid descriptors and event.
     if unsafe { libc::epoll_ctl(epoll.as_raw_fd(), op, fd, &mut event) } != 0 {
-        return Err(PagerError::Mm { op: "epoll_ctl", source: std::io::Error::last_os_error() });
+        return Err(PagerError::Mm {
+            op: "epoll_ctl",
+            source: std::io::Error::last_os_error(),
+        });
     }
     Ok(())
 }
@@ -799,15 +909,28 @@ fn pread_exact(memfd: &OwnedFd, buf: &mut [u8], offset: usize) -> Result<(), Pag
     while done < buf.len() {
         // SAFETY: the destination is our buffer, `len - done` bytes long.
         let n = unsafe {
-            libc::pread(memfd.as_raw_fd(), buf[done..].as_mut_ptr().cast(), buf.len() - done, (offset + done) as libc::off_t)
+            libc::pread(
+                memfd.as_raw_fd(),
+                buf[done..].as_mut_ptr().cast(),
+                buf.len() - done,
+                (offset + done) as libc::off_t,
+            )
         };
         match n {
             n if n > 0 => done += n as usize,
-            0 => return Err(PagerError::Mm { op: "pread(guest memory)", source: std::io::ErrorKind::UnexpectedEof.into() }),
+            0 => {
+                return Err(PagerError::Mm {
+                    op: "pread(guest memory)",
+                    source: std::io::ErrorKind::UnexpectedEof.into(),
+                })
+            }
             _ => {
                 let e = std::io::Error::last_os_error();
                 if e.kind() != std::io::ErrorKind::Interrupted {
-                    return Err(PagerError::Mm { op: "pread(guest memory)", source: e });
+                    return Err(PagerError::Mm {
+                        op: "pread(guest memory)",
+                        source: e,
+                    });
                 }
             }
         }
@@ -820,8 +943,19 @@ fn pread_exact(memfd: &OwnedFd, buf: &mut [u8], offset: usize) -> Result<(), Pag
 fn punch_hole(space: &Space, offset: usize, len: usize) -> Result<(), PagerError> {
     let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
     // SAFETY: fallocate on a memfd we hold.
-    if unsafe { libc::fallocate(space.memfd.as_raw_fd(), mode, offset as libc::off_t, len as libc::off_t) } != 0 {
-        return Err(PagerError::Mm { op: "fallocate(PUNCH_HOLE)", source: std::io::Error::last_os_error() });
+    if unsafe {
+        libc::fallocate(
+            space.memfd.as_raw_fd(),
+            mode,
+            offset as libc::off_t,
+            len as libc::off_t,
+        )
+    } != 0
+    {
+        return Err(PagerError::Mm {
+            op: "fallocate(PUNCH_HOLE)",
+            source: std::io::Error::last_os_error(),
+        });
     }
     Ok(())
 }

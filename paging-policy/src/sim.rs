@@ -147,14 +147,19 @@ impl Simulator {
             if len == 0 || off + len > cfg.vm_ram_bytes {
                 return Err(PagerError::BadVm {
                     vm: 0,
-                    reason: format!("request range {off}+{len} outside {} bytes of RAM", cfg.vm_ram_bytes),
+                    reason: format!(
+                        "request range {off}+{len} outside {} bytes of RAM",
+                        cfg.vm_ram_bytes
+                    ),
                 });
             }
             for b in off / bs..(off + len).div_ceil(bs) {
                 in_req[b as usize] = true;
             }
         }
-        let req_blocks: Vec<u32> = (0..nblocks as u32).filter(|&b| in_req[b as usize]).collect();
+        let req_blocks: Vec<u32> = (0..nblocks as u32)
+            .filter(|&b| in_req[b as usize])
+            .collect();
         let footprint = req_blocks.len() as u64 * bs;
         if cfg.budget_bytes < footprint {
             return Err(PagerError::BudgetTooSmall {
@@ -166,7 +171,11 @@ impl Simulator {
         // Deterministic choice of written blocks: a multiplicative hash of
         // the block index against the dirty fraction.
         let written = (0..nblocks as u64)
-            .map(|b| in_req[b as usize] && ((b.wrapping_mul(2654435761) & 0xffff_ffff) as f64) < cfg.dirty * 4294967296.0)
+            .map(|b| {
+                in_req[b as usize]
+                    && ((b.wrapping_mul(2654435761) & 0xffff_ffff) as f64)
+                        < cfg.dirty * 4294967296.0
+            })
             .collect();
         let policy = build_policy(&cfg.policy, bs, cfg.budget_bytes / bs)?;
         let layout = policy.layout();
@@ -336,7 +345,8 @@ impl Simulator {
         let touches = c.touches - b.touches;
         let faults = c.faults - b.faults;
         let disk_seconds = self.model.max_busy_seconds() - b.disk;
-        let cpu_seconds = (requests as f64 * self.cfg.cpu_us + faults as f64 * self.cfg.fault_us) / 1e6;
+        let cpu_seconds =
+            (requests as f64 * self.cfg.cpu_us + faults as f64 * self.cfg.fault_us) / 1e6;
         let bound = disk_seconds.max(cpu_seconds);
         SimReport {
             policy: self.ledger.policy_name().to_string(),
@@ -345,7 +355,11 @@ impl Simulator {
             warmup: self.cfg.warmup.min(c.requests),
             block_touches: touches,
             faults,
-            hit_ratio: if touches > 0 { 1.0 - faults as f64 / touches as f64 } else { 1.0 },
+            hit_ratio: if touches > 0 {
+                1.0 - faults as f64 / touches as f64
+            } else {
+                1.0
+            },
             request_hit_ratio: if requests > 0 {
                 (c.full_hits - b.full_hits) as f64 / requests as f64
             } else {
@@ -357,7 +371,11 @@ impl Simulator {
             swap_write_bytes: c.written - b.written,
             disk_seconds,
             cpu_seconds,
-            predicted_rps: if bound > 0.0 { requests as f64 / bound } else { 0.0 },
+            predicted_rps: if bound > 0.0 {
+                requests as f64 / bound
+            } else {
+                0.0
+            },
         }
     }
 }

@@ -174,7 +174,10 @@ impl SwapSpace {
                 } else {
                     // Fragmented: fall back to block-sized pieces.
                     for _ in blocks {
-                        let at = self.log.alloc_contiguous(self.block).expect("free bytes counted");
+                        let at = self
+                            .log
+                            .alloc_contiguous(self.block)
+                            .expect("free bytes counted");
                         out.push(at);
                     }
                 }

@@ -136,7 +136,9 @@ pub struct TotalLatency(Histogram<u64>);
 
 impl Default for TotalLatency {
     fn default() -> Self {
-        TotalLatency(Histogram::new_with_bounds(1, 3_600_000_000, 3).expect("static bounds are valid"))
+        TotalLatency(
+            Histogram::new_with_bounds(1, 3_600_000_000, 3).expect("static bounds are valid"),
+        )
     }
 }
 
@@ -173,7 +175,10 @@ mod tests {
         assert_eq!(j["count"], 1000);
         for v in [0u64, 1, 3, 4, 5, 7, 8, 100, 12345, 1 << 40] {
             let i = LogHist::bucket(v);
-            assert!(LogHist::upper(i) >= v.min(LogHist::upper(BUCKETS - 1)), "{v}");
+            assert!(
+                LogHist::upper(i) >= v.min(LogHist::upper(BUCKETS - 1)),
+                "{v}"
+            );
             if i > 0 && v < (1 << 30) {
                 assert!(LogHist::upper(i - 1) < v, "{v}");
             }

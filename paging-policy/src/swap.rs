@@ -71,7 +71,12 @@ impl AlignedBuf {
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
         // SAFETY: allocated in `new` with this layout.
-        unsafe { dealloc(self.ptr, Layout::from_size_align(self.len, ALIGN).expect("valid layout")) };
+        unsafe {
+            dealloc(
+                self.ptr,
+                Layout::from_size_align(self.len, ALIGN).expect("valid layout"),
+            )
+        };
     }
 }
 
@@ -91,7 +96,12 @@ impl SwapDevice {
     /// Opens (creating if absent) `path` with O_DIRECT and sizes a regular
     /// file to `capacity` (sparse). A block device must hold `capacity`.
     /// A file created here is removed at close unless `keep`.
-    pub fn open(path: &Path, capacity: u64, keep: bool, model: DiskModel) -> Result<SwapDevice, PagerError> {
+    pub fn open(
+        path: &Path,
+        capacity: u64,
+        keep: bool,
+        model: DiskModel,
+    ) -> Result<SwapDevice, PagerError> {
         let unwritable = |source| PagerError::SwapUnwritable {
             path: path.to_path_buf(),
             source,
@@ -110,7 +120,13 @@ impl SwapDevice {
         if is_blockdev {
             let mut size: u64 = 0;
             // SAFETY: BLKGETSIZE64 writes one u64.
-            let r = unsafe { libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&file), 0x8008_1272, &mut size) };
+            let r = unsafe {
+                libc::ioctl(
+                    std::os::fd::AsRawFd::as_raw_fd(&file),
+                    0x8008_1272,
+                    &mut size,
+                )
+            };
             if r < 0 {
                 return Err(unwritable(io::Error::last_os_error()));
             }
@@ -300,7 +316,8 @@ mod tests {
     use crate::disk::DiskSpec;
 
     fn device(name: &str) -> SwapDevice {
-        let path = std::env::temp_dir().join(format!("swap-test-{name}-{}.img", std::process::id()));
+        let path =
+            std::env::temp_dir().join(format!("swap-test-{name}-{}.img", std::process::id()));
         let capacity = 1 << 20;
         let model = DiskSpec::parse("hdd").expect("hdd").build(capacity);
         SwapDevice::open(&path, capacity, false, model).expect("open")
@@ -317,9 +334,16 @@ mod tests {
         dev.set_modeled(false);
         assert!(!dev.modeled());
         dev.write(0, buf.as_slice()).expect("write");
-        assert_eq!(modeled_busy(&dev), 0.0, "a suspended model must not queue the request");
+        assert_eq!(
+            modeled_busy(&dev),
+            0.0,
+            "a suspended model must not queue the request"
+        );
         dev.set_modeled(true);
         dev.write(64 << 10, buf.as_slice()).expect("write");
-        assert!(modeled_busy(&dev) > 0.0, "the resumed model charges the next request");
+        assert!(
+            modeled_busy(&dev) > 0.0,
+            "the resumed model charges the next request"
+        );
     }
 }

@@ -73,15 +73,23 @@ impl TraceWriter {
     /// Appends one request to `vm`.
     pub fn record(&mut self, vm: u32) -> Result<(), PagerError> {
         if vm >= self.vms {
-            return Err(terr(&self.path, format!("VM {vm} out of range (header says {} VMs)", self.vms)));
+            return Err(terr(
+                &self.path,
+                format!("VM {vm} out of range (header says {} VMs)", self.vms),
+            ));
         }
-        self.out.write_all(&vm.to_le_bytes()).map_err(|e| terr(&self.path, e))
+        self.out
+            .write_all(&vm.to_le_bytes())
+            .map_err(|e| terr(&self.path, e))
     }
 
     /// Flushes and closes the trace.
     pub fn finish(mut self) -> Result<(), PagerError> {
         self.out.flush().map_err(|e| terr(&self.path, e))?;
-        self.out.get_ref().sync_all().map_err(|e| terr(&self.path, e))
+        self.out
+            .get_ref()
+            .sync_all()
+            .map_err(|e| terr(&self.path, e))
     }
 }
 
@@ -97,7 +105,8 @@ impl TraceReader {
     /// Opens `path` and reads the header.
     pub fn open(path: impl AsRef<Path>) -> Result<TraceReader, PagerError> {
         let path = path.as_ref();
-        let mut input = BufReader::with_capacity(1 << 16, File::open(path).map_err(|e| terr(path, e))?);
+        let mut input =
+            BufReader::with_capacity(1 << 16, File::open(path).map_err(|e| terr(path, e))?);
         let mut magic = [0u8; 8];
         let mut len = [0u8; 4];
         input
@@ -128,7 +137,10 @@ impl TraceReader {
             Ok(()) => {
                 let vm = u32::from_le_bytes(b);
                 if vm >= self.header.vms {
-                    return Err(terr(&self.path, format!("record names VM {vm}, header has {}", self.header.vms)));
+                    return Err(terr(
+                        &self.path,
+                        format!("record names VM {vm}, header has {}", self.header.vms),
+                    ));
                 }
                 Ok(Some(vm))
             }

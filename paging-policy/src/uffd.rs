@@ -134,7 +134,8 @@ impl Uffd {
     /// included, which needs root or `vm.unprivileged_userfaultfd=1`.
     pub fn new() -> Result<Uffd, PagerError> {
         // SAFETY: plain syscall with flag arguments.
-        let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
+        let fd =
+            unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
         if fd < 0 {
             return Err(PagerError::Uffd {
                 op: "userfaultfd()",
@@ -211,14 +212,25 @@ impl Uffd {
     /// # Safety
     /// `src` must be readable for `len` bytes; `dst` must lie in a registered
     /// range whose pages are not present.
-    pub unsafe fn copy(&self, dst: usize, src: *const u8, len: usize, write_protect: bool) -> Result<(), PagerError> {
+    pub unsafe fn copy(
+        &self,
+        dst: usize,
+        src: *const u8,
+        len: usize,
+        write_protect: bool,
+    ) -> Result<(), PagerError> {
         let mut done = 0usize;
         while done < len {
             let mut c = UffdioCopy {
                 dst: (dst + done) as u64,
                 src: src as u64 + done as u64,
                 len: (len - done) as u64,
-                mode: UFFDIO_COPY_MODE_DONTWAKE | if write_protect { UFFDIO_COPY_MODE_WP } else { 0 },
+                mode: UFFDIO_COPY_MODE_DONTWAKE
+                    | if write_protect {
+                        UFFDIO_COPY_MODE_WP
+                    } else {
+                        0
+                    },
                 copy: 0,
             };
             match ioctl(self.fd.as_raw_fd(), UFFDIO_COPY, &mut c) {
@@ -230,7 +242,12 @@ impl Uffd {
                         done += c.copy as usize;
                     }
                 }
-                Err(e) => return Err(PagerError::Uffd { op: "UFFDIO_COPY", source: e }),
+                Err(e) => {
+                    return Err(PagerError::Uffd {
+                        op: "UFFDIO_COPY",
+                        source: e,
+                    })
+                }
             }
         }
         Ok(())
@@ -244,9 +261,14 @@ impl Uffd {
                 start: start as u64,
                 len: len as u64,
             },
-            mode: if protect { UFFDIO_WRITEPROTECT_MODE_WP } else { 0 },
+            mode: if protect {
+                UFFDIO_WRITEPROTECT_MODE_WP
+            } else {
+                0
+            },
         };
-        ioctl(self.fd.as_raw_fd(), UFFDIO_WRITEPROTECT, &mut wp).map_err(uerr("UFFDIO_WRITEPROTECT"))
+        ioctl(self.fd.as_raw_fd(), UFFDIO_WRITEPROTECT, &mut wp)
+            .map_err(uerr("UFFDIO_WRITEPROTECT"))
     }
 
     /// Reads one fault message if any is pending (the descriptor is
@@ -261,7 +283,10 @@ impl Uffd {
             let e = io::Error::last_os_error();
             return match e.raw_os_error() {
                 Some(libc::EAGAIN) | Some(libc::EINTR) => Ok(None),
-                _ => Err(PagerError::Uffd { op: "read", source: e }),
+                _ => Err(PagerError::Uffd {
+                    op: "read",
+                    source: e,
+                }),
             };
         }
         if n as usize != size {

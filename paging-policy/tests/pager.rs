@@ -12,13 +12,18 @@ use paging_policy::{Pager, PagerConfig, PagerError};
 const WORDS_PER_PAGE: usize = 512;
 
 fn total(p: &Pager, key: &str) -> u64 {
-    p.stats()["totals"][key].as_u64().unwrap_or_else(|| panic!("stats key {key}"))
+    p.stats()["totals"][key]
+        .as_u64()
+        .unwrap_or_else(|| panic!("stats key {key}"))
 }
 
 /// Target number of served faults per integrity case
 /// (PAGER_INTEGRITY_FAULTS overrides; the lead's acceptance runs use 1e6).
 fn fault_target() -> u64 {
-    std::env::var("PAGER_INTEGRITY_FAULTS").ok().and_then(|s| s.parse().ok()).unwrap_or(15_000)
+    std::env::var("PAGER_INTEGRITY_FAULTS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(15_000)
 }
 
 /// Several VMs, two writer/reader threads each, a budget of a fraction of
@@ -77,7 +82,8 @@ fn integrity(policy: &'static str, block: u64) {
                 let mut mismatches = 0u64;
                 let mut ops = 0u64;
                 let mut counter = 1u64;
-                let word_of = |page: usize, slot: usize| page * WORDS_PER_PAGE + (half * 4 + slot) * 61;
+                let word_of =
+                    |page: usize, slot: usize| page * WORDS_PER_PAGE + (half * 4 + slot) * 61;
                 while total(&pager, "faults") < target && Instant::now() < deadline {
                     for _ in 0..64 {
                         let page = rng.below(pages as u64) as usize;
@@ -123,11 +129,17 @@ fn integrity(policy: &'static str, block: u64) {
     assert_eq!(pager.fatal_error(), None);
     assert_eq!(mismatches, 0, "data mismatches");
     assert!(faults >= target, "only {faults} faults");
-    assert!(s["totals"]["blocks_out"].as_u64().unwrap() > 0, "no eviction happened");
+    assert!(
+        s["totals"]["blocks_out"].as_u64().unwrap() > 0,
+        "no eviction happened"
+    );
     // Resident memory: never above the budget plus one block per fault in
     // flight (at most one per service thread).
     let bound = budget_blocks * block + 8 * block;
-    assert!(max_resident.load(Ordering::Relaxed) <= bound, "resident exceeded budget");
+    assert!(
+        max_resident.load(Ordering::Relaxed) <= bound,
+        "resident exceeded budget"
+    );
     assert!(s["totals"]["resident_bytes"].as_u64().unwrap() <= budget_blocks * block);
     pager.shutdown();
 }
@@ -213,8 +225,15 @@ fn dirty_tracking(policy: &str) {
         check(&a, 0xA000);
         check(&b, 0xB000);
     }
-    assert!(total(&pager, "blocks_out") >= out + 6 * blocks as u64, "re-evictions happened");
-    assert_eq!(total(&pager, "swap_write_bytes"), written, "clean blocks were rewritten");
+    assert!(
+        total(&pager, "blocks_out") >= out + 6 * blocks as u64,
+        "re-evictions happened"
+    );
+    assert_eq!(
+        total(&pager, "swap_write_bytes"),
+        written,
+        "clean blocks were rewritten"
+    );
     // A write that leaves the content as it was (as when KVM maps memory
     // writable without the guest writing) costs a write-protect fault but
     // no swap write: the content still matches the swap copy.
@@ -223,7 +242,11 @@ fn dirty_tracking(policy: &str) {
     assert_eq!(total(&pager, "wp_faults"), wp + 1);
     check(&a, 0xA000);
     check(&b, 0xB000);
-    assert_eq!(total(&pager, "swap_write_bytes"), written, "unchanged block was rewritten");
+    assert_eq!(
+        total(&pager, "swap_write_bytes"),
+        written,
+        "unchanged block was rewritten"
+    );
     // One real change to a resident clean block makes exactly that block
     // dirty again.
     let wp = total(&pager, "wp_faults");
@@ -260,14 +283,21 @@ fn wsswap_rewrites_whole_batches() {
             assert_eq!(r.read(i * wpb), tag + i as u64, "block {i}");
         }
     };
-    let (written, out) = (total(&pager, "swap_write_bytes"), total(&pager, "blocks_out"));
+    let (written, out) = (
+        total(&pager, "swap_write_bytes"),
+        total(&pager, "blocks_out"),
+    );
     for _ in 0..3 {
         check(&a, 0xA000);
         check(&b, 0xB000);
     }
     let evicted = total(&pager, "blocks_out") - out;
     assert!(evicted >= 6 * blocks as u64, "re-evictions happened");
-    assert_eq!(total(&pager, "swap_write_bytes") - written, evicted * block, "unchanged blocks were left behind");
+    assert_eq!(
+        total(&pager, "swap_write_bytes") - written,
+        evicted * block,
+        "unchanged blocks were left behind"
+    );
     pager.shutdown();
 }
 
@@ -290,7 +320,11 @@ fn wsswap_swap_in(policy: &str, faults_to_swap_in: u64) {
         assert_eq!(a.read(i * wpb), i as u64 + 1);
     }
     let v = pager.vm_stats(0);
-    assert_eq!(v["faults"].as_u64().unwrap(), faults + faults_to_swap_in, "faults to bring the set back");
+    assert_eq!(
+        v["faults"].as_u64().unwrap(),
+        faults + faults_to_swap_in,
+        "faults to bring the set back"
+    );
     assert_eq!(v["resident_bytes"].as_u64().unwrap(), 10 * block);
     assert_eq!(v["swap_read_bytes"].as_u64().unwrap(), 10 * block);
     pager.shutdown();
@@ -329,7 +363,10 @@ fn stats_shape() {
         assert!(s["totals"][k].is_number(), "totals.{k}");
     }
     for k in ["p50", "p90", "p99", "max", "count"] {
-        assert!(s["totals"]["fault_latency_us"][k].is_number(), "latency {k}");
+        assert!(
+            s["totals"]["fault_latency_us"][k].is_number(),
+            "latency {k}"
+        );
     }
     assert_eq!(s["totals"]["faults"], 1);
     assert_eq!(s["vms"]["3"]["resident_bytes"], 32 << 10);
@@ -346,14 +383,62 @@ fn bad_configuration_fails_with_one_line() {
     let ok = config("demand", 32 << 10, 64 * mb, "bad");
     assert!(ok.validate(4 * mb, mb).is_ok());
     let cases: Vec<(PagerConfig, &str)> = vec![
-        (PagerConfig { block_bytes: 3000, ..ok.clone() }, "block size"),
-        (PagerConfig { block_bytes: 512 << 10, ..ok.clone() }, "block size"),
-        (PagerConfig { block_bytes: 2048, ..ok.clone() }, "block size"),
-        (PagerConfig { budget_bytes: mb / 2, ..ok.clone() }, "below one VM's minimum footprint"),
-        (PagerConfig { policy: "lru".into(), ..ok.clone() }, "unknown policy"),
-        (PagerConfig { policy: "/nonexistent/libp.so".into(), ..ok.clone() }, "not found"),
-        (PagerConfig { swap_path: Some("/proc/no/swap".into()), ..ok.clone() }, "not writable"),
-        (PagerConfig { disk: "floppy".into(), ..ok.clone() }, "invalid disk model"),
+        (
+            PagerConfig {
+                block_bytes: 3000,
+                ..ok.clone()
+            },
+            "block size",
+        ),
+        (
+            PagerConfig {
+                block_bytes: 512 << 10,
+                ..ok.clone()
+            },
+            "block size",
+        ),
+        (
+            PagerConfig {
+                block_bytes: 2048,
+                ..ok.clone()
+            },
+            "block size",
+        ),
+        (
+            PagerConfig {
+                budget_bytes: mb / 2,
+                ..ok.clone()
+            },
+            "below one VM's minimum footprint",
+        ),
+        (
+            PagerConfig {
+                policy: "lru".into(),
+                ..ok.clone()
+            },
+            "unknown policy",
+        ),
+        (
+            PagerConfig {
+                policy: "/nonexistent/libp.so".into(),
+                ..ok.clone()
+            },
+            "not found",
+        ),
+        (
+            PagerConfig {
+                swap_path: Some("/proc/no/swap".into()),
+                ..ok.clone()
+            },
+            "not writable",
+        ),
+        (
+            PagerConfig {
+                disk: "floppy".into(),
+                ..ok.clone()
+            },
+            "invalid disk model",
+        ),
     ];
     for (cfg, want) in cases {
         let e = cfg.validate(4 * mb, mb).expect_err(want).to_string();
@@ -364,7 +449,10 @@ fn bad_configuration_fails_with_one_line() {
             assert!(Pager::new(cfg, 1, 4 * mb).is_err(), "{want}");
         }
     }
-    assert!(matches!(paging_policy::parse_size("12q"), Err(PagerError::BadSize(_))));
+    assert!(matches!(
+        paging_policy::parse_size("12q"),
+        Err(PagerError::BadSize(_))
+    ));
 }
 
 /// Waits until the pager reports a fatal error.
@@ -451,16 +539,30 @@ fn nonsense_plugin_is_contained() {
 #[test]
 fn plugin_load_errors() {
     let path = plugin("fifo_policy");
-    let bad_args = config(&format!("{},x=1", path.display()), 32 << 10, 1 << 20, "args");
-    let e = Pager::new(bad_args, 1, 1 << 20).err().expect("refused").to_string();
+    let bad_args = config(
+        &format!("{},x=1", path.display()),
+        32 << 10,
+        1 << 20,
+        "args",
+    );
+    let e = Pager::new(bad_args, 1, 1 << 20)
+        .err()
+        .expect("refused")
+        .to_string();
     assert!(e.contains("refused arguments"), "{e}");
     // A shared library that is not a policy.
-    let libc_path = ["/lib/x86_64-linux-gnu/libm.so.6", "/usr/lib/x86_64-linux-gnu/libm.so.6"]
-        .into_iter()
-        .find(|p| std::path::Path::new(p).exists())
-        .expect("libm");
+    let libc_path = [
+        "/lib/x86_64-linux-gnu/libm.so.6",
+        "/usr/lib/x86_64-linux-gnu/libm.so.6",
+    ]
+    .into_iter()
+    .find(|p| std::path::Path::new(p).exists())
+    .expect("libm");
     let not_policy = config(libc_path, 32 << 10, 1 << 20, "notpolicy");
-    let e = Pager::new(not_policy, 1, 1 << 20).err().expect("refused").to_string();
+    let e = Pager::new(not_policy, 1, 1 << 20)
+        .err()
+        .expect("refused")
+        .to_string();
     assert!(e.contains("not a policy plugin"), "{e}");
 }
 
@@ -487,7 +589,11 @@ fn disk_model_adds_time() {
     // (32 KiB at 40 MB/s = 0.82 ms), seeks and rotation on top.
     let reads = (total(&pager, "swap_read_bytes") - read0) / block;
     assert!(reads >= 16, "{reads} reads");
-    assert!(t.elapsed() >= Duration::from_micros(reads * 820), "{:?}", t.elapsed());
+    assert!(
+        t.elapsed() >= Duration::from_micros(reads * 820),
+        "{:?}",
+        t.elapsed()
+    );
     assert!(pager.stats()["totals"]["io_seconds"].as_f64().unwrap() > reads as f64 * 0.00082);
     assert_eq!(pager.stats()["config"]["disk"]["rpm"], 7200.0);
     pager.shutdown();
@@ -535,7 +641,10 @@ fn unregister_frees_memory_and_swap() {
     // SAFETY: the pager no longer serves this region.
     unsafe { libc::munmap(a.ptr().cast(), a.len) };
     assert!(pager.vm_stats(0).is_null());
-    assert_eq!(total(&pager, "resident_bytes"), pager.vm_stats(1)["resident_bytes"].as_u64().unwrap());
+    assert_eq!(
+        total(&pager, "resident_bytes"),
+        pager.vm_stats(1)["resident_bytes"].as_u64().unwrap()
+    );
     // VM 0's swap region is free again.
     c.register(&pager, 2).unwrap();
     for i in 0..blocks {

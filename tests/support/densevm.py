@@ -1,4 +1,5 @@
 """Start a real densevm for a test, talk HTTP/1.1 to its VMs, stop it."""
+
 from __future__ import annotations
 
 import ipaddress
@@ -11,9 +12,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scalebench.densevm import control
-
 from conftest import release_binary
+from scalebench.densevm import control
 
 
 def kvm_available() -> bool:
@@ -59,12 +59,27 @@ class Monitor:
         return self.stderr_path.read_text(errors="replace")
 
 
-def start(tmp_path: Path, vms: int, addr_base: str, *extra: str, port: int = 8080, timeout: float = 60) -> Monitor:
+def start(
+    tmp_path: Path, vms: int, addr_base: str, *extra: str, port: int = 8080, timeout: float = 60
+) -> Monitor:
     api = tmp_path / "densevm.sock"
     stderr_path = tmp_path / "densevm.err"
-    argv = [str(release_binary("densevm")), "serve", "--vms", str(vms), "--addr-base", addr_base,
-            "--port", str(port), "--api", str(api), *extra]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=open(stderr_path, "wb"), cwd=tmp_path)
+    argv = [
+        str(release_binary("densevm")),
+        "serve",
+        "--vms",
+        str(vms),
+        "--addr-base",
+        addr_base,
+        "--port",
+        str(port),
+        "--api",
+        str(api),
+        *extra,
+    ]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=open(stderr_path, "wb"), cwd=tmp_path
+    )
     deadline = time.monotonic() + timeout
     line = proc.stdout.readline()
     if not line or time.monotonic() > deadline:
@@ -114,7 +129,7 @@ class HttpClient:
         """True when the server has closed (EOF after any buffered bytes)."""
         try:
             return not self._fill()
-        except (ConnectionResetError, socket.timeout):
+        except (TimeoutError, ConnectionResetError):
             return False
 
     def close(self) -> None:

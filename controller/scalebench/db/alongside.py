@@ -13,6 +13,7 @@ study's block metrics), trace_csv, error (None when the guest ran to the end).
 A guest that fails mid-run is reported in its result; it does not abort the
 microVM run.
 """
+
 from __future__ import annotations
 
 import threading
@@ -65,27 +66,51 @@ class DbGuests:
             raise
         self.results = [{} for _ in self._guests]
         for index, guest in enumerate(self._guests):
-            thread = threading.Thread(target=self._drive, args=(index, guest), name=f"dbguest-{index}", daemon=True)
+            thread = threading.Thread(
+                target=self._drive, args=(index, guest), name=f"dbguest-{index}", daemon=True
+            )
             self._threads.append(thread)
             thread.start()
         return self
 
     def _drive(self, index: int, guest: DbGuest) -> None:
         assert self.mix is not None
-        opts = RunOptions(workload=self.workload, mix=self.mix, clients=self.clients, duration_s=float("inf"),
-                          disk=self.disk, out_dir=self.out_dir / f"dbguest-{index}", seed=index + 1)
-        record: dict[str, Any] = {"guest": guest.name, "workload": self.workload, "mix": self.mix, "error": None}
+        opts = RunOptions(
+            workload=self.workload,
+            mix=self.mix,
+            clients=self.clients,
+            duration_s=float("inf"),
+            disk=self.disk,
+            out_dir=self.out_dir / f"dbguest-{index}",
+            seed=index + 1,
+        )
+        record: dict[str, Any] = {
+            "guest": guest.name,
+            "workload": self.workload,
+            "mix": self.mix,
+            "error": None,
+        }
         try:
             result = run_on_guest(guest, opts, opts.out_dir, stop=self._stop)
-            record.update(throughput=result.throughput.per_minute, per_second=result.throughput.per_second,
-                          throughput_label=result.throughput.per_minute_label,
-                          metrics=result.metrics.as_dict() if result.metrics else None, trace_csv=result.trace_csv)
+            record.update(
+                throughput=result.throughput.per_minute,
+                per_second=result.throughput.per_second,
+                throughput_label=result.throughput.per_minute_label,
+                metrics=result.metrics.as_dict() if result.metrics else None,
+                trace_csv=result.trace_csv,
+            )
         except (DbTraceError, OSError) as err:
-            record.update(throughput=None, per_second=None, metrics=None, trace_csv=None, error=str(err))
+            record.update(
+                throughput=None, per_second=None, metrics=None, trace_csv=None, error=str(err)
+            )
         self.results[index] = record
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=120)

@@ -15,19 +15,27 @@ Footprint (for the browsing-to-ordering finding): distinct 1 MiB regions and
 distinct 4 KiB blocks touched per window of 1,000 consecutive requests,
 averaged over the windows (a last partial window counts in proportion).
 """
+
 from __future__ import annotations
 
 import csv
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from .nbd import TraceRecord
 
-STUDY_COLUMNS = ("sectors_read", "sectors_written", "avg_read_stream", "avg_write_stream", "read_seq",
-                 "write_seq", "avg_interarrival_ms")
-REGION_SECTORS = 2048   # 1 MiB
-BLOCK_SECTORS = 8       # 4 KiB
+STUDY_COLUMNS = (
+    "sectors_read",
+    "sectors_written",
+    "avg_read_stream",
+    "avg_write_stream",
+    "read_seq",
+    "write_seq",
+    "avg_interarrival_ms",
+)
+REGION_SECTORS = 2048  # 1 MiB
+BLOCK_SECTORS = 8  # 4 KiB
 WINDOW = 1000
 
 
@@ -45,9 +53,9 @@ class BlockMetrics:
     reads: int
     writes: int
     flushes: int
-    read_share: float              # reads' share of all sectors moved
-    regions_per_1000: float        # distinct 1 MiB regions per 1,000 requests
-    blocks_per_1000: float         # distinct 4 KiB blocks per 1,000 requests
+    read_share: float  # reads' share of all sectors moved
+    regions_per_1000: float  # distinct 1 MiB regions per 1,000 requests
+    blocks_per_1000: float  # distinct 4 KiB blocks per 1,000 requests
     mean_read_latency_ms: float
     mean_write_latency_ms: float
 
@@ -72,7 +80,7 @@ def _footprint(requests: Sequence[TraceRecord], unit: int) -> float:
         return 0.0
     distinct_total, weight = 0.0, 0.0
     for start in range(0, len(requests), WINDOW):
-        window = requests[start:start + WINDOW]
+        window = requests[start : start + WINDOW]
         units: set[int] = set()
         for r in window:
             units.update(range(r.lba // unit, (r.lba + max(r.sectors, 1) - 1) // unit + 1))
@@ -125,14 +133,24 @@ def write_trace_csv(records: Sequence[TraceRecord], path: Path) -> None:
         writer = csv.writer(out)
         writer.writerow(["t_s", "op", "lba", "sectors", "latency_ms"])
         for r in records:
-            writer.writerow([f"{r.t - t0:.6f}", r.op, r.lba, r.sectors, f"{r.latency * 1000.0:.3f}"])
+            writer.writerow(
+                [f"{r.t - t0:.6f}", r.op, r.lba, r.sectors, f"{r.latency * 1000.0:.3f}"]
+            )
 
 
 def read_trace_csv(path: Path) -> list[TraceRecord]:
     """The inverse of write_trace_csv (times relative to the first request)."""
     with path.open(newline="") as src:
-        return [TraceRecord(float(row["t_s"]), row["op"], int(row["lba"]), int(row["sectors"]),
-                            float(row["latency_ms"]) / 1000.0) for row in csv.DictReader(src)]
+        return [
+            TraceRecord(
+                float(row["t_s"]),
+                row["op"],
+                int(row["lba"]),
+                int(row["sectors"]),
+                float(row["latency_ms"]) / 1000.0,
+            )
+            for row in csv.DictReader(src)
+        ]
 
 
 def plot_lba(records: Sequence[TraceRecord], path: Path, title: str, disk_sectors: int) -> None:
@@ -146,8 +164,15 @@ def plot_lba(records: Sequence[TraceRecord], path: Path, title: str, disk_sector
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     for op, colour, label in (("R", "tab:blue", "read"), ("W", "tab:red", "write")):
         chosen = [r for r in records if r.op == op]
-        ax.scatter([r.t - t0 for r in chosen], [r.lba for r in chosen], s=1.5, c=colour, label=label,
-                   linewidths=0, alpha=0.7)
+        ax.scatter(
+            [r.t - t0 for r in chosen],
+            [r.lba for r in chosen],
+            s=1.5,
+            c=colour,
+            label=label,
+            linewidths=0,
+            alpha=0.7,
+        )
     ax.set_xlabel("time (s)")
     ax.set_ylabel("LBA (512-byte sectors)")
     ax.set_ylim(0, disk_sectors)

@@ -10,6 +10,7 @@ Without ``--results``, ``--compare`` runs the read- and write-intensive mix of
 every benchmark (or of ``--workload`` alone) and prints the table beside the
 study's. Bad input: one line on stderr, exit 2; a failed run: exit 1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,29 +40,64 @@ def _one_line_error(message: str) -> NoReturn:
 
 def add_parser(subparsers: Any) -> None:
     """Register the ``dbtrace`` subcommand on an argparse subparsers object."""
-    p = subparsers.add_parser("dbtrace", help="run a database guest under libvirt and trace its block I/O",
-                              description="Run an e-commerce database guest under libvirt/QEMU, trace its virtual "
-                                          "disk from the host and print the storage study's block metrics.")
+    p = subparsers.add_parser(
+        "dbtrace",
+        help="run a database guest under libvirt and trace its block I/O",
+        description="Run an e-commerce database guest under libvirt/QEMU, trace its virtual "
+        "disk from the host and print the storage study's block metrics.",
+    )
     p.add_argument("--workload", choices=("tpcc", "tpcw", "rubis"), help="benchmark to run")
-    p.add_argument("--mix", help="tpcc: standard|highwrite; tpcw: browsing|shopping|ordering; "
-                                 "rubis: browsing|bidding|highbidding")
+    p.add_argument(
+        "--mix",
+        help="tpcc: standard|highwrite; tpcw: browsing|shopping|ordering; "
+        "rubis: browsing|bidding|highbidding",
+    )
     p.add_argument("--clients", type=int, default=8, help="concurrent database clients (default 8)")
     p.add_argument("--duration", type=float, default=60.0, help="measured seconds (default 60)")
-    p.add_argument("--disk", choices=MODEL_NAMES, default="hdd15k",
-                   help="disk model on the traced path (default hdd15k, the study's 15,000 RPM disk)")
+    p.add_argument(
+        "--disk",
+        choices=MODEL_NAMES,
+        default="hdd15k",
+        help="disk model on the traced path (default hdd15k, the study's 15,000 RPM disk)",
+    )
     p.add_argument("--json", type=Path, help="write the result document(s) here")
-    p.add_argument("--out", type=Path, help="directory for the trace CSV and the LBA plot (default runs/dbtrace-*)")
-    p.add_argument("--warmup", type=float, default=0.0, help="unmeasured seconds of the same mix first")
-    p.add_argument("--no-trace", action="store_true", help="do not record the trace (throughput only)")
-    p.add_argument("--dilate", nargs="?", type=float, const=0.0, metavar="FACTOR",
-                   help="time-dilate the disk model by FACTOR, or without one by the guest's measured CPU "
-                        "slowdown (TCG guests)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="directory for the trace CSV and the LBA plot (default runs/dbtrace-*)",
+    )
+    p.add_argument(
+        "--warmup", type=float, default=0.0, help="unmeasured seconds of the same mix first"
+    )
+    p.add_argument(
+        "--no-trace", action="store_true", help="do not record the trace (throughput only)"
+    )
+    p.add_argument(
+        "--dilate",
+        nargs="?",
+        type=float,
+        const=0.0,
+        metavar="FACTOR",
+        help="time-dilate the disk model by FACTOR, or without one by the guest's measured CPU "
+        "slowdown (TCG guests)",
+    )
     p.add_argument("--memory", type=int, default=256, help="guest memory in MiB (default 256)")
-    p.add_argument("--boot-timeout", type=float, default=240.0, help="seconds to wait for the guest's database")
+    p.add_argument(
+        "--boot-timeout", type=float, default=240.0, help="seconds to wait for the guest's database"
+    )
     p.add_argument("--compare", action="store_true", help="print our metrics beside the study's")
-    p.add_argument("--results", type=Path, nargs="+", help="with --compare: saved --json results instead of runs")
-    p.add_argument("--study-load", choices=("heavy", "light"), default="heavy",
-                   help="with --compare: the study's load level to compare with (default heavy)")
+    p.add_argument(
+        "--results",
+        type=Path,
+        nargs="+",
+        help="with --compare: saved --json results instead of runs",
+    )
+    p.add_argument(
+        "--study-load",
+        choices=("heavy", "light"),
+        default="heavy",
+        help="with --compare: the study's load level to compare with (default heavy)",
+    )
     p.error = _one_line_error  # type: ignore[method-assign]
     p.set_defaults(func=run)
 
@@ -81,31 +117,54 @@ def _options(args: argparse.Namespace, workload: str, mix: str) -> Any:
         raise _Usage(f"--dilate must be at least 1, not {args.dilate}")
     if args.boot_timeout <= 0:
         raise _Usage(f"--boot-timeout must be positive, not {args.boot_timeout}")
-    return RunOptions(workload=workload, mix=mix, clients=args.clients, duration_s=args.duration, disk=args.disk,
-                      trace=not args.no_trace, warmup_s=args.warmup, memory_mib=args.memory,
-                      boot_timeout_s=args.boot_timeout, out_dir=args.out or default_out_dir("dbtrace"),
-                      dilate=args.dilate is not None, dilation=args.dilate or None)
+    return RunOptions(
+        workload=workload,
+        mix=mix,
+        clients=args.clients,
+        duration_s=args.duration,
+        disk=args.disk,
+        trace=not args.no_trace,
+        warmup_s=args.warmup,
+        memory_mib=args.memory,
+        boot_timeout_s=args.boot_timeout,
+        out_dir=args.out or default_out_dir("dbtrace"),
+        dilate=args.dilate is not None,
+        dilation=args.dilate or None,
+    )
 
 
 def _print_run(doc: dict[str, Any]) -> None:
     opts = doc["options"]
-    print(f"dbtrace {opts['workload']} {opts['mix']}: {opts['clients']} clients, {opts['duration_s']:g} s, "
-          f"disk {opts['disk']}, domain type {doc['domain_type']}, guest up in {doc['boot_seconds']:.1f} s")
+    print(
+        f"dbtrace {opts['workload']} {opts['mix']}: {opts['clients']} clients, {opts['duration_s']:g} s, "
+        f"disk {opts['disk']}, domain type {doc['domain_type']}, guest up in {doc['boot_seconds']:.1f} s"
+    )
     if doc["dilation"] > 1.0:
-        print(f"disk model time-dilated x{doc['dilation']:.1f} (guest CPU slowdown measured against native)")
+        print(
+            f"disk model time-dilated x{doc['dilation']:.1f} (guest CPU slowdown measured against native)"
+        )
     print(throughput_line(doc))
     if doc["metrics"]:
         m = doc["metrics"]
         print(metrics_table(f"{opts['workload']} {opts['mix']}", m))
-        print(f"reads {m['reads']}, writes {m['writes']}, flushes {m['flushes']}; read share by sectors "
-              f"{m['read_share'] * 100:.1f}%; footprint {m['regions_per_1000']:.0f} MiB-regions and "
-              f"{m['blocks_per_1000']:.0f} 4K-blocks per 1,000 requests; mean latency read "
-              f"{m['mean_read_latency_ms']:.2f} ms, write {m['mean_write_latency_ms']:.2f} ms")
+        print(
+            f"reads {m['reads']}, writes {m['writes']}, flushes {m['flushes']}; read share by sectors "
+            f"{m['read_share'] * 100:.1f}%; footprint {m['regions_per_1000']:.0f} MiB-regions and "
+            f"{m['blocks_per_1000']:.0f} 4K-blocks per 1,000 requests; mean latency read "
+            f"{m['mean_read_latency_ms']:.2f} ms, write {m['mean_write_latency_ms']:.2f} ms"
+        )
         print(f"trace: {doc['trace_csv']}\nLBA plot: {doc['lba_plot']}")
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from .run import READ_INTENSIVE, WORKLOADS, WRITE_INTENSIVE, load_results, run_dbtrace, save_json
+    from .run import (
+        READ_INTENSIVE,
+        WORKLOADS,
+        WRITE_INTENSIVE,
+        load_results,
+        run_dbtrace,
+        save_json,
+    )
 
     if args.results:
         docs = [d for path in args.results for d in load_results(path)]

@@ -7,6 +7,7 @@ the ``libvirt-qemu`` user and ``kvm`` group exist, ``/dev/kvm`` is group
 guest's QEMU runs as root (``user``/``group`` in qemu.conf) so that it can
 reach the run directory's NBD socket and files.
 """
+
 from __future__ import annotations
 
 import grp
@@ -33,7 +34,9 @@ def _import_libvirt():  # type: ignore[no-untyped-def]
     try:
         import libvirt
     except ImportError as err:
-        raise DbTraceError("the libvirt Python bindings are missing (pip install libvirt-python)") from err
+        raise DbTraceError(
+            "the libvirt Python bindings are missing (pip install libvirt-python)"
+        ) from err
     libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
     return libvirt
 
@@ -41,7 +44,9 @@ def _import_libvirt():  # type: ignore[no-untyped-def]
 def prepare_host(qemu_conf: Path = QEMU_CONF) -> None:
     """Make the host meet libvirtd's needs without systemd (idempotent)."""
     if shutil.which("libvirtd") is None:
-        raise DbTraceError("libvirtd is not installed (apt-get install libvirt-daemon libvirt-daemon-driver-qemu)")
+        raise DbTraceError(
+            "libvirtd is not installed (apt-get install libvirt-daemon libvirt-daemon-driver-qemu)"
+        )
     if os.geteuid() != 0:
         raise DbTraceError("starting libvirtd needs root; run as root or start libvirtd first")
     for group in ("kvm", "libvirt-qemu"):
@@ -52,8 +57,19 @@ def prepare_host(qemu_conf: Path = QEMU_CONF) -> None:
     try:
         pwd.getpwnam("libvirt-qemu")
     except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                        "--gid", "kvm", "libvirt-qemu"], check=True)
+        subprocess.run(
+            [
+                "useradd",
+                "--system",
+                "--no-create-home",
+                "--shell",
+                "/usr/sbin/nologin",
+                "--gid",
+                "kvm",
+                "libvirt-qemu",
+            ],
+            check=True,
+        )
     kvm = Path("/dev/kvm")
     if kvm.exists():
         gid = grp.getgrnam("kvm").gr_gid
@@ -104,8 +120,10 @@ class Libvirt:
         last = ""
         while time.monotonic() < deadline:
             if self.started is not None and self.started.poll() is not None:
-                raise DbTraceError(f"libvirtd exited at start-up (code {self.started.returncode}); "
-                                   f"see {self.log_path}: {self._log_tail()}")
+                raise DbTraceError(
+                    f"libvirtd exited at start-up (code {self.started.returncode}); "
+                    f"see {self.log_path}: {self._log_tail()}"
+                )
             try:
                 return libvirt.open(self.uri)
             except libvirt.libvirtError as err:
@@ -113,8 +131,12 @@ class Libvirt:
                 time.sleep(0.2)
         raise DbTraceError(f"libvirtd did not answer within {self.start_timeout_s:.0f} s: {last}")
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if self.conn is not None:
             try:
                 self.conn.close()  # type: ignore[attr-defined]
@@ -133,8 +155,13 @@ class Libvirt:
         prepare_host()
         Path("/run/libvirt").mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
-            self.started = subprocess.Popen(["libvirtd", "--pid-file", str(PIDFILE)], stdin=subprocess.DEVNULL,
-                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.started = subprocess.Popen(
+                ["libvirtd", "--pid-file", str(PIDFILE)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def _stop_daemon(self) -> None:
         """Stop the libvirtd we started (never one we found running)."""

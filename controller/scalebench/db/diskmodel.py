@@ -28,6 +28,7 @@ time, and so every queueing delay, is multiplied by a factor. With the
 factor set to the guest's CPU slowdown under emulation (TCG), the balance
 between CPU and disk time is that of a native machine.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -71,7 +72,7 @@ class Spindle:
     media_bytes_per_s: float = 75e6
     interface_bytes_per_s: float = 320e6
     busy_until: float = 0.0
-    destaged_at: float = 0.0   # when the last cached write reaches the media
+    destaged_at: float = 0.0  # when the last cached write reaches the media
     head_lba: int = 0
     last_end_lba: int = -1
 
@@ -79,7 +80,9 @@ class Spindle:
         distance = abs(lba - self.head_lba)
         if distance == 0:
             return 0.0
-        return self.track_to_track_s + self.full_stroke_extra_s * math.sqrt(distance / self.capacity_sectors)
+        return self.track_to_track_s + self.full_stroke_extra_s * math.sqrt(
+            distance / self.capacity_sectors
+        )
 
     def media_service(self, lba: int, sectors: int) -> float:
         """Time the mechanism needs for one access (positioning + transfer)."""
@@ -156,7 +159,11 @@ class DiskArray:
         for stripe, offset, take in _stripe_pieces(lba, sectors, self.unit_sectors):
             disk = self.members[stripe % self.disks]
             member_lba = (stripe // self.disks) * self.unit_sectors + offset
-            end = disk.read(now, member_lba, take) if op == READ else disk.write(now, member_lba, take)
+            end = (
+                disk.read(now, member_lba, take)
+                if op == READ
+                else disk.write(now, member_lba, take)
+            )
             done = max(done, end)
         return done
 
@@ -193,10 +200,15 @@ class Raid5:
                 done = max(done, self.members[data].read(now, member_lba, take))
                 continue
             # Read-modify-write: old data and old parity, then new data and new parity.
-            old = max(self.members[data].read(now, member_lba, take),
-                      self.members[parity].read(now, member_lba, take))
-            done = max(done, self.members[data].write(old, member_lba, take),
-                       self.members[parity].write(old, member_lba, take))
+            old = max(
+                self.members[data].read(now, member_lba, take),
+                self.members[parity].read(now, member_lba, take),
+            )
+            done = max(
+                done,
+                self.members[data].write(old, member_lba, take),
+                self.members[parity].write(old, member_lba, take),
+            )
         return done
 
 
@@ -223,8 +235,11 @@ class Ssd:
         if op == FLUSH:
             return max(now, self.last_write_done) + self.flush_s
         nbytes = sectors * SECTOR
-        service = (self.read_s + nbytes / self.read_bytes_per_s if op == READ
-                   else self.write_s + nbytes / self.write_bytes_per_s)
+        service = (
+            self.read_s + nbytes / self.read_bytes_per_s
+            if op == READ
+            else self.write_s + nbytes / self.write_bytes_per_s
+        )
         start = max(now, heapq.heappop(self.free_at))
         done = start + service
         heapq.heappush(self.free_at, done)

@@ -1,4 +1,5 @@
 """Libvirt domain XML for the database guest, and the choice of domain type."""
+
 from __future__ import annotations
 
 import os
@@ -40,7 +41,7 @@ class DomainSpec:
     initrd: Path
     console_log: Path
     host_port: int
-    nbd_socket: Path | None = None     # the traced path: our NBD server
+    nbd_socket: Path | None = None  # the traced path: our NBD server
     qcow2_overlay: Path | None = None  # the untraced path: QEMU opens the overlay itself
     vcpus: int = 1
     cmdline: str = "console=ttyS0 root=/dev/vda rw init=/sbin/sbinit quiet panic=-1"
@@ -53,16 +54,22 @@ class DomainSpec:
 
     def disk_xml(self) -> str:
         if self.nbd_socket is not None:
-            return ("<disk type='network' device='disk'><driver name='qemu' type='raw'/>"
-                    f"<source protocol='nbd'><host transport='unix' socket={quoteattr(str(self.nbd_socket))}/>"
-                    "</source><target dev='vda' bus='virtio'/></disk>")
-        return ("<disk type='file' device='disk'><driver name='qemu' type='qcow2'/>"
-                f"<source file={quoteattr(str(self.qcow2_overlay))}/><target dev='vda' bus='virtio'/></disk>")
+            return (
+                "<disk type='network' device='disk'><driver name='qemu' type='raw'/>"
+                f"<source protocol='nbd'><host transport='unix' socket={quoteattr(str(self.nbd_socket))}/>"
+                "</source><target dev='vda' bus='virtio'/></disk>"
+            )
+        return (
+            "<disk type='file' device='disk'><driver name='qemu' type='qcow2'/>"
+            f"<source file={quoteattr(str(self.qcow2_overlay))}/><target dev='vda' bus='virtio'/></disk>"
+        )
 
     def netdev(self) -> str:
         """User-mode network, restricted to the host: only the port forward reaches the guest."""
-        return (f"user,id=sbnet0,net=10.0.2.0/24,restrict=on,"
-                f"hostfwd=tcp:127.0.0.1:{self.host_port}-{GUEST_ADDR}:{GUEST_DB_PORT}")
+        return (
+            f"user,id=sbnet0,net=10.0.2.0/24,restrict=on,"
+            f"hostfwd=tcp:127.0.0.1:{self.host_port}-{GUEST_ADDR}:{GUEST_DB_PORT}"
+        )
 
     def to_xml(self) -> str:
         return f"""<domain type='{self.domain_type}' xmlns:qemu='{QEMU_NS}'>

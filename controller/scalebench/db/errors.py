@@ -1,4 +1,5 @@
 """The one error type of the database-guest layer: its message is shown to users as is."""
+
 from __future__ import annotations
 
 

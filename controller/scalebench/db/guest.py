@@ -5,6 +5,7 @@ traced, disk model applied; in its own process, see tracer.py) or, with tracing 
 overlay QEMU opens itself. Any failure destroys the domain, stops the server
 and removes the overlay; the base image is only ever opened read-only.
 """
+
 from __future__ import annotations
 
 import socket
@@ -42,7 +43,7 @@ class GuestConfig:
     trace: bool = True
     memory_mib: int = 256
     boot_timeout_s: float = 240.0
-    dilate: bool = False   # slow the disk model down by the guest's measured CPU slowdown (see diskmodel.Dilated)
+    dilate: bool = False  # slow the disk model down by the guest's measured CPU slowdown (see diskmodel.Dilated)
     # With dilate: this factor instead of the measured slowdown, so that runs compared with each
     # other share one time base (a slowdown measured per run varies with the host's load).
     dilation: float | None = None
@@ -84,8 +85,12 @@ class DbGuest:
             raise
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.stop()
 
     def _overlay(self) -> Path:
@@ -101,17 +106,45 @@ class DbGuest:
         nbd_socket = qcow2 = None
         if cfg.trace or cfg.disk != "none":
             nbd_socket = cfg.run_dir / f"{self.name}.nbd.sock"
-            self.server = TracedDisk(nbd_socket, Path(cfg.image.rootfs), self._overlay(), cfg.disk,
-                                     record=cfg.trace, real_flush=cfg.disk == "none")
+            self.server = TracedDisk(
+                nbd_socket,
+                Path(cfg.image.rootfs),
+                self._overlay(),
+                cfg.disk,
+                record=cfg.trace,
+                real_flush=cfg.disk == "none",
+            )
         else:
             qcow2 = self._overlay()
-            proc = subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", cfg.image.rootfs,
-                                   str(qcow2)], capture_output=True, text=True)
+            proc = subprocess.run(
+                [
+                    "qemu-img",
+                    "create",
+                    "-q",
+                    "-f",
+                    "qcow2",
+                    "-F",
+                    "raw",
+                    "-b",
+                    cfg.image.rootfs,
+                    str(qcow2),
+                ],
+                capture_output=True,
+                text=True,
+            )
             if proc.returncode != 0:
                 raise DbTraceError(f"qemu-img could not create the overlay: {proc.stderr.strip()}")
-        spec = DomainSpec(name=self.name, domain_type=cfg.domain_type, memory_mib=cfg.memory_mib,
-                          kernel=Path(cfg.image.kernel), initrd=Path(cfg.image.initrd), console_log=self.console_log,
-                          host_port=self.port, nbd_socket=nbd_socket, qcow2_overlay=qcow2)
+        spec = DomainSpec(
+            name=self.name,
+            domain_type=cfg.domain_type,
+            memory_mib=cfg.memory_mib,
+            kernel=Path(cfg.image.kernel),
+            initrd=Path(cfg.image.initrd),
+            console_log=self.console_log,
+            host_port=self.port,
+            nbd_socket=nbd_socket,
+            qcow2_overlay=qcow2,
+        )
         try:
             self.domain = self.conn.createXML(spec.to_xml(), 0)  # type: ignore[attr-defined]
         except libvirt.libvirtError as err:
@@ -128,7 +161,9 @@ class DbGuest:
         if not active:
             raise DbTraceError(f"the guest's QEMU is gone (see {self.console_log})")
         if self.server is not None and not self.server.alive():
-            raise DbTraceError(f"the block tracer stopped: {self.server.error or 'connection closed'}")
+            raise DbTraceError(
+                f"the block tracer stopped: {self.server.error or 'connection closed'}"
+            )
 
     def wait_ready(self) -> None:
         """Wait for the guest's PostgreSQL to accept connections through the port forward."""
@@ -140,7 +175,9 @@ class DbGuest:
             self.check_alive()
             text = self.console_log.read_text(errors="replace") if self.console_log.exists() else ""
             if FAILED_MARK in text:
-                raise DbTraceError(f"PostgreSQL did not start in the guest (see {self.console_log})")
+                raise DbTraceError(
+                    f"PostgreSQL did not start in the guest (see {self.console_log})"
+                )
             if READY_MARK in text:
                 try:
                     connect(self.port, "postgres", timeout=10).close()
@@ -148,8 +185,10 @@ class DbGuest:
                 except Exception:
                     pass
             if time.monotonic() > deadline:
-                raise DbTraceError(f"the guest did not come up within {self.config.boot_timeout_s:.0f} s "
-                                   f"(see {self.console_log})")
+                raise DbTraceError(
+                    f"the guest did not come up within {self.config.boot_timeout_s:.0f} s "
+                    f"(see {self.console_log})"
+                )
             time.sleep(0.5)
         self.boot_seconds = time.monotonic() - started
 
@@ -175,8 +214,10 @@ class DbGuest:
         image = self.config.image
         conn = connect(self.port, "postgres", timeout=120)
         try:
-            guest_s = min(float(conn.run(f"SELECT scalebench_cpu_probe({image.cpu_probe_n})")[0][0])
-                          for _ in range(3))
+            guest_s = min(
+                float(conn.run(f"SELECT scalebench_cpu_probe({image.cpu_probe_n})")[0][0])
+                for _ in range(3)
+            )
         finally:
             conn.close()
         self.cpu_slowdown = guest_s / image.cpu_probe_native_s

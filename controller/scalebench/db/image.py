@@ -1,4 +1,5 @@
 """The cached guest image: built by guest-images/dbguest/build.py, read here."""
+
 from __future__ import annotations
 
 import json
@@ -23,7 +24,7 @@ class GuestImage:
     rootfs: str
     key: str
     databases: tuple[str, ...]
-    cpu_probe_n: int           # scalebench_cpu_probe(n) in the guest's postgres database ...
+    cpu_probe_n: int  # scalebench_cpu_probe(n) in the guest's postgres database ...
     cpu_probe_native_s: float  # ... took this long natively at build time
 
 
@@ -35,7 +36,9 @@ def ensure_image(cache: Path | None = None, builder: Path = BUILDER) -> GuestIma
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     if proc.returncode != 0:
         lines = proc.stderr.strip().splitlines()
-        raise DbTraceError(lines[-1] if lines else f"image builder failed with exit code {proc.returncode}")
+        raise DbTraceError(
+            lines[-1] if lines else f"image builder failed with exit code {proc.returncode}"
+        )
     try:
         data = json.loads(proc.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError) as err:

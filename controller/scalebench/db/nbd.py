@@ -14,6 +14,7 @@ replies only), commands READ, WRITE, FLUSH, DISC. One thread reads and serves
 requests and answers those already due; a second sends the others when they
 are due, so requests overlap in the model as they do on a real queue.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -45,11 +46,11 @@ BLOCK = 4096
 class TraceRecord:
     """One block request as the host saw it."""
 
-    t: float          # arrival, seconds since the server started
-    op: str           # "R", "W" or "F"
-    lba: int          # first 512-byte sector (0 for a flush)
-    sectors: int      # length in sectors (0 for a flush)
-    latency: float    # seconds from arrival to reply
+    t: float  # arrival, seconds since the server started
+    op: str  # "R", "W" or "F"
+    lba: int  # first 512-byte sector (0 for a flush)
+    sectors: int  # length in sectors (0 for a flush)
+    latency: float  # seconds from arrival to reply
 
 
 class CowImage:
@@ -90,10 +91,12 @@ class CowImage:
             partial.add(last)
         for block in partial:
             if not self.copied[block]:
-                os.pwrite(self.overlay_fd, os.pread(self.base_fd, BLOCK, block * BLOCK), block * BLOCK)
+                os.pwrite(
+                    self.overlay_fd, os.pread(self.base_fd, BLOCK, block * BLOCK), block * BLOCK
+                )
                 self.copied[block] = 1
         os.pwrite(self.overlay_fd, data, offset)
-        self.copied[first:last + 1] = b"\x01" * (last - first + 1)
+        self.copied[first : last + 1] = b"\x01" * (last - first + 1)
 
     def flush(self) -> None:
         os.fdatasync(self.overlay_fd)
@@ -141,8 +144,10 @@ class NbdServer:
         self._send_lock = threading.Lock()
         self._stopping = False
         self._seq = 0
-        self._threads = [threading.Thread(target=self._serve, name="nbd-serve", daemon=True),
-                         threading.Thread(target=self._reply_loop, name="nbd-reply", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._serve, name="nbd-serve", daemon=True),
+            threading.Thread(target=self._reply_loop, name="nbd-reply", daemon=True),
+        ]
         for thread in self._threads:
             thread.start()
 
@@ -194,19 +199,25 @@ class NbdServer:
     def _negotiate(self) -> None:
         assert self._conn is not None
         tx_flags = TX_HAS_FLAGS | TX_SEND_FLUSH
-        self._conn.sendall(struct.pack(">QQH", NBDMAGIC, IHAVEOPT, FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES))
+        self._conn.sendall(
+            struct.pack(">QQH", NBDMAGIC, IHAVEOPT, FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES)
+        )
         (client_flags,) = struct.unpack(">I", self._recv(4))
         while True:
             magic, option, length = struct.unpack(">QII", self._recv(16))
             if magic != IHAVEOPT:
                 raise ValueError("bad option magic from client")
-            self._recv(length)  # the export name and info requests: there is one export, served whatever asked
+            self._recv(
+                length
+            )  # the export name and info requests: there is one export, served whatever asked
             if option == OPT_EXPORT_NAME:
                 pad = b"" if client_flags & FLAG_NO_ZEROES else b"\0" * 124
                 self._conn.sendall(struct.pack(">QH", self.image.size, tx_flags) + pad)
                 return
             if option == OPT_GO:
-                self._option_reply(option, REP_INFO, struct.pack(">HQH", 0, self.image.size, tx_flags))
+                self._option_reply(
+                    option, REP_INFO, struct.pack(">HQH", 0, self.image.size, tx_flags)
+                )
                 self._option_reply(option, REP_ACK)
                 return
             if option == OPT_ABORT:
@@ -220,7 +231,9 @@ class NbdServer:
             self._conn, _ = self._listener.accept()
             self._negotiate()
             while True:
-                magic, _flags, kind, handle, offset, length = struct.unpack(">IHHQQI", self._recv(28))
+                magic, _flags, kind, handle, offset, length = struct.unpack(
+                    ">IHHQQI", self._recv(28)
+                )
                 if magic != REQUEST_MAGIC:
                     raise ValueError("bad request magic from client")
                 arrival = self.now()
@@ -253,9 +266,17 @@ class NbdServer:
                 self.image.flush()
         else:
             op, error = "?", EINVAL
-        due = self.now() if error else self.model.submit(arrival, op, offset // SECTOR, length // SECTOR)
-        pending = _Pending(due, 0, handle, error, payload, arrival, op, offset // SECTOR, length // SECTOR)
-        if due <= self.now():  # nothing to wait for: answer from this thread, saving a thread hand-off
+        due = (
+            self.now()
+            if error
+            else self.model.submit(arrival, op, offset // SECTOR, length // SECTOR)
+        )
+        pending = _Pending(
+            due, 0, handle, error, payload, arrival, op, offset // SECTOR, length // SECTOR
+        )
+        if (
+            due <= self.now()
+        ):  # nothing to wait for: answer from this thread, saving a thread hand-off
             self._reply(pending)
             return
         with self._cv:
@@ -267,10 +288,15 @@ class NbdServer:
     def _reply(self, item: _Pending) -> None:
         assert self._conn is not None
         with self._send_lock:
-            self._conn.sendall(struct.pack(">IIQ", SIMPLE_REPLY_MAGIC, item.error, item.handle) + item.payload)
+            self._conn.sendall(
+                struct.pack(">IIQ", SIMPLE_REPLY_MAGIC, item.error, item.handle) + item.payload
+            )
         if self.record and item.op != "?":
-            self.records.append(TraceRecord(item.arrival, item.op, item.lba, item.sectors,
-                                            self.now() - item.arrival))
+            self.records.append(
+                TraceRecord(
+                    item.arrival, item.op, item.lba, item.sectors, self.now() - item.arrival
+                )
+            )
 
     def _check(self, offset: int, length: int) -> None:
         if offset + length > self.image.size:

@@ -1,4 +1,5 @@
 """One traced database run: image, libvirtd, guest, workload, trace, metrics."""
+
 from __future__ import annotations
 
 import json
@@ -79,7 +80,9 @@ def validate(workload: str, mix: str, clients: int, duration_s: float, disk: str
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r} (choose from {', '.join(WORKLOADS)})")
     if mix not in WORKLOADS[workload].mixes:
-        raise ValueError(f"{workload} has no mix {mix!r} (choose from {', '.join(WORKLOADS[workload].mixes)})")
+        raise ValueError(
+            f"{workload} has no mix {mix!r} (choose from {', '.join(WORKLOADS[workload].mixes)})"
+        )
     if clients < 1:
         raise ValueError(f"--clients must be at least 1, not {clients}")
     if duration_s <= 0:
@@ -88,16 +91,33 @@ def validate(workload: str, mix: str, clients: int, duration_s: float, disk: str
         raise ValueError(f"unknown disk model {disk!r} (choose from {', '.join(MODEL_NAMES)})")
 
 
-def run_on_guest(guest: DbGuest, opts: RunOptions, run_dir: Path, stop: threading.Event | None = None) -> RunResult:
+def run_on_guest(
+    guest: DbGuest, opts: RunOptions, run_dir: Path, stop: threading.Event | None = None
+) -> RunResult:
     """Drive the workload on a running guest and analyse its trace (``stop`` ends it early)."""
     workload = WORKLOADS[opts.workload]
     if opts.warmup_s > 0:
-        run_workload(workload, opts.mix, guest.port, opts.clients, opts.warmup_s, seed=opts.seed + 7,
-                     check=guest.check_alive)
+        run_workload(
+            workload,
+            opts.mix,
+            guest.port,
+            opts.clients,
+            opts.warmup_s,
+            seed=opts.seed + 7,
+            check=guest.check_alive,
+        )
     window: dict[str, float] = {}
-    result = run_workload(workload, opts.mix, guest.port, opts.clients, opts.duration_s, seed=opts.seed,
-                          check=guest.check_alive, on_start=lambda: window.setdefault("start", guest.trace_clock()),
-                          stop=stop)
+    result = run_workload(
+        workload,
+        opts.mix,
+        guest.port,
+        opts.clients,
+        opts.duration_s,
+        seed=opts.seed,
+        check=guest.check_alive,
+        on_start=lambda: window.setdefault("start", guest.trace_clock()),
+        stop=stop,
+    )
     guest.check_alive()
     start = window.get("start", 0.0)
     # The measured interval only: not the drain of interactions still in flight when it ended.
@@ -106,19 +126,31 @@ def run_on_guest(guest: DbGuest, opts: RunOptions, run_dir: Path, stop: threadin
     in_range = True
     if opts.trace:
         metrics = block_metrics(records)
-        in_range = all(0 <= r.lba and r.lba + r.sectors <= guest.disk_sectors for r in records)
+        in_range = all(r.lba >= 0 and r.lba + r.sectors <= guest.disk_sectors for r in records)
         stem = f"{opts.workload}-{opts.mix}-{opts.disk}-c{opts.clients}"
         trace_path, plot_path = run_dir / f"{stem}.trace.csv", run_dir / f"{stem}.lba.png"
         write_trace_csv(records, trace_path)
-        plot_lba(records, plot_path, f"{STUDY_NAMES[opts.workload]} {opts.mix}, {opts.clients} clients, "
-                                     f"disk {opts.disk}", guest.disk_sectors)
+        plot_lba(
+            records,
+            plot_path,
+            f"{STUDY_NAMES[opts.workload]} {opts.mix}, {opts.clients} clients, disk {opts.disk}",
+            guest.disk_sectors,
+        )
         trace_csv, plot = str(trace_path), str(plot_path)
-    return RunResult(options={k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()},
-                     domain_type=guest.config.domain_type, boot_seconds=round(guest.boot_seconds, 2),
-                     disk_sectors=guest.disk_sectors, throughput=result, metrics=metrics, trace_csv=trace_csv,
-                     lba_plot=plot, lba_in_range=in_range,
-                     tracer_requests_total=len(guest.server.records) if guest.server is not None else 0,
-                     cpu_slowdown=round(guest.cpu_slowdown, 2), dilation=round(guest.dilation, 2))
+    return RunResult(
+        options={k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()},
+        domain_type=guest.config.domain_type,
+        boot_seconds=round(guest.boot_seconds, 2),
+        disk_sectors=guest.disk_sectors,
+        throughput=result,
+        metrics=metrics,
+        trace_csv=trace_csv,
+        lba_plot=plot,
+        lba_in_range=in_range,
+        tracer_requests_total=len(guest.server.records) if guest.server is not None else 0,
+        cpu_slowdown=round(guest.cpu_slowdown, 2),
+        dilation=round(guest.dilation, 2),
+    )
 
 
 def run_dbtrace(opts: RunOptions, image: GuestImage | None = None) -> RunResult:
@@ -127,12 +159,18 @@ def run_dbtrace(opts: RunOptions, image: GuestImage | None = None) -> RunResult:
     image = image or ensure_image()
     run_dir = opts.out_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    config = GuestConfig(image=image, run_dir=run_dir, disk=opts.disk, trace=opts.trace, memory_mib=opts.memory_mib,
-                         boot_timeout_s=opts.boot_timeout_s, dilate=opts.dilate,
-                         dilation=opts.dilation)
-    with Libvirt() as lv:
-        with DbGuest(config, lv.conn) as guest:
-            return run_on_guest(guest, opts, run_dir)
+    config = GuestConfig(
+        image=image,
+        run_dir=run_dir,
+        disk=opts.disk,
+        trace=opts.trace,
+        memory_mib=opts.memory_mib,
+        boot_timeout_s=opts.boot_timeout_s,
+        dilate=opts.dilate,
+        dilation=opts.dilation,
+    )
+    with Libvirt() as lv, DbGuest(config, lv.conn) as guest:
+        return run_on_guest(guest, opts, run_dir)
 
 
 def save_json(result: RunResult | list[RunResult], path: Path) -> None:

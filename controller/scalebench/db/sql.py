@@ -1,4 +1,5 @@
 """Connections from the host to the guest's PostgreSQL (pg8000, pure Python)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -12,7 +13,9 @@ def connect(port: int, database: str, timeout: float = 30.0) -> Any:
         import pg8000.native
     except ImportError as err:
         raise DbTraceError("the pg8000 package is missing (pip install pg8000)") from err
-    return pg8000.native.Connection("postgres", host="127.0.0.1", port=port, database=database, timeout=timeout)
+    return pg8000.native.Connection(
+        "postgres", host="127.0.0.1", port=port, database=database, timeout=timeout
+    )
 
 
 def q(conn: Any, sql: str, **params: Any) -> list[list[Any]]:

@@ -8,6 +8,7 @@ nothing of the caller's main module) driven over a socket pair: records,
 status, disk-model changes, recording on or off, stop. The trace clock is
 CLOCK_MONOTONIC in both processes, so the parent reads it directly.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,11 +30,24 @@ START_TIMEOUT_S = 30.0
 CONTROLLER_DIR = Path(__file__).resolve().parents[2]
 
 
-def _child(conn: Connection, socket_path: str, base: str, overlay: str, disk: str, record: bool,
-           real_flush: bool) -> None:
+def _child(
+    conn: Connection,
+    socket_path: str,
+    base: str,
+    overlay: str,
+    disk: str,
+    record: bool,
+    real_flush: bool,
+) -> None:
     try:
-        server = NbdServer(Path(socket_path), Path(base), Path(overlay), make_model(disk), record=record,
-                           real_flush=real_flush)
+        server = NbdServer(
+            Path(socket_path),
+            Path(base),
+            Path(overlay),
+            make_model(disk),
+            record=record,
+            real_flush=real_flush,
+        )
     except Exception as err:
         conn.send(("error", f"the NBD server could not start: {err}"))
         return
@@ -63,17 +77,42 @@ def _child(conn: Connection, socket_path: str, base: str, overlay: str, disk: st
 class TracedDisk:
     """Parent-side handle of the NBD server process (same interface the guest needs)."""
 
-    def __init__(self, socket_path: Path, base: Path, overlay: Path, disk: str, record: bool = True,
-                 real_flush: bool = True) -> None:
+    def __init__(
+        self,
+        socket_path: Path,
+        base: Path,
+        overlay: Path,
+        disk: str,
+        record: bool = True,
+        real_flush: bool = True,
+    ) -> None:
         self.socket_path = socket_path
         self._lock = threading.Lock()
         parent_sock, child_sock = socket.socketpair()
-        settings = {"socket_path": str(socket_path), "base": str(base), "overlay": str(overlay), "disk": disk,
-                    "record": record, "real_flush": real_flush}
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(CONTROLLER_DIR), os.environ.get("PYTHONPATH", "")]))
-        self._proc = subprocess.Popen([sys.executable, "-m", "scalebench.db.tracer", str(child_sock.fileno()),
-                                       json.dumps(settings)], pass_fds=(child_sock.fileno(),), env=env,
-                                      stdin=subprocess.DEVNULL)
+        settings = {
+            "socket_path": str(socket_path),
+            "base": str(base),
+            "overlay": str(overlay),
+            "disk": disk,
+            "record": record,
+            "real_flush": real_flush,
+        }
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join([str(CONTROLLER_DIR), os.environ.get("PYTHONPATH", "")]),
+        )
+        self._proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "scalebench.db.tracer",
+                str(child_sock.fileno()),
+                json.dumps(settings),
+            ],
+            pass_fds=(child_sock.fileno(),),
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
         child_sock.close()
         self._conn = Connection(parent_sock.detach())
         self._final: list[TraceRecord] | None = None
@@ -84,7 +123,9 @@ class TracedDisk:
             kind, value = self._conn.recv()
         except (EOFError, OSError) as err:
             self.stop()
-            raise DbTraceError(f"the NBD server process exited at start-up (code {self._proc.returncode})") from err
+            raise DbTraceError(
+                f"the NBD server process exited at start-up (code {self._proc.returncode})"
+            ) from err
         except DbTraceError:
             self.stop()
             raise

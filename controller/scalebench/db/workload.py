@@ -6,14 +6,16 @@ per-client session state. N client threads each hold one connection to the
 guest, pick interactions by the mix's weights, run them back to back (no
 think time: the study's heavy-load set-up) and record response times.
 """
+
 from __future__ import annotations
 
 import random
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from .errors import DbTraceError
 from .sql import connect
@@ -81,7 +83,9 @@ def _stats(samples: list[float], errors: int) -> InteractionStats:
     def pick(q: float) -> float:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
-    return InteractionStats(len(samples), errors, statistics.fmean(samples), pick(0.5), pick(0.9), pick(0.99))
+    return InteractionStats(
+        len(samples), errors, statistics.fmean(samples), pick(0.5), pick(0.9), pick(0.99)
+    )
 
 
 def choose(mix: dict[str, float], rng: random.Random) -> str:
@@ -97,10 +101,17 @@ class _Client:
     failure: str | None = None
 
 
-def run_workload(workload: Workload, mix_name: str, port: int, clients: int, duration_s: float,
-                 seed: int = 1, check: Callable[[], None] | None = None,
-                 on_start: Callable[[], None] | None = None,
-                 stop: threading.Event | None = None) -> WorkloadResult:
+def run_workload(
+    workload: Workload,
+    mix_name: str,
+    port: int,
+    clients: int,
+    duration_s: float,
+    seed: int = 1,
+    check: Callable[[], None] | None = None,
+    on_start: Callable[[], None] | None = None,
+    stop: threading.Event | None = None,
+) -> WorkloadResult:
     """Run ``clients`` closed-loop clients for ``duration_s`` seconds against 127.0.0.1:``port``.
 
     ``check`` is called about once a second from the driving thread (it raises
@@ -110,7 +121,9 @@ def run_workload(workload: Workload, mix_name: str, port: int, clients: int, dur
     """
     stop = stop or threading.Event()
     if mix_name not in workload.mixes:
-        raise DbTraceError(f"{workload.name} has no mix {mix_name!r} (choose from {', '.join(workload.mixes)})")
+        raise DbTraceError(
+            f"{workload.name} has no mix {mix_name!r} (choose from {', '.join(workload.mixes)})"
+        )
     mix = workload.mixes[mix_name]
     conns = []
     try:
@@ -197,8 +210,18 @@ def run_workload(workload: Workload, mix_name: str, port: int, clients: int, dur
     everything = [v for values in by_name.values() for v in values]
     completed = len(everything)
     return WorkloadResult(
-        workload=workload.name, mix=mix_name, clients=clients, duration_s=elapsed, completed=completed,
-        errors=sum(errors.values()), per_minute=completed * 60.0 / elapsed, per_second=completed / elapsed,
-        per_minute_label=workload.per_minute_label, response_ms=_stats(everything, sum(errors.values())),
-        by_interaction={n: _stats(by_name.get(n, []), errors.get(n, 0)) for n in sorted(set(by_name) | set(errors))},
+        workload=workload.name,
+        mix=mix_name,
+        clients=clients,
+        duration_s=elapsed,
+        completed=completed,
+        errors=sum(errors.values()),
+        per_minute=completed * 60.0 / elapsed,
+        per_second=completed / elapsed,
+        per_minute_label=workload.per_minute_label,
+        response_ms=_stats(everything, sum(errors.values())),
+        by_interaction={
+            n: _stats(by_name.get(n, []), errors.get(n, 0))
+            for n in sorted(set(by_name) | set(errors))
+        },
     )

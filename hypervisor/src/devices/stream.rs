@@ -88,12 +88,15 @@ impl Default for StreamDevice {
 
 impl StreamDevice {
     fn rx_cons(sys: &Mapping) -> u32 {
-        sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::RX_CONS).load(Ordering::Acquire)
+        sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::RX_CONS)
+            .load(Ordering::Acquire)
     }
 
     /// Request bytes the guest will accept for `slot` now.
     pub fn rx_credit(&self, sys: &Mapping, slot: usize) -> u32 {
-        let consumed = sys.atomic_u32(abi::CREDIT_GPA + credit::STRIDE * slot as u64 + credit::RX_CONSUMED).load(Ordering::Acquire);
+        let consumed = sys
+            .atomic_u32(abi::CREDIT_GPA + credit::STRIDE * slot as u64 + credit::RX_CONSUMED)
+            .load(Ordering::Acquire);
         abi::RX_WINDOW.saturating_sub(self.rx_sent[slot].wrapping_sub(consumed))
     }
 
@@ -109,7 +112,10 @@ impl StreamDevice {
             let needed = HEADER + round8(want.min(MIN_CHUNK));
             if room >= needed {
                 let len = (room - HEADER).min(want);
-                return Some(RingSpace { ptr: sys.at(abi::RX_RING_GPA + (pos + HEADER) as u64), len: len as usize });
+                return Some(RingSpace {
+                    ptr: sys.at(abi::RX_RING_GPA + (pos + HEADER) as u64),
+                    len: len as usize,
+                });
             }
             if contig >= free {
                 return None;
@@ -137,7 +143,8 @@ impl StreamDevice {
     }
 
     fn publish_rx(&mut self, sys: &Mapping) {
-        sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::RX_PROD).store(self.rx_prod, Ordering::Release);
+        sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::RX_PROD)
+            .store(self.rx_prod, Ordering::Release);
         self.changed = true;
     }
 
@@ -154,13 +161,17 @@ impl StreamDevice {
     /// once it has been handled.
     pub fn tx_peek(&mut self, sys: &Mapping) -> Result<Option<TxRecord>, ProtocolViolation> {
         loop {
-            let prod = sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::TX_PROD).load(Ordering::Acquire);
+            let prod = sys
+                .atomic_u32(abi::RINGHDR_GPA + ring_hdr::TX_PROD)
+                .load(Ordering::Acquire);
             let pending = prod.wrapping_sub(self.tx_cons);
             if pending == 0 {
                 return Ok(None);
             }
             if pending > TX_SIZE || !pending.is_multiple_of(8) {
-                return Err(ProtocolViolation(format!("tx producer index moved by {pending} bytes")));
+                return Err(ProtocolViolation(format!(
+                    "tx producer index moved by {pending} bytes"
+                )));
             }
             let pos = self.tx_cons % TX_SIZE;
             let header: u64 = sys.read_volatile(abi::TX_RING_GPA + pos as u64);
@@ -176,10 +187,16 @@ impl StreamDevice {
                 continue;
             }
             if slot >= abi::MAX_SLOTS || len > contig - HEADER || HEADER + round8(len) > pending {
-                return Err(ProtocolViolation(format!("record slot {slot} len {len} at {pos}")));
+                return Err(ProtocolViolation(format!(
+                    "record slot {slot} len {len} at {pos}"
+                )));
             }
             return match kind {
-                abi::REC_DATA => Ok(Some(TxRecord::Data { slot, offset: abi::TX_RING_GPA + (pos + HEADER) as u64, len })),
+                abi::REC_DATA => Ok(Some(TxRecord::Data {
+                    slot,
+                    offset: abi::TX_RING_GPA + (pos + HEADER) as u64,
+                    len,
+                })),
                 abi::REC_CLOSE if len == 0 => Ok(Some(TxRecord::Close { slot })),
                 _ => Err(ProtocolViolation(format!("record type {kind:#x}"))),
             };
@@ -196,14 +213,16 @@ impl StreamDevice {
             TxRecord::Close { .. } => 0,
         };
         self.tx_cons = self.tx_cons.wrapping_add(HEADER + round8(len));
-        sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::TX_CONS).store(self.tx_cons, Ordering::Release);
+        sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::TX_CONS)
+            .store(self.tx_cons, Ordering::Release);
         self.changed = true;
     }
 
     /// Acknowledges every response byte of `slot` except `still_buffered`.
     pub fn ack(&mut self, sys: &Mapping, slot: usize, still_buffered: usize) {
         let acked = self.tx_received[slot].wrapping_sub(still_buffered as u32);
-        let word = sys.atomic_u32(abi::CREDIT_GPA + credit::STRIDE * slot as u64 + credit::TX_ACKED);
+        let word =
+            sys.atomic_u32(abi::CREDIT_GPA + credit::STRIDE * slot as u64 + credit::TX_ACKED);
         if word.swap(acked, Ordering::Release) != acked {
             self.changed = true;
         }
@@ -218,10 +237,16 @@ impl StreamDevice {
             return false;
         }
         fence(Ordering::SeqCst);
-        if sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::GUEST_IDLE).load(Ordering::Acquire) == 0 {
+        if sys
+            .atomic_u32(abi::RINGHDR_GPA + ring_hdr::GUEST_IDLE)
+            .load(Ordering::Acquire)
+            == 0
+        {
             return false;
         }
-        let generation = sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::IDLE_GEN).load(Ordering::Acquire);
+        let generation = sys
+            .atomic_u32(abi::RINGHDR_GPA + ring_hdr::IDLE_GEN)
+            .load(Ordering::Acquire);
         if self.last_kick_gen == Some(generation) {
             return false;
         }
@@ -245,7 +270,8 @@ mod tests {
         sys.write_obj(abi::TX_RING_GPA + pos as u64, header);
         sys.write_bytes(abi::TX_RING_GPA + (pos + HEADER) as u64, payload);
         *prod += HEADER + round8(payload.len() as u32);
-        sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::TX_PROD).store(*prod, Ordering::Release);
+        sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::TX_PROD)
+            .store(*prod, Ordering::Release);
     }
 
     #[test]
@@ -258,9 +284,13 @@ mod tests {
             dev.rx_commit(&sys, 1, abi::REC_DATA, n);
             total += n;
         }
-        assert!(total <= RX_SIZE && total > RX_SIZE - 2 * MIN_CHUNK - 64, "filled {total}");
+        assert!(
+            total <= RX_SIZE && total > RX_SIZE - 2 * MIN_CHUNK - 64,
+            "filled {total}"
+        );
         // The guest consumes everything: the next record must pad and wrap.
-        sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::RX_CONS).store(dev.rx_prod, Ordering::Release);
+        sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::RX_CONS)
+            .store(dev.rx_prod, Ordering::Release);
         let space = dev.rx_reserve(&sys, 5000).expect("room after consumption");
         assert_eq!(space.len, 5000);
     }
@@ -273,7 +303,8 @@ mod tests {
         dev.rx_reserve(&sys, 3000).unwrap();
         dev.rx_commit(&sys, 3, abi::REC_DATA, 3000);
         assert_eq!(dev.rx_credit(&sys, 3), abi::RX_WINDOW - 3000);
-        sys.atomic_u32(abi::CREDIT_GPA + 3 * credit::STRIDE).store(1000, Ordering::Release);
+        sys.atomic_u32(abi::CREDIT_GPA + 3 * credit::STRIDE)
+            .store(1000, Ordering::Release);
         assert_eq!(dev.rx_credit(&sys, 3), abi::RX_WINDOW - 2000);
         assert_eq!(dev.rx_credit(&sys, 4), abi::RX_WINDOW);
     }
@@ -286,11 +317,22 @@ mod tests {
         guest_send(&sys, &mut prod, 7, abi::REC_DATA, b"hello");
         guest_send(&sys, &mut prod, 7, abi::REC_CLOSE, b"");
         let rec = dev.tx_peek(&sys).unwrap().unwrap();
-        let TxRecord::Data { slot: 7, offset, len: 5 } = rec else { panic!("{rec:?}") };
+        let TxRecord::Data {
+            slot: 7,
+            offset,
+            len: 5,
+        } = rec
+        else {
+            panic!("{rec:?}")
+        };
         assert_eq!(sys.read_volatile::<u8>(offset), b'h');
         dev.tx_consume(&sys, &rec);
         dev.ack(&sys, 7, 2);
-        assert_eq!(sys.atomic_u32(abi::CREDIT_GPA + 7 * credit::STRIDE + credit::TX_ACKED).load(Ordering::Acquire), 3);
+        assert_eq!(
+            sys.atomic_u32(abi::CREDIT_GPA + 7 * credit::STRIDE + credit::TX_ACKED)
+                .load(Ordering::Acquire),
+            3
+        );
         let rec = dev.tx_peek(&sys).unwrap().unwrap();
         assert!(matches!(rec, TxRecord::Close { slot: 7 }));
         dev.tx_consume(&sys, &rec);
@@ -302,21 +344,38 @@ mod tests {
         let sys = sys();
         let mut prod = 0;
         guest_send(&sys, &mut prod, 200, abi::REC_DATA, b"x");
-        assert!(StreamDevice::default().tx_peek(&sys).is_err(), "slot out of range");
+        assert!(
+            StreamDevice::default().tx_peek(&sys).is_err(),
+            "slot out of range"
+        );
 
         let sys = self::sys();
         let mut prod = 0;
         guest_send(&sys, &mut prod, 1, 0x33, b"");
-        assert!(StreamDevice::default().tx_peek(&sys).is_err(), "unknown type");
+        assert!(
+            StreamDevice::default().tx_peek(&sys).is_err(),
+            "unknown type"
+        );
 
         let sys = self::sys();
-        sys.write_obj(abi::TX_RING_GPA, (1u64) | ((abi::REC_DATA as u64) << 16) | ((1u64 << 31) << 32));
-        sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::TX_PROD).store(64, Ordering::Release);
-        assert!(StreamDevice::default().tx_peek(&sys).is_err(), "length past the ring");
+        sys.write_obj(
+            abi::TX_RING_GPA,
+            (1u64) | ((abi::REC_DATA as u64) << 16) | ((1u64 << 31) << 32),
+        );
+        sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::TX_PROD)
+            .store(64, Ordering::Release);
+        assert!(
+            StreamDevice::default().tx_peek(&sys).is_err(),
+            "length past the ring"
+        );
 
         let sys = self::sys();
-        sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::TX_PROD).store(TX_SIZE + 8, Ordering::Release);
-        assert!(StreamDevice::default().tx_peek(&sys).is_err(), "producer beyond the ring size");
+        sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::TX_PROD)
+            .store(TX_SIZE + 8, Ordering::Release);
+        assert!(
+            StreamDevice::default().tx_peek(&sys).is_err(),
+            "producer beyond the ring size"
+        );
     }
 
     #[test]
@@ -324,17 +383,26 @@ mod tests {
         let sys = sys();
         let mut dev = StreamDevice::default();
         dev.rx_control(&sys, 0, abi::REC_OPEN);
-        assert!(!dev.take_kick(&sys), "busy guest: it sees the record itself");
-        sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::IDLE_GEN).store(1, Ordering::Release);
-        sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::GUEST_IDLE).store(1, Ordering::Release);
+        assert!(
+            !dev.take_kick(&sys),
+            "busy guest: it sees the record itself"
+        );
+        sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::IDLE_GEN)
+            .store(1, Ordering::Release);
+        sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::GUEST_IDLE)
+            .store(1, Ordering::Release);
         assert!(!dev.take_kick(&sys), "idle, but nothing new for it");
         dev.rx_control(&sys, 0, abi::REC_FIN);
         assert!(dev.take_kick(&sys));
         dev.ack(&sys, 0, 0);
-        assert!(!dev.take_kick(&sys), "an unchanged acknowledgement is no news");
+        assert!(
+            !dev.take_kick(&sys),
+            "an unchanged acknowledgement is no news"
+        );
         dev.rx_control(&sys, 0, abi::REC_FIN);
         assert!(!dev.take_kick(&sys), "already kicked in this idle period");
-        sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::IDLE_GEN).store(2, Ordering::Release);
+        sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::IDLE_GEN)
+            .store(2, Ordering::Release);
         dev.rx_control(&sys, 0, abi::REC_FIN);
         assert!(dev.take_kick(&sys));
     }

@@ -35,8 +35,14 @@ pub trait Platform: Send + Sync {
 
 /// Probes the host with a throw-away VM and returns its platform.
 pub fn detect(kvm: &Kvm) -> Result<Box<dyn Platform>, PlatformError> {
-    let vm = kvm.create_vm().map_err(|source| PlatformError::Kvm { what: "create a probe VM", source })?;
-    let vcpu = vm.create_vcpu(0).map_err(|source| PlatformError::Kvm { what: "create a probe vCPU", source })?;
+    let vm = kvm.create_vm().map_err(|source| PlatformError::Kvm {
+        what: "create a probe VM",
+        source,
+    })?;
+    let vcpu = vm.create_vcpu(0).map_err(|source| PlatformError::Kvm {
+        what: "create a probe vCPU",
+        source,
+    })?;
     if pvm::is_pvm(&vcpu) {
         Ok(Box::new(pvm::Pvm))
     } else {

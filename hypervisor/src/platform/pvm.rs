@@ -14,7 +14,10 @@ const VIF_ENABLE: u64 = 0x400;
 
 /// Whether `vcpu` belongs to a PVM host.
 pub fn is_pvm(vcpu: &VcpuFd) -> bool {
-    let Ok(mut msrs) = Msrs::from_entries(&[kvm_msr_entry { index: MSR_PVM_ID, ..Default::default() }]) else {
+    let Ok(mut msrs) = Msrs::from_entries(&[kvm_msr_entry {
+        index: MSR_PVM_ID,
+        ..Default::default()
+    }]) else {
         return false;
     };
     matches!(vcpu.get_msrs(&mut msrs), Ok(1)) && msrs.as_slice()[0].data == PVM_ID
@@ -33,7 +36,11 @@ impl Platform for Pvm {
     }
 
     fn configure_vcpu(&self, vcpu: &VcpuFd) -> Result<(), PlatformError> {
-        let entry = kvm_msr_entry { index: MSR_PVM_VIF, data: VIF_GPA | VIF_ENABLE, ..Default::default() };
+        let entry = kvm_msr_entry {
+            index: MSR_PVM_VIF,
+            data: VIF_GPA | VIF_ENABLE,
+            ..Default::default()
+        };
         let msrs = Msrs::from_entries(&[entry]).expect("one MSR entry");
         match vcpu.set_msrs(&msrs) {
             Ok(1) => Ok(()),
@@ -41,7 +48,10 @@ impl Platform for Pvm {
                 what: "register the PVM VIF page",
                 source: kvm_ioctls::Error::new(libc::EINVAL),
             }),
-            Err(source) => Err(PlatformError::Kvm { what: "register the PVM VIF page", source }),
+            Err(source) => Err(PlatformError::Kvm {
+                what: "register the PVM VIF page",
+                source,
+            }),
         }
     }
 }

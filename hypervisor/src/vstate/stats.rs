@@ -24,7 +24,12 @@ pub struct VcpuStats {
 fn read_struct<T: Default + Copy>(file: &File, offset: u64) -> io::Result<T> {
     let mut value = T::default();
     // SAFETY: T is a plain C struct; we fill exactly its bytes.
-    let bytes = unsafe { std::slice::from_raw_parts_mut((&mut value as *mut T).cast::<u8>(), std::mem::size_of::<T>()) };
+    let bytes = unsafe {
+        std::slice::from_raw_parts_mut(
+            (&mut value as *mut T).cast::<u8>(),
+            std::mem::size_of::<T>(),
+        )
+    };
     file.read_exact_at(bytes, offset)?;
     Ok(value)
 }
@@ -55,7 +60,11 @@ impl VcpuStats {
                 counters.push((String::from_utf8_lossy(&name[..end]).into_owned(), offset));
             }
         }
-        Ok(VcpuStats { file, data_offset: header.data_offset as u64, counters })
+        Ok(VcpuStats {
+            file,
+            data_offset: header.data_offset as u64,
+            counters,
+        })
     }
 
     /// Current value of every single-valued statistic.
@@ -63,7 +72,8 @@ impl VcpuStats {
         let mut values = serde_json::Map::new();
         for (name, offset) in &self.counters {
             let mut raw = [0u8; 8];
-            self.file.read_exact_at(&mut raw, self.data_offset + offset)?;
+            self.file
+                .read_exact_at(&mut raw, self.data_offset + offset)?;
             values.insert(name.clone(), u64::from_le_bytes(raw).into());
         }
         Ok(values)

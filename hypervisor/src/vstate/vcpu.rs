@@ -2,13 +2,13 @@
 
 use crate::abi;
 use crate::boot;
+use crate::memory::Mapping;
 use crate::platform::{Platform, PlatformError};
 use kvm_bindings::{kvm_msr_entry, kvm_regs, kvm_segment, CpuId, Msrs};
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex, Once};
-use crate::memory::Mapping;
 
 const CR0_PE: u64 = 1 << 0;
 const CR0_ET: u64 = 1 << 4;
@@ -46,19 +46,56 @@ fn step<T>(what: &'static str, r: Result<T, kvm_ioctls::Error>) -> Result<T, Vcp
 }
 
 /// Loads 64-bit mode state: registers, segments, paging, the x2APIC.
-pub fn configure(vcpu: &VcpuFd, cpuid: &CpuId, platform: &dyn Platform, entry: u64, stack_top: u64) -> Result<(), VcpuError> {
+pub fn configure(
+    vcpu: &VcpuFd,
+    cpuid: &CpuId,
+    platform: &dyn Platform,
+    entry: u64,
+    stack_top: u64,
+) -> Result<(), VcpuError> {
     step("set CPUID", vcpu.set_cpuid2(cpuid))?;
     let mut sregs = step("get special registers", vcpu.get_sregs())?;
-    let code = kvm_segment { base: 0, limit: 0xffff_ffff, selector: 0x08, type_: 11, present: 1, dpl: 0, db: 0, s: 1, l: 1, g: 1, ..Default::default() };
-    let data = kvm_segment { selector: 0x10, type_: 3, l: 0, db: 1, ..code };
+    let code = kvm_segment {
+        base: 0,
+        limit: 0xffff_ffff,
+        selector: 0x08,
+        type_: 11,
+        present: 1,
+        dpl: 0,
+        db: 0,
+        s: 1,
+        l: 1,
+        g: 1,
+        ..Default::default()
+    };
+    let data = kvm_segment {
+        selector: 0x10,
+        type_: 3,
+        l: 0,
+        db: 1,
+        ..code
+    };
     sregs.cs = code;
     sregs.ds = data;
     sregs.es = data;
     sregs.fs = data;
     sregs.gs = data;
     sregs.ss = data;
-    sregs.tr = kvm_segment { base: abi::TSS_GPA, limit: 0x67, selector: boot::TSS_SELECTOR, type_: 11, present: 1, s: 0, ..Default::default() };
-    sregs.ldt = kvm_segment { unusable: 1, type_: 2, present: 1, ..Default::default() };
+    sregs.tr = kvm_segment {
+        base: abi::TSS_GPA,
+        limit: 0x67,
+        selector: boot::TSS_SELECTOR,
+        type_: 11,
+        present: 1,
+        s: 0,
+        ..Default::default()
+    };
+    sregs.ldt = kvm_segment {
+        unusable: 1,
+        type_: 2,
+        present: 1,
+        ..Default::default()
+    };
     sregs.gdt.base = abi::GDT_GPA;
     sregs.gdt.limit = boot::GDT_LIMIT;
     sregs.idt.base = 0;
@@ -68,12 +105,28 @@ pub fn configure(vcpu: &VcpuFd, cpuid: &CpuId, platform: &dyn Platform, entry: u
     sregs.cr4 = CR4_PAE;
     sregs.efer = EFER_LME | EFER_LMA;
     step("set special registers", vcpu.set_sregs(&sregs))?;
-    let regs = kvm_regs { rip: entry, rsp: stack_top, rdi: abi::BOOTINFO_GPA, rflags: 0x2, ..Default::default() };
+    let regs = kvm_regs {
+        rip: entry,
+        rsp: stack_top,
+        rdi: abi::BOOTINFO_GPA,
+        rflags: 0x2,
+        ..Default::default()
+    };
     step("set registers", vcpu.set_regs(&regs))?;
-    let apic = kvm_msr_entry { index: MSR_APIC_BASE, data: APIC_BASE_X2APIC, ..Default::default() };
-    let written = step("switch the APIC to x2APIC mode", vcpu.set_msrs(&Msrs::from_entries(&[apic]).expect("one MSR")))?;
+    let apic = kvm_msr_entry {
+        index: MSR_APIC_BASE,
+        data: APIC_BASE_X2APIC,
+        ..Default::default()
+    };
+    let written = step(
+        "switch the APIC to x2APIC mode",
+        vcpu.set_msrs(&Msrs::from_entries(&[apic]).expect("one MSR")),
+    )?;
     if written != 1 {
-        return Err(VcpuError::Kvm { what: "switch the APIC to x2APIC mode", source: kvm_ioctls::Error::new(libc::EINVAL) });
+        return Err(VcpuError::Kvm {
+            what: "switch the APIC to x2APIC mode",
+            source: kvm_ioctls::Error::new(libc::EINVAL),
+        });
     }
     platform.configure_vcpu(vcpu)?;
     Ok(())
@@ -179,10 +232,15 @@ impl VcpuHandle {
     /// Spawns the thread for VM `vm` on `stack`, parked until
     /// [`Self::start`]. `on_exit(vm)` is called from the thread when the
     /// guest dies.
-    pub fn park(vm: u32, stack: Mapping, on_exit: Arc<dyn Fn(u32) + Send + Sync>) -> Result<Self, VcpuError> {
+    pub fn park(
+        vm: u32,
+        stack: Mapping,
+        on_exit: Arc<dyn Fn(u32) + Send + Sync>,
+    ) -> Result<Self, VcpuError> {
         static HANDLER: Once = Once::new();
         HANDLER.call_once(|| {
-            vmm_sys_util::signal::register_signal_handler(kick_signal(), kick_handler).expect("register the vCPU kick handler");
+            vmm_sys_util::signal::register_signal_handler(kick_signal(), kick_handler)
+                .expect("register the vCPU kick handler");
         });
         let shared = Arc::new(VcpuShared::default());
         let (start, parked) = sync_channel::<VcpuFd>(1);
@@ -190,7 +248,8 @@ impl VcpuHandle {
         let thread = spawn_on_stack(
             &stack,
             Box::new(move || {
-                let name = std::ffi::CString::new(format!("vcpu{vm}")).expect("no NUL in a thread name");
+                let name =
+                    std::ffi::CString::new(format!("vcpu{vm}")).expect("no NUL in a thread name");
                 // SAFETY: names the calling thread; the name is under 16 bytes.
                 unsafe { libc::pthread_setname_np(libc::pthread_self(), name.as_ptr()) };
                 let Ok(mut vcpu) = parked.recv() else { return };
@@ -201,7 +260,13 @@ impl VcpuHandle {
                 }
             }),
         )?;
-        Ok(VcpuHandle { thread: Some(thread), start: Some(start), immediate_exit: std::ptr::null_mut(), shared, _stack: stack })
+        Ok(VcpuHandle {
+            thread: Some(thread),
+            start: Some(start),
+            immediate_exit: std::ptr::null_mut(),
+            shared,
+            _stack: stack,
+        })
     }
 
     /// Hands the thread its vCPU: the guest starts running.
@@ -257,10 +322,30 @@ fn run_loop(vcpu: &mut VcpuFd, shared: &VcpuShared) -> (RunState, String) {
             }
             Ok(VcpuExit::Hlt) => {}
             Ok(VcpuExit::Shutdown) => return (RunState::Crashed, "triple fault (shutdown)".into()),
-            Ok(VcpuExit::IoOut(port, _)) => return (RunState::Crashed, format!("write to unknown port {port:#x}")),
-            Ok(VcpuExit::IoIn(port, _)) => return (RunState::Crashed, format!("read from unknown port {port:#x}")),
-            Ok(VcpuExit::MmioWrite(addr, _)) => return (RunState::Crashed, format!("write to unbacked or read-only address {addr:#x}")),
-            Ok(VcpuExit::MmioRead(addr, _)) => return (RunState::Crashed, format!("read of unbacked address {addr:#x}")),
+            Ok(VcpuExit::IoOut(port, _)) => {
+                return (
+                    RunState::Crashed,
+                    format!("write to unknown port {port:#x}"),
+                )
+            }
+            Ok(VcpuExit::IoIn(port, _)) => {
+                return (
+                    RunState::Crashed,
+                    format!("read from unknown port {port:#x}"),
+                )
+            }
+            Ok(VcpuExit::MmioWrite(addr, _)) => {
+                return (
+                    RunState::Crashed,
+                    format!("write to unbacked or read-only address {addr:#x}"),
+                )
+            }
+            Ok(VcpuExit::MmioRead(addr, _)) => {
+                return (
+                    RunState::Crashed,
+                    format!("read of unbacked address {addr:#x}"),
+                )
+            }
             Ok(other) => return (RunState::Crashed, format!("unexpected exit {other:?}")),
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
                 vcpu.set_kvm_immediate_exit(0);

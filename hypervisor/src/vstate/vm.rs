@@ -3,8 +3,8 @@
 use crate::abi;
 use crate::memory::Mapping;
 use kvm_bindings::{
-    kvm_enable_cap, kvm_irq_routing_entry, kvm_userspace_memory_region, KvmIrqRouting, KVM_CAP_HALT_POLL,
-    KVM_CAP_SPLIT_IRQCHIP, KVM_IRQ_ROUTING_MSI, KVM_MEM_READONLY,
+    kvm_enable_cap, kvm_irq_routing_entry, kvm_userspace_memory_region, KvmIrqRouting,
+    KVM_CAP_HALT_POLL, KVM_CAP_SPLIT_IRQCHIP, KVM_IRQ_ROUTING_MSI, KVM_MEM_READONLY,
 };
 use kvm_ioctls::{Cap, IoEventAddress, Kvm, NoDatamatch, VcpuFd, VmFd};
 use vmm_sys_util::eventfd::EventFd;
@@ -42,12 +42,19 @@ pub struct VmCaps {
 impl VmCaps {
     /// Probes `kvm`; fails when irqfd or ioeventfd are missing.
     pub fn probe(kvm: &Kvm) -> Result<Self, String> {
-        for (cap, name) in [(Cap::Irqfd, "irqfd"), (Cap::Ioeventfd, "ioeventfd"), (Cap::Irqchip, "in-kernel irqchip")] {
+        for (cap, name) in [
+            (Cap::Irqfd, "irqfd"),
+            (Cap::Ioeventfd, "ioeventfd"),
+            (Cap::Irqchip, "in-kernel irqchip"),
+        ] {
             if !kvm.check_extension(cap) {
                 return Err(format!("this KVM lacks {name}, which densevm needs"));
             }
         }
-        Ok(VmCaps { readonly_mem: kvm.check_extension(Cap::ReadonlyMem), split_irqchip: kvm.check_extension(Cap::SplitIrqchip) })
+        Ok(VmCaps {
+            readonly_mem: kvm.check_extension(Cap::ReadonlyMem),
+            split_irqchip: kvm.check_extension(Cap::SplitIrqchip),
+        })
     }
 }
 
@@ -85,25 +92,43 @@ pub fn configure(
     for (index, slot) in slots.iter().enumerate() {
         let region = kvm_userspace_memory_region {
             slot: index as u32,
-            flags: if slot.readonly && caps.readonly_mem { KVM_MEM_READONLY } else { 0 },
+            flags: if slot.readonly && caps.readonly_mem {
+                KVM_MEM_READONLY
+            } else {
+                0
+            },
             guest_phys_addr: slot.gpa,
             memory_size: slot.bytes,
             userspace_addr: slot.mapping.as_ptr() as u64,
         };
         // SAFETY: the mappings outlive the VM (the owner drops the VM first).
-        step("map guest memory", unsafe { vm.set_user_memory_region(region) })?;
+        step("map guest memory", unsafe {
+            vm.set_user_memory_region(region)
+        })?;
     }
     if caps.split_irqchip {
-        let cap = kvm_enable_cap { cap: KVM_CAP_SPLIT_IRQCHIP, args: [SPLIT_IRQCHIP_PINS, 0, 0, 0], ..Default::default() };
+        let cap = kvm_enable_cap {
+            cap: KVM_CAP_SPLIT_IRQCHIP,
+            args: [SPLIT_IRQCHIP_PINS, 0, 0, 0],
+            ..Default::default()
+        };
         step("create the split irqchip", vm.enable_cap(&cap))?;
     } else {
         step("create the irqchip", vm.create_irq_chip())?;
     }
     if let Some(ns) = halt_poll_ns {
-        let cap = kvm_enable_cap { cap: KVM_CAP_HALT_POLL, args: [ns, 0, 0, 0], ..Default::default() };
+        let cap = kvm_enable_cap {
+            cap: KVM_CAP_HALT_POLL,
+            args: [ns, 0, 0, 0],
+            ..Default::default()
+        };
         step("set halt polling", vm.enable_cap(&cap))?;
     }
-    let mut entry = kvm_irq_routing_entry { gsi: DOORBELL_GSI, type_: KVM_IRQ_ROUTING_MSI, ..Default::default() };
+    let mut entry = kvm_irq_routing_entry {
+        gsi: DOORBELL_GSI,
+        type_: KVM_IRQ_ROUTING_MSI,
+        ..Default::default()
+    };
     entry.u.msi.address_lo = MSI_ADDRESS;
     entry.u.msi.data = abi::IRQ_VECTOR;
     let routing = KvmIrqRouting::from_entries(&[entry]).expect("one routing entry");
@@ -111,7 +136,11 @@ pub fn configure(
     step("register the irqfd", vm.register_irqfd(irq, DOORBELL_GSI))?;
     step(
         "register the doorbell ioeventfd",
-        vm.register_ioevent(doorbell, &IoEventAddress::Pio(abi::DOORBELL_PORT.into()), NoDatamatch),
+        vm.register_ioevent(
+            doorbell,
+            &IoEventAddress::Pio(abi::DOORBELL_PORT.into()),
+            NoDatamatch,
+        ),
     )?;
     step("create the vCPU", vm.create_vcpu(0))
 }

@@ -130,7 +130,12 @@ fn main() -> ExitCode {
 /// Where requests come from.
 enum Source {
     Trace(TraceReader),
-    Zipf { dist: Option<Zipf<f64>>, rng: SmallRng, n: u32, left: u64 },
+    Zipf {
+        dist: Option<Zipf<f64>>,
+        rng: SmallRng,
+        n: u32,
+        left: u64,
+    },
 }
 
 impl Source {
@@ -184,10 +189,12 @@ fn setup(cli: &Cli) -> Result<(Simulator, Source, u32, u64), PagerError> {
                 ranges.push((cli.guest_mem - cli.extra, cli.extra));
             }
             let dist = if cli.alpha > 0.0 {
-                Some(Zipf::new(cli.vms as f64, cli.alpha).map_err(|e| PagerError::BadVm {
-                    vm: 0,
-                    reason: format!("Zipf: {e}"),
-                })?)
+                Some(
+                    Zipf::new(cli.vms as f64, cli.alpha).map_err(|e| PagerError::BadVm {
+                        vm: 0,
+                        reason: format!("Zipf: {e}"),
+                    })?,
+                )
             } else {
                 None
             };
@@ -219,7 +226,13 @@ fn setup(cli: &Cli) -> Result<(Simulator, Source, u32, u64), PagerError> {
 }
 
 /// Replays every request and prints the results.
-fn run(cli: &Cli, mut sim: Simulator, mut source: Source, vms: u32, vm_ram: u64) -> Result<(), PagerError> {
+fn run(
+    cli: &Cli,
+    mut sim: Simulator,
+    mut source: Source,
+    vms: u32,
+    vm_ram: u64,
+) -> Result<(), PagerError> {
     let t0 = Instant::now();
     let c0 = cpu_seconds();
     let mut replayed = 0u64;
@@ -262,14 +275,20 @@ fn run(cli: &Cli, mut sim: Simulator, mut source: Source, vms: u32, vm_ram: u64)
             "requests {} (warm-up {}), block touches {}, faults {}",
             r.requests, r.warmup, r.block_touches, r.faults
         );
-        println!("hit ratio {:.4} (requests entirely in core {:.4})", r.hit_ratio, r.request_hit_ratio);
+        println!(
+            "hit ratio {:.4} (requests entirely in core {:.4})",
+            r.hit_ratio, r.request_hit_ratio
+        );
         println!("blocks in {}, blocks out {}", r.blocks_in, r.blocks_out);
         println!(
             "swap read {:.1} MiB, swap written {:.1} MiB",
             mib(r.swap_read_bytes),
             mib(r.swap_write_bytes)
         );
-        println!("disk busy {:.3} s, cpu {:.3} s", r.disk_seconds, r.cpu_seconds);
+        println!(
+            "disk busy {:.3} s, cpu {:.3} s",
+            r.disk_seconds, r.cpu_seconds
+        );
         println!("predicted throughput {:.1} requests/s", r.predicted_rps);
         println!(
             "simulated {replayed} requests in {secs:.3} s ({sim_rps:.0} requests/s; {sim_cpu_rps:.0} per CPU second)"

@@ -106,7 +106,13 @@ impl VmClock {
 
     /// Pushes up to `limit` resident blocks of `e`, starting at block
     /// `from` and wrapping around; returns how many and where it stopped.
-    fn push_blocks(e: &VmEntry, vm: VmId, limit: u32, from: u32, out: &mut Vec<(VmId, BlockId)>) -> (u32, u32) {
+    fn push_blocks(
+        e: &VmEntry,
+        vm: VmId,
+        limit: u32,
+        from: u32,
+        out: &mut Vec<(VmId, BlockId)>,
+    ) -> (u32, u32) {
         let nbits = (e.resident.len() * 64) as u32;
         let mut n = 0;
         let mut b = from % nbits.max(1);

@@ -99,10 +99,19 @@ pub trait Policy: Send {
 
 /// Builds the policy a `--policy` string names. `budget_blocks` is the
 /// global budget in blocks.
-pub fn build_policy(spec: &str, block_bytes: u64, budget_blocks: u64) -> Result<Box<dyn Policy>, PagerError> {
+pub fn build_policy(
+    spec: &str,
+    block_bytes: u64,
+    budget_blocks: u64,
+) -> Result<Box<dyn Policy>, PagerError> {
     Ok(match PolicySpec::parse(spec)? {
         PolicySpec::Demand => Box::new(demand::Demand::new()),
         PolicySpec::WsSwap { after } => Box::new(wsswap::WsSwap::new(after)),
-        PolicySpec::Plugin { path, args } => Box::new(plugin::PluginPolicy::load(&path, &args, block_bytes, budget_blocks)?),
+        PolicySpec::Plugin { path, args } => Box::new(plugin::PluginPolicy::load(
+            &path,
+            &args,
+            block_bytes,
+            budget_blocks,
+        )?),
     })
 }

@@ -58,7 +58,11 @@ pub struct PolicyVtableV1 {
     /// Must equal [`ABI_VERSION`].
     pub abi_version: u32,
     /// Creates an instance; null means the arguments were refused.
-    pub create: unsafe extern "C" fn(args: *const c_char, block_bytes: u64, budget_blocks: u64) -> *mut c_void,
+    pub create: unsafe extern "C" fn(
+        args: *const c_char,
+        block_bytes: u64,
+        budget_blocks: u64,
+    ) -> *mut c_void,
     /// Frees an instance.
     pub destroy: unsafe extern "C" fn(state: *mut c_void),
     /// Instance name, NUL-terminated, valid until `destroy`.
@@ -72,8 +76,14 @@ pub struct PolicyVtableV1 {
     /// See [`Policy::on_access`].
     pub on_access: unsafe extern "C" fn(state: *mut c_void, vm: u32) -> i32,
     /// See [`Policy::on_fault`]; writes up to `cap` blocks to `out`.
-    pub on_fault:
-        unsafe extern "C" fn(state: *mut c_void, vm: u32, block: u32, out: *mut u32, cap: usize, len: *mut usize) -> i32,
+    pub on_fault: unsafe extern "C" fn(
+        state: *mut c_void,
+        vm: u32,
+        block: u32,
+        out: *mut u32,
+        cap: usize,
+        len: *mut usize,
+    ) -> i32,
     /// See [`Policy::on_installed`].
     pub on_installed: unsafe extern "C" fn(state: *mut c_void, vm: u32, block: u32) -> i32,
     /// See [`Policy::choose_victims`]; writes up to `cap` victims to `out`.
@@ -107,7 +117,11 @@ fn guard(f: impl FnOnce() -> i32) -> i32 {
     catch_unwind(AssertUnwindSafe(f)).unwrap_or(STATUS_PANIC)
 }
 
-unsafe extern "C" fn shim_create<P: PluginPolicyFactory>(args: *const c_char, block: u64, budget: u64) -> *mut c_void {
+unsafe extern "C" fn shim_create<P: PluginPolicyFactory>(
+    args: *const c_char,
+    block: u64,
+    budget: u64,
+) -> *mut c_void {
     catch_unwind(AssertUnwindSafe(|| {
         // SAFETY: the host passes a valid NUL-terminated string.
         let args = unsafe { CStr::from_ptr(args) }.to_string_lossy();
@@ -140,7 +154,9 @@ unsafe fn inst<'a, P>(s: *mut c_void) -> &'a mut Instance<P> {
 
 unsafe extern "C" fn shim_destroy<P: PluginPolicyFactory>(s: *mut c_void) {
     // SAFETY: `s` came from `shim_create::<P>` and is destroyed once.
-    let _ = catch_unwind(AssertUnwindSafe(|| drop(unsafe { Box::from_raw(s.cast::<Instance<P>>()) })));
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        drop(unsafe { Box::from_raw(s.cast::<Instance<P>>()) })
+    }));
 }
 
 unsafe extern "C" fn shim_name<P: PluginPolicyFactory>(s: *mut c_void) -> *const c_char {
@@ -150,10 +166,17 @@ unsafe extern "C" fn shim_name<P: PluginPolicyFactory>(s: *mut c_void) -> *const
 
 unsafe extern "C" fn shim_layout<P: PluginPolicyFactory>(s: *mut c_void) -> u32 {
     // SAFETY: host contract.
-    catch_unwind(AssertUnwindSafe(|| unsafe { inst::<P>(s) }.policy.layout() as u32)).unwrap_or(u32::MAX)
+    catch_unwind(AssertUnwindSafe(|| {
+        unsafe { inst::<P>(s) }.policy.layout() as u32
+    }))
+    .unwrap_or(u32::MAX)
 }
 
-unsafe extern "C" fn shim_registered<P: PluginPolicyFactory>(s: *mut c_void, vm: u32, blocks: u32) -> i32 {
+unsafe extern "C" fn shim_registered<P: PluginPolicyFactory>(
+    s: *mut c_void,
+    vm: u32,
+    blocks: u32,
+) -> i32 {
     // SAFETY: host contract.
     guard(|| {
         unsafe { inst::<P>(s) }.policy.on_vm_registered(vm, blocks);
@@ -202,7 +225,11 @@ unsafe extern "C" fn shim_fault<P: PluginPolicyFactory>(
     })
 }
 
-unsafe extern "C" fn shim_installed<P: PluginPolicyFactory>(s: *mut c_void, vm: u32, block: u32) -> i32 {
+unsafe extern "C" fn shim_installed<P: PluginPolicyFactory>(
+    s: *mut c_void,
+    vm: u32,
+    block: u32,
+) -> i32 {
     // SAFETY: host contract.
     guard(|| {
         unsafe { inst::<P>(s) }.policy.on_installed(vm, block);
@@ -236,7 +263,11 @@ unsafe extern "C" fn shim_victims<P: PluginPolicyFactory>(
     })
 }
 
-unsafe extern "C" fn shim_evicted<P: PluginPolicyFactory>(s: *mut c_void, vm: u32, block: u32) -> i32 {
+unsafe extern "C" fn shim_evicted<P: PluginPolicyFactory>(
+    s: *mut c_void,
+    vm: u32,
+    block: u32,
+) -> i32 {
     // SAFETY: host contract.
     guard(|| {
         unsafe { inst::<P>(s) }.policy.on_evicted(vm, block);
@@ -306,7 +337,12 @@ const MAX_ANSWER: usize = 1 << 20;
 
 impl PluginPolicy {
     /// Loads `path`, checks the ABI, and creates an instance with `args`.
-    pub fn load(path: &Path, args: &str, block_bytes: u64, budget_blocks: u64) -> Result<PluginPolicy, PagerError> {
+    pub fn load(
+        path: &Path,
+        args: &str,
+        block_bytes: u64,
+        budget_blocks: u64,
+    ) -> Result<PluginPolicy, PagerError> {
         let fail = |reason: String| PagerError::PluginLoad {
             path: path.to_path_buf(),
             reason,
@@ -319,7 +355,8 @@ impl PluginPolicy {
         let lib = unsafe { libloading::Library::new(path) }.map_err(|e| fail(e.to_string()))?;
         // SAFETY: the symbol's type is fixed by the ABI.
         let entry: libloading::Symbol<unsafe extern "C" fn() -> *const PolicyVtableV1> =
-            unsafe { lib.get(ENTRY_SYMBOL) }.map_err(|_| fail("no scalebench_policy_v1 symbol: not a policy plugin".into()))?;
+            unsafe { lib.get(ENTRY_SYMBOL) }
+                .map_err(|_| fail("no scalebench_policy_v1 symbol: not a policy plugin".into()))?;
         // SAFETY: calling the plugin's entry point.
         let vt_ptr = unsafe { entry() };
         if vt_ptr.is_null() {
@@ -329,7 +366,9 @@ impl PluginPolicy {
         // version field first, which every ABI version places first.
         let version = unsafe { std::ptr::read(vt_ptr.cast::<u32>()) };
         if version != ABI_VERSION {
-            return Err(fail(format!("ABI version {version}, this pager speaks {ABI_VERSION}")));
+            return Err(fail(format!(
+                "ABI version {version}, this pager speaks {ABI_VERSION}"
+            )));
         }
         // SAFETY: version checked; the layout is PolicyVtableV1.
         let vt = unsafe { std::ptr::read(vt_ptr) };
@@ -345,7 +384,9 @@ impl PluginPolicy {
             path.display().to_string()
         } else {
             // SAFETY: NUL-terminated per ABI.
-            unsafe { CStr::from_ptr(name_ptr) }.to_string_lossy().into_owned()
+            unsafe { CStr::from_ptr(name_ptr) }
+                .to_string_lossy()
+                .into_owned()
         };
         // SAFETY: ABI call on a live instance.
         let layout = match unsafe { (vt.layout)(state) } {
@@ -373,16 +414,20 @@ impl PluginPolicy {
         match status {
             STATUS_OK => true,
             STATUS_PANIC => {
-                self.failure.get_or_insert_with(|| format!("plugin panicked in {what}"));
+                self.failure
+                    .get_or_insert_with(|| format!("plugin panicked in {what}"));
                 false
             }
             STATUS_OVERFLOW => {
-                self.failure
-                    .get_or_insert_with(|| format!("plugin returned more than {MAX_ANSWER} entries from {what}"));
+                self.failure.get_or_insert_with(|| {
+                    format!("plugin returned more than {MAX_ANSWER} entries from {what}")
+                });
                 false
             }
             s => {
-                self.failure.get_or_insert_with(|| format!("plugin returned unknown status {s} from {what}"));
+                self.failure.get_or_insert_with(|| {
+                    format!("plugin returned unknown status {s} from {what}")
+                });
                 false
             }
         }
@@ -445,7 +490,14 @@ impl Policy for PluginPolicy {
         loop {
             // SAFETY: `out` has `out.len()` writable entries.
             let s = unsafe {
-                (self.vt.on_fault)(self.state, vm, block, self.out.as_mut_ptr(), self.out.len(), &mut len)
+                (self.vt.on_fault)(
+                    self.state,
+                    vm,
+                    block,
+                    self.out.as_mut_ptr(),
+                    self.out.len(),
+                    &mut len,
+                )
             };
             // Grow and retry once the plugin says the answer did not fit.
             if s == STATUS_OVERFLOW && self.out.len() < MAX_ANSWER {
@@ -459,7 +511,10 @@ impl Policy for PluginPolicy {
             break;
         }
         if len > self.out.len() {
-            self.failure = Some(format!("plugin on_fault reported {len} entries for a buffer of {}", self.out.len()));
+            self.failure = Some(format!(
+                "plugin on_fault reported {len} entries for a buffer of {}",
+                self.out.len()
+            ));
             return;
         }
         prefetch.extend_from_slice(&self.out[..len]);

@@ -31,8 +31,15 @@ impl Region {
     /// tests are about).
     pub fn new(len: usize) -> Region {
         let memory = GuestMemory::new(len).expect("guest memory");
-        let backing: &'static Backing = Box::leak(Box::new(Backing { memory, space: OnceLock::new() }));
-        Region { addr: backing.memory.as_ptr() as usize, len, backing }
+        let backing: &'static Backing = Box::leak(Box::new(Backing {
+            memory,
+            space: OnceLock::new(),
+        }));
+        Region {
+            addr: backing.memory.as_ptr() as usize,
+            len,
+            backing,
+        }
     }
 
     /// Attaches the region to `pager` (the first time) and registers it as VM `vm`.
@@ -71,7 +78,8 @@ impl Region {
         let pages = self.len / 4096;
         let mut vec = vec![0u8; pages];
         // SAFETY: vec has one byte per page.
-        let r = unsafe { libc::mincore(self.addr as *mut libc::c_void, self.len, vec.as_mut_ptr()) };
+        let r =
+            unsafe { libc::mincore(self.addr as *mut libc::c_void, self.len, vec.as_mut_ptr()) };
         assert_eq!(r, 0, "mincore failed");
         vec.iter().filter(|&&b| b & 1 != 0).count()
     }
@@ -122,14 +130,19 @@ impl Rng {
 pub fn examples_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
     // target/<profile>/deps/<test binary>
-    exe.parent().and_then(|d| d.parent()).expect("target dir").join("examples")
+    exe.parent()
+        .and_then(|d| d.parent())
+        .expect("target dir")
+        .join("examples")
 }
 
 /// Path of an example plugin, building the examples if needed.
 pub fn plugin(name: &str) -> PathBuf {
     let p = examples_dir().join(format!("lib{name}.so"));
     if !p.exists() {
-        let release = examples_dir().parent().is_some_and(|d| d.ends_with("release"));
+        let release = examples_dir()
+            .parent()
+            .is_some_and(|d| d.ends_with("release"));
         let mut cmd = std::process::Command::new(env!("CARGO"));
         cmd.args(["build", "-q", "-p", "paging-policy", "--examples"]);
         if release {
