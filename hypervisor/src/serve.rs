@@ -104,6 +104,10 @@ pub struct ServeArgs {
     /// the in-core path, only for checking regression detection.
     #[arg(long, default_value_t = 0)]
     pub inject_request_us: u64,
+    /// Busy CPU work per page fault-in, in microseconds: a known slowdown of
+    /// the out-of-core path, only for checking regression detection.
+    #[arg(long, default_value_t = 0)]
+    pub inject_fault_us: u64,
 }
 
 /// A configuration or set-up error: one line, exit code 2.
@@ -251,6 +255,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
             .as_deref()
             .map(|s| size("--swap-size", s))
             .transpose()?,
+        inject_fault: std::time::Duration::from_micros(args.inject_fault_us),
     };
     pager_config
         .validate(layout.ram_bytes, layout.request_footprint())

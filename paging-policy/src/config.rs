@@ -39,6 +39,9 @@ pub struct PagerConfig {
     pub disk: String,
     /// Swap capacity; `None` = sized from the number of VMs and the policy.
     pub swap_bytes: Option<u64>,
+    /// Busy CPU work added to every fault-in: a known slowdown of the
+    /// out-of-core path, only for checking regression detection.
+    pub inject_fault: std::time::Duration,
 }
 
 impl Default for PagerConfig {
@@ -51,6 +54,7 @@ impl Default for PagerConfig {
             keep_swap: false,
             disk: "none".to_string(),
             swap_bytes: None,
+            inject_fault: std::time::Duration::ZERO,
         }
     }
 }

@@ -636,7 +636,9 @@ impl Pager {
                 Ok(())
             }
             Classified::FaultIn => {
-                self.fault_in(st, vm, place, block, access == Access::Write, t0, s)
+                self.fault_in(st, vm, place, block, access == Access::Write, t0, s)?;
+                spin_for(self.cfg.inject_fault);
+                Ok(())
             }
         }
     }
@@ -958,4 +960,15 @@ fn punch_hole(space: &Space, offset: usize, len: usize) -> Result<(), PagerError
         });
     }
     Ok(())
+}
+
+/// Busy CPU work (`--inject-fault-us`), spent outside the pager's lock.
+fn spin_for(work: Duration) {
+    if work.is_zero() {
+        return;
+    }
+    let until = Instant::now() + work;
+    while Instant::now() < until {
+        std::hint::spin_loop();
+    }
 }
