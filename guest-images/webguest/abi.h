@@ -86,6 +86,7 @@ struct dv_boot_info {
     uint64_t ram_bytes;
     uint64_t ws_gpa;          /* working set touched by every request */
     uint64_t ws_bytes;
+    uint64_t guest_arg;       /* densevm --guest-arg: opaque to the monitor */
 };
 
 /* Guest-written counters and state; host-written command. */

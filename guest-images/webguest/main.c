@@ -2,6 +2,9 @@
 #include "abi.h"
 #include "arch.h"
 #include "server.h"
+#ifdef HOSTILE
+#include "hostile.h"
+#endif
 
 void guest_main(const struct dv_boot_info *bi) __attribute__((noreturn));
 void guest_main(const struct dv_boot_info *bi)
@@ -10,6 +13,9 @@ void guest_main(const struct dv_boot_info *bi)
     if (bi->magic != DV_BOOT_MAGIC || bi->version != DV_BOOT_VERSION)
         arch_crash(DV_CMD_CRASH);
     arch_init(bi);
+#ifdef HOSTILE
+    hostile_start(bi);
+#endif
     ctrl->state = DV_STATE_READY;
     arch_doorbell();
     server_run(bi);

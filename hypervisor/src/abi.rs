@@ -39,6 +39,16 @@ pub const TX_RING_BYTES: u64 = 0x4_0000;
 pub const IMAGE_GPA: u64 = 0x20_0000;
 /// Largest guest image.
 pub const IMAGE_BYTES: u64 = 0x20_0000;
+/// The parts of the system region the ABI uses: the pages up to the credit
+/// page, and the two rings. The rest is inaccessible to the guest, so it
+/// cannot dirty host memory outside the budget.
+pub const SYS_USED: [(u64, u64); 3] = [
+    (SYS_GPA, CREDIT_GPA + 0x1000),
+    (RX_RING_GPA, RX_RING_BYTES),
+    (TX_RING_GPA, TX_RING_BYTES),
+];
+/// Bytes of the system region given to the guest (its end: the tx ring's).
+pub const SYS_MAPPED_BYTES: u64 = TX_RING_GPA + TX_RING_BYTES;
 /// Guest RAM: bss, connection buffers, working set, stack.
 pub const RAM_GPA: u64 = 0x40_0000;
 
@@ -63,7 +73,6 @@ pub const MAX_SLOTS: usize = 64;
 /// Request bytes a slot may have outstanding in the guest.
 pub const RX_WINDOW: u32 = 8192;
 /// Response bytes a slot may have unacknowledged by the host.
-#[cfg(test)]
 pub const TX_WINDOW: u32 = 262_144;
 /// Stack at the top of RAM.
 pub const STACK_BYTES: u64 = 0x8000;
@@ -126,6 +135,8 @@ pub struct BootInfo {
     pub ws_gpa: u64,
     /// Size of the working set.
     pub ws_bytes: u64,
+    /// `--guest-arg`: opaque to the monitor, given to every guest.
+    pub guest_arg: u64,
 }
 
 /// `struct dv_ctrl`: read by the host with volatile loads.
@@ -267,7 +278,7 @@ mod tests {
 
     #[test]
     fn struct_sizes_match_the_c_layout() {
-        assert_eq!(std::mem::size_of::<BootInfo>(), 56);
+        assert_eq!(std::mem::size_of::<BootInfo>(), 64);
         assert_eq!(std::mem::size_of::<Ctrl>(), 80);
     }
 }

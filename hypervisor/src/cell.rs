@@ -189,6 +189,7 @@ fn build_context(
             0
         },
         ws_write_stride: args.ws_write_stride,
+        guest_arg: args.guest_arg,
         addr_base: args.addr_base,
         port: args.port,
         halt_poll_ns: args.halt_poll_ns,

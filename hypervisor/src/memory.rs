@@ -77,6 +77,31 @@ impl Mapping {
         self.len
     }
 
+    /// Makes every byte outside `used` ((offset, len) ranges, sorted)
+    /// inaccessible: a guest touching it gets a fault, not fresh memory.
+    pub fn protect_unused(&self, used: &[(u64, u64)]) -> io::Result<()> {
+        let ends = std::iter::once(0).chain(used.iter().map(|&(start, len)| start + len));
+        let starts = used
+            .iter()
+            .map(|&(start, _)| start)
+            .chain([self.len as u64]);
+        for (start, end) in ends.zip(starts).filter(|(start, end)| start < end) {
+            // SAFETY: a page-aligned range inside this mapping, which no
+            // one reads or writes (the guest may not, the monitor does not).
+            let r = unsafe {
+                libc::mprotect(
+                    self.at(start).cast(),
+                    (end - start) as usize,
+                    libc::PROT_NONE,
+                )
+            };
+            if r < 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        Ok(())
+    }
+
     /// Host address of byte `offset`; panics outside the mapping.
     pub fn at(&self, offset: u64) -> *mut u8 {
         assert!(

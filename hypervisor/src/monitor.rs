@@ -10,13 +10,14 @@ use crate::abi;
 use crate::framing::{FrameError, LineStream};
 use crate::pager_link::PagerLink;
 use crate::protocol::{FromCell, ToCell, MAX_LINK_LINE};
-use crate::proxy::{self, Proxy};
+use crate::proxy::{self, Drained, Proxy, MIN_REQUEST_BYTES};
 use crate::stats;
 use crate::vm::{self, BuildContext, MicroVm, DOORBELL_GROUP};
 use crate::vmtable::{DeadVm, VmState, VmTable};
 use mio::net::UnixStream;
 use mio::{Events, Interest, Poll, Token, Waker};
 use serde_json::{json, Value};
+use std::collections::VecDeque;
 use std::io;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -32,6 +33,8 @@ const KIND_CONN: usize = 4;
 const TEARDOWN_THREADS: usize = 16;
 /// Longest a served-request count waits before it is reported to the pager.
 const ACCESS_REPORT_DELAY: Duration = Duration::from_millis(20);
+/// How often connections pinned by their guest are looked for.
+const PINNED_SWEEP: Duration = Duration::from_secs(1);
 
 fn token(kind: usize, index: usize) -> Token {
     Token((kind << KIND_SHIFT) | index)
@@ -64,7 +67,7 @@ pub struct MonitorSetup {
     pub crashed: Arc<Mutex<Vec<u32>>>,
     /// When the boot started.
     pub boot_started: Instant,
-    /// Give up when the VMs are not up by then.
+    /// A VM not up by then is stopped as a boot failure.
     pub boot_timeout: Duration,
     /// Busy work per served request (`--inject-request-us`).
     pub inject_request: Duration,
@@ -122,7 +125,19 @@ pub struct Monitor {
     boot_reported: bool,
     boot_timeout: Duration,
     inject_request: Duration,
-    seen_requests: Vec<u64>,
+    /// Per VM: the guest's request counter and the rx bytes at the last look.
+    seen: Vec<Seen>,
+    /// VMs whose tx ring still held records when their budget ran out.
+    backlog: VecDeque<usize>,
+    in_backlog: Vec<bool>,
+    last_sweep: Instant,
+}
+
+/// What the monitor last took from a VM's request counter.
+#[derive(Debug, Default, Clone, Copy)]
+struct Seen {
+    requests: u64,
+    rx_bytes: u64,
 }
 
 impl Monitor {
@@ -154,7 +169,10 @@ impl Monitor {
             boot_reported: false,
             boot_timeout: setup.boot_timeout,
             inject_request: setup.inject_request,
-            seen_requests: Vec::new(),
+            seen: Vec::new(),
+            backlog: VecDeque::new(),
+            in_backlog: Vec::new(),
+            last_sweep: Instant::now(),
         };
         for vm in setup.vms {
             monitor.adopt(vm)?;
@@ -170,21 +188,23 @@ impl Monitor {
             Interest::READABLE,
         )?;
         self.vms.push(vm);
-        self.seen_requests.push(0);
+        self.seen.push(Seen::default());
+        self.in_backlog.push(false);
         Ok(())
     }
 
-    /// Runs until the parent says stop or goes away. Err: the cell cannot go
-    /// on (its VMs did not boot in time); the caller tells the parent.
+    /// Runs until the parent says stop or goes away. Err: the event loop
+    /// failed; the caller tells the parent.
     pub fn run(&mut self) -> Result<Exit, String> {
         let mut events = Events::with_capacity(1024);
         for index in 0..self.vms.len() {
             self.service_vm(index);
         }
         loop {
-            self.check_boot()?;
+            self.check_boot();
             let waiting = self.parent.since.is_some() || self.parent.link.unsent() > 0;
             let timeout = match (waiting, self.boot_reported) {
+                _ if !self.backlog.is_empty() => Duration::ZERO,
                 (true, _) => ACCESS_REPORT_DELAY,
                 (false, true) => Duration::from_millis(500),
                 (false, false) => Duration::from_millis(50),
@@ -218,15 +238,42 @@ impl Monitor {
                     }
                 }
             }
+            // One more budget for each VM left over from the last turn,
+            // after every other source had its turn.
+            for _ in 0..self.backlog.len() {
+                let Some(index) = self.backlog.pop_front() else {
+                    break;
+                };
+                self.in_backlog[index] = false;
+                self.service_vm(index);
+            }
+            if self.last_sweep.elapsed() >= PINNED_SWEEP {
+                self.last_sweep = Instant::now();
+                self.proxy
+                    .expire_pinned(self.last_sweep, self.poll.registry());
+            }
             self.parent.report_access(false);
             // What the socket did not take before (the parent was busy) goes now.
             let _ = self.parent.link.flush();
         }
     }
 
-    fn check_boot(&mut self) -> Result<(), String> {
+    /// Reports the boot once every VM is up or down; at the timeout, the
+    /// VMs still booting are stopped as boot failures, not the cell.
+    fn check_boot(&mut self) {
         if self.boot_reported {
-            return Ok(());
+            return;
+        }
+        if self.boot_started.elapsed() > self.boot_timeout {
+            let reason = format!(
+                "did not boot within {:.0} s",
+                self.boot_timeout.as_secs_f64()
+            );
+            for index in 0..self.vms.len() {
+                if self.vms.entries()[index].state() == VmState::Booting {
+                    self.kill_vm(index, VmState::Crashed, reason.clone());
+                }
+            }
         }
         let (mut ready, mut failed) = (0, 0);
         for entry in self.vms.entries() {
@@ -239,16 +286,7 @@ impl Monitor {
         if ready + failed == self.vms.len() as u32 {
             self.boot_reported = true;
             self.parent.send(&FromCell::Booted { ready, failed });
-            return Ok(());
         }
-        if self.boot_started.elapsed() > self.boot_timeout {
-            return Err(format!(
-                "only {ready} of {} VMs came up within {:.0} s",
-                self.vms.len(),
-                self.boot_timeout.as_secs_f64()
-            ));
-        }
-        Ok(())
     }
 
     // ---- guests ----
@@ -276,16 +314,29 @@ impl Monitor {
             vm.ready = true;
         }
         let id = vm.id;
-        let new_requests = ctrl.requests.saturating_sub(self.seen_requests[index]);
+        let seen = &mut self.seen[index];
+        // The counter is the guest's word: believe no more requests than the
+        // bytes it was sent could hold.
+        let sent_room = (vm.rx_bytes - seen.rx_bytes) / MIN_REQUEST_BYTES;
+        let new_requests = ctrl.requests.saturating_sub(seen.requests).min(sent_room);
         if new_requests > 0 {
-            self.seen_requests[index] = ctrl.requests;
+            seen.requests = ctrl.requests;
+            seen.rx_bytes += new_requests * MIN_REQUEST_BYTES;
             self.parent.requests_served(id, new_requests);
             self.spend_injected_work(new_requests);
         }
         let registry = self.poll.registry();
-        if let Err(violation) = self.proxy.drain_tx(&mut self.vms, index, registry) {
-            self.kill_vm(index, VmState::Crashed, violation);
-            return;
+        match self.proxy.drain_tx(&mut self.vms, index, registry) {
+            Ok(Drained::All) => {}
+            Ok(Drained::More) => {
+                if !std::mem::replace(&mut self.in_backlog[index], true) {
+                    self.backlog.push_back(index);
+                }
+            }
+            Err(violation) => {
+                self.kill_vm(index, VmState::Crashed, violation);
+                return;
+            }
         }
         self.proxy.retry_waiting(&mut self.vms, index, registry);
         proxy::kick(&mut self.vms, index);

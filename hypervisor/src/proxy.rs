@@ -6,6 +6,11 @@
 //! the socket took them, so the guest never has more than its window of a
 //! connection's response unacknowledged. A slow client stalls only its own
 //! connection.
+//!
+//! Guests are not trusted: one call takes at most a ring's worth of a VM's
+//! records (the rest waits for the next turn of the loop), a guest that
+//! sends past its window is a protocol violator, and a guest that keeps a
+//! slot after the client's FIN loses the host socket after [`FIN_GRACE`].
 
 use crate::abi;
 use crate::devices::stream::TxRecord;
@@ -16,20 +21,40 @@ use mio::net::TcpStream;
 use mio::{Interest, Registry, Token};
 use slab::Slab;
 use std::io::{Read, Write};
+use std::time::{Duration, Instant};
 
 /// Most bytes moved from a socket into a ring at once.
 const READ_CHUNK: u32 = 64 << 10;
+/// Most tx-ring bytes taken from one VM per call of [`Proxy::drain_tx`]: a
+/// guest producing as fast as the host retires cannot hold the loop.
+const TX_BUDGET: u64 = abi::TX_RING_BYTES;
+/// How long a guest may keep a slot after the client's FIN before its host
+/// socket is closed (the slot stays the guest's until it sends CLOSE).
+pub const FIN_GRACE: Duration = Duration::from_secs(5);
+/// Shortest HTTP request ("GET / HTTP/1.0" and an empty line): bounds the
+/// requests a guest can claim to have served by the bytes it was sent.
+pub const MIN_REQUEST_BYTES: u64 = 18;
+
+/// What [`Proxy::drain_tx`] left behind.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Drained {
+    /// The tx ring is empty.
+    All,
+    /// The budget ran out: call again on the next turn.
+    More,
+}
 
 /// One client connection to a VM.
 struct Conn {
     /// Index of the VM in the cell's table.
     vm: usize,
     slot: Option<usize>,
-    stream: TcpStream,
+    /// `None` once closed because the guest kept the slot past [`FIN_GRACE`].
+    stream: Option<TcpStream>,
     out: Vec<u8>,
     out_start: usize,
-    /// FIN (EOF or error) has reached the guest.
-    fin_sent: bool,
+    /// When FIN (EOF or error) reached the guest.
+    fin_sent: Option<Instant>,
     /// The socket failed: output is discarded.
     broken: bool,
     /// The guest released the slot: close once the output is flushed.
@@ -43,13 +68,14 @@ impl Conn {
 
     /// Sends what the socket takes now and buffers the rest.
     fn send(&mut self, payload: &[u8]) {
-        if self.broken {
+        let buffered = self.buffered();
+        let (false, Some(stream)) = (self.broken, self.stream.as_mut()) else {
             return;
-        }
+        };
         let mut written = 0;
-        if self.buffered() == 0 {
+        if buffered == 0 {
             while written < payload.len() {
-                match nonblocking(|| self.stream.write(&payload[written..])) {
+                match nonblocking(|| stream.write(&payload[written..])) {
                     Ok(Some(n)) => written += n,
                     Ok(None) => break,
                     Err(_) => {
@@ -128,10 +154,10 @@ impl Proxy {
             entry.insert(Conn {
                 vm: index,
                 slot: Some(slot),
-                stream,
+                stream: Some(stream),
                 out: Vec::new(),
                 out_start: 0,
-                fin_sent: false,
+                fin_sent: None,
                 broken: false,
                 guest_closed: false,
             });
@@ -167,7 +193,8 @@ impl Proxy {
         let Some(conn) = self.conns.get_mut(key) else {
             return;
         };
-        let (Some(slot), false) = (conn.slot, conn.fin_sent) else {
+        let (Some(slot), None, Some(stream)) = (conn.slot, conn.fin_sent, conn.stream.as_mut())
+        else {
             return;
         };
         let Some(vm) = vms.live(conn.vm) else { return };
@@ -181,9 +208,12 @@ impl Proxy {
                 return;
             };
             // SAFETY: the space is filled before the record is committed.
-            match nonblocking(|| conn.stream.read(unsafe { space.as_mut_slice() })) {
+            match nonblocking(|| stream.read(unsafe { space.as_mut_slice() })) {
                 Ok(Some(0)) => break,
-                Ok(Some(n)) => vm.stream.rx_commit(&vm.sys, slot, abi::REC_DATA, n as u32),
+                Ok(Some(n)) => {
+                    vm.stream.rx_commit(&vm.sys, slot, abi::REC_DATA, n as u32);
+                    vm.rx_bytes += n as u64;
+                }
                 Ok(None) => return,
                 Err(_) => {
                     conn.broken = true;
@@ -195,29 +225,36 @@ impl Proxy {
         }
         // EOF or error: tell the guest; it answers what it has and releases the slot.
         if vm.stream.rx_control(&vm.sys, slot, abi::REC_FIN) {
-            conn.fin_sent = true;
+            conn.fin_sent = Some(Instant::now());
         } else {
             wait_for_room(vm, key);
         }
     }
 
-    /// Takes in everything the guest put in its tx ring: data goes to its
-    /// connections, CLOSE records release slots. Err: a malformed record.
+    /// Takes in what the guest put in its tx ring, up to [`TX_BUDGET`]
+    /// bytes: data goes to its connections, CLOSE records release slots.
+    /// Err: a malformed record, or response bytes past the slot's window.
     pub fn drain_tx(
         &mut self,
         vms: &mut VmTable,
         index: usize,
         registry: &Registry,
-    ) -> Result<(), String> {
+    ) -> Result<Drained, String> {
+        let mut taken = 0u64;
         loop {
             let Some(vm) = vms.live(index) else {
-                return Ok(());
+                return Ok(Drained::All);
             };
+            if taken >= TX_BUDGET {
+                return Ok(Drained::More);
+            }
             let Some(record) = vm.stream.tx_peek(&vm.sys).map_err(|e| e.to_string())? else {
-                return Ok(());
+                return Ok(Drained::All);
             };
+            taken += abi::RECORD_HEADER as u64;
             match record {
                 TxRecord::Data { slot, offset, len } => {
+                    taken += len as u64;
                     let conn = vm.slots[slot].and_then(|k| self.conns.get_mut(k));
                     let mut buffered = 0;
                     if let Some(conn) = conn {
@@ -226,6 +263,14 @@ impl Proxy {
                             std::slice::from_raw_parts(vm.sys.at(offset), len as usize)
                         });
                         buffered = conn.buffered();
+                    }
+                    // The host acknowledged all but `buffered` bytes, so a
+                    // guest within its window never gets past it here.
+                    if buffered > abi::TX_WINDOW as usize {
+                        return Err(format!(
+                            "slot {slot}: {buffered} response bytes unacknowledged, window {}",
+                            abi::TX_WINDOW
+                        ));
                     }
                     vm.stream.tx_consume(&vm.sys, &record);
                     vm.stream.ack(&vm.sys, slot, buffered);
@@ -264,8 +309,10 @@ impl Proxy {
         let Some(conn) = self.conns.get_mut(key) else {
             return;
         };
-        while conn.buffered() > 0 && !conn.broken {
-            match nonblocking(|| conn.stream.write(&conn.out[conn.out_start..])) {
+        while let (true, false, Some(stream)) =
+            (conn.buffered() > 0, conn.broken, conn.stream.as_mut())
+        {
+            match nonblocking(|| stream.write(&conn.out[conn.out_start..])) {
                 Ok(Some(n)) => conn.out_start += n,
                 Ok(None) => break,
                 Err(_) => conn.broken = true,
@@ -299,11 +346,36 @@ impl Proxy {
         let Some(mut conn) = self.conns.try_remove(key) else {
             return;
         };
-        let _ = registry.deregister(&mut conn.stream);
-        let _ = conn.stream.shutdown(std::net::Shutdown::Write);
+        if let Some(stream) = conn.stream.as_mut() {
+            let _ = registry.deregister(stream);
+            let _ = stream.shutdown(std::net::Shutdown::Write);
+        }
         if let (Some(slot), Some(vm)) = (conn.slot, vms.live(conn.vm)) {
             vm.slots[slot] = None;
         }
+    }
+}
+
+impl Proxy {
+    /// Closes the host sockets of connections whose guest kept the slot
+    /// more than [`FIN_GRACE`] after the client's FIN, so a guest cannot pin
+    /// host descriptors. Returns how many it closed.
+    pub fn expire_pinned(&mut self, now: Instant, registry: &Registry) -> usize {
+        let mut closed = 0;
+        for (_, conn) in self.conns.iter_mut() {
+            let Some(fin) = conn.fin_sent else { continue };
+            if conn.guest_closed || now.duration_since(fin) < FIN_GRACE {
+                continue;
+            }
+            if let Some(mut stream) = conn.stream.take() {
+                let _ = registry.deregister(&mut stream);
+                conn.broken = true;
+                conn.out = Vec::new();
+                conn.out_start = 0;
+                closed += 1;
+            }
+        }
+        closed
     }
 }
 

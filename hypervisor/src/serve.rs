@@ -52,6 +52,10 @@ pub struct ServeArgs {
     /// Write one word in every Nth working-set page per request (1 = every page).
     #[arg(long, default_value_t = 4)]
     pub ws_write_stride: u32,
+    /// A number given to every guest in its boot info, opaque to the monitor
+    /// (the test guests read their behaviour from it).
+    #[arg(long, default_value_t = 0)]
+    pub guest_arg: u64,
     /// RAM of each VM.
     #[arg(long, default_value = "4M")]
     pub guest_mem: String,
@@ -67,7 +71,7 @@ pub struct ServeArgs {
     /// KVM halt polling per VM, in ns [default: the host's setting].
     #[arg(long)]
     pub halt_poll_ns: Option<u64>,
-    /// Give up if the VMs are not all up after this many seconds.
+    /// A VM not up after this many seconds is stopped as a boot failure.
     #[arg(long, default_value_t = 120)]
     pub boot_timeout: u64,
     /// Memory budget for all guest RAM together.

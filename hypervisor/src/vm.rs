@@ -93,6 +93,8 @@ pub struct BuildContext {
     pub extra_flags: u32,
     /// Write one word in every Nth working-set page per request.
     pub ws_write_stride: u32,
+    /// `--guest-arg`, passed to every guest in its boot info.
+    pub guest_arg: u64,
     /// Address of VM 0; VM i is at this plus i.
     pub addr_base: Ipv4Addr,
     /// TCP port of every VM.
@@ -150,6 +152,8 @@ pub struct MicroVm {
     pub accept_paused: bool,
     /// The guest reported ready.
     pub ready: bool,
+    /// Request bytes the host has put in its rx ring.
+    pub rx_bytes: u64,
     /// System pages (rings, control page).
     pub sys: Mapping,
     /// Guest RAM.
@@ -251,8 +255,11 @@ pub fn build(
         ram_bytes: layout.ram_bytes,
         ws_gpa: abi::RAM_GPA + layout.ws_offset,
         ws_bytes: layout.ws_bytes,
+        guest_arg: ctx.guest_arg,
     };
     boot::write_system_pages(&sys, &info);
+    sys.protect_unused(&abi::SYS_USED)
+        .map_err(|source| BuildError::Memory { vm: id, source })?;
     // Fault in, writable, the pages the guest reads before it writes them:
     // a read would map the shared zero page, and the later copy-on-write
     // would visit every VM's MMU notifier.
@@ -283,7 +290,7 @@ pub fn build(
         Slot {
             gpa: abi::SYS_GPA,
             mapping: &sys,
-            bytes: abi::SYS_BYTES,
+            bytes: abi::SYS_MAPPED_BYTES,
             readonly: false,
         },
         Slot {
@@ -329,6 +336,7 @@ pub fn build(
         waiting: Vec::new(),
         accept_paused: false,
         ready: false,
+        rx_bytes: 0,
         sys,
         ram,
         kvm_stats,

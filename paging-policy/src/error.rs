@@ -89,6 +89,17 @@ pub enum PagerError {
         /// Capacity of the swap device in bytes.
         capacity: u64,
     },
+    /// The swap file's space could not be reserved (ENOSPC, or a filesystem
+    /// without `fallocate`).
+    #[error("cannot reserve {bytes} bytes of swap in {path}: {source}")]
+    SwapReserve {
+        /// The swap path.
+        path: PathBuf,
+        /// Bytes to reserve from the start of the file.
+        bytes: u64,
+        /// The underlying error.
+        source: io::Error,
+    },
     /// A read or write of the swap device failed.
     #[error("swap I/O error ({op} of {len} bytes at offset {offset}): {source}")]
     SwapIo {

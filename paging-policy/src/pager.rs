@@ -351,6 +351,13 @@ impl Pager {
         if overlaps || st.places.contains_key(&vm) {
             return Err(bad("region overlaps a registered VM or id in use".into()));
         }
+        // Swap for every registered VM's whole RAM (twice, for the log's
+        // slack), allocated now rather than found missing mid-run.
+        let per_vm = match st.ledger.layout() {
+            SwapLayout::PerVm => self.vm_ram,
+            SwapLayout::Log => 2 * self.vm_ram,
+        };
+        self.swap.reserve((st.places.len() as u64 + 1) * per_vm)?;
         st.ledger.register(vm, (len / self.block) as u32)?;
         st.regions.insert((space.id, addr), (vm, len));
         st.places.insert(
@@ -572,8 +579,18 @@ impl Pager {
             };
             match space.uffd.read_fault() {
                 Ok(Some(f)) => {
-                    if let Err(e) = self.handle(&space, f, &mut scratch) {
-                        self.fail(e.to_string());
+                    // A panic would leave the fault's blocks busy forever:
+                    // it stops the run instead, like any fatal error.
+                    let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        self.handle(&space, f, &mut scratch)
+                    }));
+                    match handled {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => self.fail(e.to_string()),
+                        Err(panic) => self.fail(format!(
+                            "fault-service thread panicked: {}",
+                            panic_message(panic.as_ref())
+                        )),
                     }
                 }
                 Ok(None) => {}
@@ -960,6 +977,15 @@ fn punch_hole(space: &Space, offset: usize, len: usize) -> Result<(), PagerError
         });
     }
     Ok(())
+}
+
+/// The text of a caught panic's payload.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-text panic".into())
 }
 
 /// Busy CPU work (`--inject-fault-us`), spent outside the pager's lock.

@@ -11,6 +11,9 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::disk::{DiskModel, DiskUsage};
+
+/// Granularity of swap-file reservations: few `fallocate` calls per boot.
+pub const RESERVE_STEP: u64 = 256 << 20;
 use crate::error::PagerError;
 
 /// Alignment of O_DIRECT buffers (covers 4 KiB logical sectors).
@@ -85,7 +88,10 @@ pub struct SwapDevice {
     file: File,
     path: PathBuf,
     remove_at_close: bool,
+    is_blockdev: bool,
     capacity: u64,
+    /// Bytes from the start of a swap file whose blocks are allocated.
+    reserved: Mutex<u64>,
     model: Mutex<DiskModel>,
     /// Whether the model's service times are charged (see `set_modeled`).
     modeled: AtomicBool,
@@ -94,7 +100,8 @@ pub struct SwapDevice {
 
 impl SwapDevice {
     /// Opens (creating if absent) `path` with O_DIRECT and sizes a regular
-    /// file to `capacity` (sparse). A block device must hold `capacity`.
+    /// file to `capacity`, sparse until [`Self::reserve`] allocates it. A
+    /// block device must hold `capacity`.
     /// A file created here is removed at close unless `keep`.
     pub fn open(
         path: &Path,
@@ -146,11 +153,42 @@ impl SwapDevice {
             file,
             path: path.to_path_buf(),
             remove_at_close: !keep && !is_blockdev && !existed,
+            is_blockdev,
             capacity,
+            reserved: Mutex::new(0),
             model: Mutex::new(model),
             modeled: AtomicBool::new(true),
             epoch: Instant::now(),
         })
+    }
+
+    /// Allocates the file's first `bytes` (at most its capacity, in steps of
+    /// [`RESERVE_STEP`]), so guests dirtying their RAM later cannot meet
+    /// ENOSPC mid-run. Err when the filesystem has no room for them.
+    pub fn reserve(&self, bytes: u64) -> Result<(), PagerError> {
+        let mut reserved = self.reserved.lock().unwrap_or_else(|e| e.into_inner());
+        if self.is_blockdev || bytes <= *reserved {
+            return Ok(());
+        }
+        let upto = bytes.next_multiple_of(RESERVE_STEP).min(self.capacity);
+        // SAFETY: fallocate on our own descriptor; mode 0 keeps the size.
+        let r = unsafe {
+            libc::fallocate(
+                std::os::fd::AsRawFd::as_raw_fd(&self.file),
+                0,
+                *reserved as libc::off_t,
+                (upto - *reserved) as libc::off_t,
+            )
+        };
+        if r < 0 {
+            return Err(PagerError::SwapReserve {
+                path: self.path.clone(),
+                bytes: upto,
+                source: io::Error::last_os_error(),
+            });
+        }
+        *reserved = upto;
+        Ok(())
     }
 
     /// Capacity in bytes.

@@ -107,6 +107,7 @@ pub fn config(policy: &str, block: u64, budget: u64, tag: &str) -> PagerConfig {
         keep_swap: false,
         disk: "none".to_string(),
         swap_bytes: None,
+        ..PagerConfig::default()
     }
 }
 

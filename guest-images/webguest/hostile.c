@@ -1,0 +1,157 @@
+/*
+ * The hostile guest's misbehaviours, one per hostile_behaviour. Each breaks
+ * a rule of abi.h on purpose; the monitor must stop or throttle this VM and
+ * nothing else (tests/test_hostile_guests.py).
+ */
+#include "hostile.h"
+#include "arch.h"
+
+#define RECORD_HEADER 8u
+#define PAGE 4096u
+
+static void ring_flood(void) __attribute__((noreturn));
+static void window_violation(void) __attribute__((noreturn));
+static void never_close(void) __attribute__((noreturn));
+static void spin(void) __attribute__((noreturn));
+static void dirty_system(void) __attribute__((noreturn));
+static void fault_storm(const struct dv_boot_info *bi) __attribute__((noreturn));
+
+static void publish_tx(uint16_t slot, uint32_t len)
+{
+    struct dv_ring_hdr *r = ring_hdr();
+    uint32_t pos = r->tx_prod % DV_TX_RING_BYTES;
+    uint32_t contig = DV_TX_RING_BYTES - pos;
+    if (contig < RECORD_HEADER + len) {
+        struct dv_rec *pad = (struct dv_rec *)((uint8_t *)DV_TX_RING_GPA + pos);
+        *pad = (struct dv_rec){.type = DV_REC_PAD, .len = contig - RECORD_HEADER};
+        __atomic_store_n(&r->tx_prod, r->tx_prod + contig, __ATOMIC_RELEASE);
+        return;
+    }
+    struct dv_rec *rec = (struct dv_rec *)((uint8_t *)DV_TX_RING_GPA + pos);
+    *rec = (struct dv_rec){.slot = slot, .type = DV_REC_DATA, .len = len};
+    __atomic_store_n(&r->tx_prod, r->tx_prod + RECORD_HEADER + ((len + 7u) & ~7u), __ATOMIC_RELEASE);
+}
+
+static uint32_t tx_room(void)
+{
+    struct dv_ring_hdr *r = ring_hdr();
+    return DV_TX_RING_BYTES - (r->tx_prod - __atomic_load_n(&r->tx_cons, __ATOMIC_ACQUIRE));
+}
+
+/* Empty records, always: the host retires them as fast as they come. */
+static void ring_flood(void)
+{
+    for (;;) {
+        for (int i = 0; i < 1024 && tx_room() >= 64; i++)
+            publish_tx(0, 0);
+        arch_doorbell();
+    }
+}
+
+/* Takes the host's rx records; marks each slot that opened. */
+static void take_opens(uint8_t *open)
+{
+    struct dv_ring_hdr *r = ring_hdr();
+    uint32_t cons = r->rx_cons, prod = __atomic_load_n(&r->rx_prod, __ATOMIC_ACQUIRE);
+    while (cons != prod) {
+        uint32_t pos = cons % DV_RX_RING_BYTES;
+        const struct dv_rec *rec = (const struct dv_rec *)((uint8_t *)DV_RX_RING_GPA + pos);
+        if (rec->type == DV_REC_PAD) {
+            cons += DV_RX_RING_BYTES - pos;
+            continue;
+        }
+        if (rec->type == DV_REC_OPEN && rec->slot < DV_MAX_SLOTS)
+            open[rec->slot] = 1;
+        cons += RECORD_HEADER + ((rec->len + 7u) & ~7u);
+    }
+    __atomic_store_n(&r->rx_cons, cons, __ATOMIC_RELEASE);
+}
+
+/* Response bytes on every open slot, whatever the host acknowledged. */
+static void window_violation(void)
+{
+    static uint8_t open[DV_MAX_SLOTS];
+    for (;;) {
+        take_opens(open);
+        for (uint16_t s = 0; s < DV_MAX_SLOTS; s++)
+            if (open[s] && tx_room() >= 8192 + RECORD_HEADER)
+                publish_tx(s, 8192);
+        arch_doorbell();
+    }
+}
+
+/* Slots open and are never released: FINs are read and ignored. */
+static void never_close(void)
+{
+    static uint8_t open[DV_MAX_SLOTS];
+    struct dv_ring_hdr *r = ring_hdr();
+    for (;;) {
+        take_opens(open);
+        irq_seen = 0;
+        r->idle_gen++;
+        r->guest_idle = 1;
+        arch_mb();
+        if (__atomic_load_n(&r->rx_prod, __ATOMIC_ACQUIRE) == r->rx_cons)
+            idle_wait();
+        r->guest_idle = 0;
+    }
+}
+
+static void spin(void)
+{
+    for (;;)
+        __asm__ volatile("pause");
+}
+
+static void dirty_system(void)
+{
+    /* Between the credit page and the rx ring: no part of the ABI. */
+    for (uint64_t a = DV_CREDIT_GPA + PAGE; a < DV_RX_RING_GPA; a += PAGE)
+        *(volatile uint64_t *)a = a;
+    spin();
+}
+
+static void fault_storm(const struct dv_boot_info *bi)
+{
+    uint64_t ws_end = bi->ram_gpa + bi->ram_bytes - DV_STACK_BYTES;
+    for (uint64_t round = 1;; round++)
+        for (uint64_t a = bi->ws_gpa; a < ws_end; a += PAGE)
+            *(volatile uint64_t *)a = round;
+}
+
+void hostile_start(const struct dv_boot_info *bi)
+{
+    if ((uint32_t)bi->guest_arg != bi->vm_id)
+        return;
+    struct dv_ctrl *ctrl = ctrl_page();
+    switch ((enum hostile_behaviour)((bi->guest_arg >> 32) & 0xff)) {
+    case HOSTILE_NEVER_BOOT:
+        spin();
+    case HOSTILE_RING_FLOOD:
+        ctrl->state = DV_STATE_READY;
+        ring_flood();
+    case HOSTILE_WINDOW:
+        ctrl->state = DV_STATE_READY;
+        window_violation();
+    case HOSTILE_COUNTER:
+        ctrl->requests = ~0ULL;
+        return;
+    case HOSTILE_NEVER_CLOSE:
+        ctrl->state = DV_STATE_READY;
+        never_close();
+    case HOSTILE_DIRTY_SYSTEM:
+        ctrl->state = DV_STATE_READY;
+        arch_doorbell();
+        dirty_system();
+    case HOSTILE_FAULT_STORM:
+        ctrl->state = DV_STATE_READY;
+        arch_doorbell();
+        fault_storm(bi);
+    case HOSTILE_SPIN:
+        ctrl->state = DV_STATE_READY;
+        arch_doorbell();
+        spin();
+    case HOSTILE_NONE:
+        return;
+    }
+}
