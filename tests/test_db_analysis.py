@@ -17,7 +17,8 @@ def rec(t: float, op: str, lba: int, sectors: int, latency: float = 0.001) -> Tr
     return TraceRecord(t, op, lba, sectors, latency)
 
 
-# Reads: 0+8, 8+8 (sequential), 100+16, 116+8 (sequential), 500+8 -> 5 reads, 2 sequential, 3 streams, 48 sectors.
+# Reads: 0+8, 8+8 (sequential), 100+16, 116+8 (sequential), 500+8 -> 5 reads, 2 sequential, 3
+# streams, 48 sectors.
 # Writes: 1000+8, 2000+8, 2008+8 (sequential) -> 3 writes, 1 sequential, 2 streams, 24 sectors.
 # A flush in between carries no sectors and does not break the read stream.
 TRACE = [
@@ -54,9 +55,11 @@ def test_order_of_records_does_not_matter() -> None:
 
 def test_footprint_counts_distinct_units_per_thousand_requests() -> None:
     m = block_metrics(TRACE)
-    # 1 MiB regions (2048 sectors): every data request lies in region 0 -> 1 region over 8/1000 of a window.
+    # 1 MiB regions (2048 sectors): every data request lies in region 0 -> 1 region over
+    # 8/1000 of a window.
     assert m.regions_per_1000 == pytest.approx(1 / (8 / 1000))
-    # 4 KiB blocks (8 sectors), unaligned requests straddle two: 0 | 1 | 125 | 12,13,14 | 14,15 | 250 | 251 |
+    # 4 KiB blocks (8 sectors), unaligned requests straddle two: 0 | 1 | 125 | 12,13,14 |
+    # 14,15 | 250 | 251 |
     # 62,63 -> {0, 1, 12, 13, 14, 15, 62, 63, 125, 250, 251}: 11 blocks.
     assert m.blocks_per_1000 == pytest.approx(11 / (8 / 1000))
 

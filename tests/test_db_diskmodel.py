@@ -1,4 +1,5 @@
-"""Disk-model arithmetic: service times, queueing, striping, RAID-5 read-modify-write, SSD channels."""
+"""Disk-model arithmetic: service times, queueing, striping, RAID-5 read-modify-write, SSD
+channels."""
 
 from __future__ import annotations
 
@@ -90,7 +91,8 @@ def test_raid5_layout_rotates_parity() -> None:
 def test_raid5_small_write_reads_before_writing() -> None:
     raid, single = Raid5(), Hdd15k()
     ack = raid.submit(0.0, "W", 0, 8)
-    # Old data and old parity are read first (positioning + transfer), so the write is not a cache hit.
+    # Old data and old parity are read first (positioning + transfer), so the write is not a
+    # cache hit.
     assert ack > single.submit(0.0, "W", 0, 8)
     assert ack >= ROT_HALF
     touched = [d.busy_until > 0 for d in raid.members]

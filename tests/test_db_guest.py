@@ -1,4 +1,5 @@
-"""The database guest under real libvirt/QEMU: a short TPC-C-like run traced from the host, and failures.
+"""The database guest under real libvirt/QEMU: a short TPC-C-like run traced from the host, and
+failures.
 
 Needs root, libvirtd, qemu-system-x86_64, debootstrap and the Debian mirror
 (for the first image build, a few minutes; cached afterwards). Skips, saying
@@ -38,7 +39,8 @@ guest_timeout = pytest.mark.timeout(1500)
 
 
 def _require_deps() -> None:
-    """Tools from packages.apt and Python packages are installed by `make deps`: their absence is a failure."""
+    """Tools from packages.apt and Python packages are installed by `make deps`: their absence is a
+    failure."""
     for tool in REQUIRED_TOOLS:
         if shutil.which(tool) is None:
             pytest.fail(f"{tool} is not installed: run `make deps` first")
@@ -184,7 +186,8 @@ def test_db_guests_alongside_run_in_background_and_report(
 def test_libvirtd_not_startable_is_a_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A stand-in ``libvirtd`` that exits at once (a fake of libvirtd, inside this test of the daemon manager)."""
+    """A stand-in ``libvirtd`` that exits at once (a fake of libvirtd, inside this test of the
+    daemon manager)."""
     pytest.importorskip("libvirt")
     from scalebench.db import daemon
 
@@ -198,9 +201,8 @@ def test_libvirtd_not_startable_is_a_clear_error(
         start_timeout_s=10,
         log_path=tmp_path / "libvirtd.log",
     )
-    with pytest.raises(DbTraceError, match="libvirtd exited at start-up .*cannot start"):
-        with manager:
-            pass
+    with pytest.raises(DbTraceError, match=r"libvirtd exited at start-up .*cannot start"), manager:
+        pass
     assert manager.started is None
 
 
@@ -268,7 +270,8 @@ def test_dilation_is_the_configured_factor_else_the_measured_slowdown(
     from scalebench.db.guest import DbGuest, GuestConfig
 
     class FakeTracedDisk:
-        """FAKE stand-in for the NBD tracer: records the factor it is told (dilation's own arithmetic is
+        """FAKE stand-in for the NBD tracer: records the factor it is told (dilation's own
+        arithmetic is
         tested in test_db_diskmodel.py; this is about which factor reaches it)."""
 
         factor = 0.0
@@ -298,6 +301,7 @@ def test_python_m_entry_point_reports_bad_input() -> None:
         capture_output=True,
         text=True,
         cwd=Path(__file__).resolve().parent.parent / "controller",
+        check=False,
     )
     assert proc.returncode == 2
     assert (

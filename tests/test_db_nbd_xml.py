@@ -94,7 +94,11 @@ def _qemu_io(sock: Path, *commands: str) -> str:
     for command in commands:
         args += ["-c", command]
     proc = subprocess.run(
-        [*args, f"nbd+unix:///?socket={sock}"], capture_output=True, text=True, timeout=60
+        [*args, f"nbd+unix:///?socket={sock}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
@@ -140,7 +144,8 @@ def test_nbd_copy_on_write_and_trace(tmp_path: Path, base_image: Path) -> None:
 def test_nbd_applies_the_disk_model(tmp_path: Path, base_image: Path) -> None:
     server = _serve(tmp_path, base_image, Hdd15k())
     try:
-        # Random single-sector reads: each pays at least half a rotation (2 ms) on the modelled disk.
+        # Random single-sector reads: each pays at least half a rotation (2 ms) on the
+        # modelled disk.
         _qemu_io(
             server.socket_path,
             *[f"read {off} 512" for off in (0, 600 * 512, 200 * 512, 1400 * 512, 100 * 512)],

@@ -1,4 +1,5 @@
-"""The tables dbtrace prints: one run's metrics, and ours beside the study's (from saved results)."""
+"""The tables dbtrace prints: one run's metrics, and ours beside the study's (from saved
+results)."""
 
 from __future__ import annotations
 

@@ -280,6 +280,7 @@ def test_bad_configuration_fails_before_boot_with_one_line(tmp_path, args, fragm
         text=True,
         timeout=30,
         cwd=tmp_path,
+        check=False,
     )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
@@ -304,6 +305,7 @@ def test_a_second_monitor_cannot_steal_a_live_control_socket(monitor, tmp_path):
         capture_output=True,
         text=True,
         timeout=30,
+        check=False,
     )
     assert proc.returncode == 2 and "in use" in proc.stderr
     assert monitor.control({"cmd": "stats"})["ok"]

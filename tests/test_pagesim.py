@@ -15,7 +15,11 @@ from conftest import RELEASE_DIR, REPO_ROOT, release_binary
 
 def pagesim(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [str(release_binary("pagesim")), *args], capture_output=True, text=True, timeout=300
+        [str(release_binary("pagesim")), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     if check:
         assert proc.returncode == 0, proc.stderr

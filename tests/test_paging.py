@@ -148,6 +148,7 @@ def test_bad_paging_configuration_fails_before_boot(tmp_path, args, fragment):
         text=True,
         timeout=30,
         cwd=tmp_path,
+        check=False,
     )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()

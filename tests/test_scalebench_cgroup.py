@@ -1,4 +1,5 @@
-"""Containment: a real memory cgroup is created with the limit, a child starts inside it, it is removed."""
+"""Containment: a real memory cgroup is created with the limit, a child starts inside it, it is
+removed."""
 
 from __future__ import annotations
 
@@ -50,6 +51,9 @@ def test_child_starts_inside_a_real_group_which_is_then_removed(tmp_path):
 
 
 def test_psi_parsing():
-    text = "some avg10=1.50 avg60=0.00 avg300=0.00 total=1234\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=99\n"
+    text = (
+        "some avg10=1.50 avg60=0.00 avg300=0.00 total=1234\n"
+        "full avg10=0.00 avg60=0.00 avg300=0.00 total=99\n"
+    )
     psi = parse_psi(text)
     assert psi["some"]["avg10"] == 1.5 and psi["full"]["total"] == 99

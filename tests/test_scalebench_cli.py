@@ -57,6 +57,7 @@ def test_bad_input_is_one_line_exit_2_nothing_started(tmp_path, bindir, argv, me
         cwd=tmp_path,
         env=env,
         timeout=60,
+        check=False,
     )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
@@ -76,6 +77,7 @@ def test_missing_binaries_are_reported_before_anything_starts(tmp_path):
         cwd=tmp_path,
         env=env,
         timeout=60,
+        check=False,
     )
     assert proc.returncode == 2 and "make build" in proc.stderr
     assert not (tmp_path / "runs").exists()
@@ -83,7 +85,10 @@ def test_missing_binaries_are_reported_before_anything_starts(tmp_path):
 
 def test_help_lists_the_subcommands():
     out = subprocess.run(
-        [sys.executable, "-m", "scalebench.cli", "--help"], capture_output=True, text=True
+        [sys.executable, "-m", "scalebench.cli", "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
     ).stdout
     for word in (
         "--vms",

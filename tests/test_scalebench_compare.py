@@ -35,6 +35,7 @@ def compare(tmp: Path, base: dict, new: dict, *extra: str) -> subprocess.Complet
         capture_output=True,
         text=True,
         timeout=60,
+        check=False,
     )
 
 
@@ -94,6 +95,7 @@ def test_unreadable_input_is_a_usage_error(tmp_path):
         capture_output=True,
         text=True,
         timeout=60,
+        check=False,
     )
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
 

@@ -49,7 +49,8 @@ def scalebench(tmp: Path, *argv: str, on_start=None) -> tuple[subprocess.Complet
 
 
 def processes_mentioning(text: str) -> list[int]:
-    """Live processes whose command line contains text (the run directory: densevm's --api, zipfperf's --json)."""
+    """Live processes whose command line contains text (the run directory: densevm's --api,
+    zipfperf's --json)."""
     found = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit() and int(d.name) != os.getpid():
@@ -77,7 +78,8 @@ def test_short_in_core_run(tmp_path):
     assert 0 < r["resident_bytes"] <= r["budget_bytes"] == 2**30
     assert r["calibration"]["source"] == "warm-up"
     assert r["latency_ms"]["p50"] <= r["latency_ms"]["p99"]
-    # One connection per request, each to a Zipf-drawn VM (zipfperf --num-calls 1 in the closed loop).
+    # One connection per request, each to a Zipf-drawn VM (zipfperf --num-calls 1 in the
+    # closed loop).
     assert r["phases"]["load"]["connections"]["total"] >= 0.9 * r["replies"], r["warnings"]
     assert r["warnings"] == []
     assert "requests/s" in proc.stdout and "regime:      in-core" in proc.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 
 import numpy as np
@@ -70,13 +71,13 @@ def hdd_input(**changes) -> ModelInput:
 
 def test_throughput_rises_with_alpha():
     rps = [predict(hdd_input(alpha=a)).model_rps for a in (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)]
-    assert all(b > a for a, b in zip(rps, rps[1:])), rps
+    assert all(b > a for a, b in itertools.pairwise(rps)), rps
 
 
 def test_throughput_rises_with_block_size():
     blocks = [4 * KIB, 8 * KIB, 16 * KIB, 32 * KIB, 64 * KIB, 128 * KIB]
     rps = [predict(hdd_input(block_bytes=b)).model_rps for b in blocks]
-    assert all(b > a for a, b in zip(rps, rps[1:])), rps
+    assert all(b > a for a, b in itertools.pairwise(rps)), rps
 
 
 def test_in_core_until_the_budget_is_full_then_disk_bound():
@@ -179,7 +180,8 @@ def test_wsswap_miss_is_two_single_faults_then_one_read_of_the_set():
     assert whole.miss_read_s == pytest.approx(
         2 * random_block + disk_model("hdd").request_s(fp - 2 * 32 * KIB)
     )
-    # Partly dirty: the log rewrites the whole set all the same (one extent, one write of all of it).
+    # Partly dirty: the log rewrites the whole set all the same (one extent, one write of all
+    # of it).
     half = predict(hdd_input(policy="wsswap", written_bytes=fp // 2, swap_bytes=4000 * fp))
     assert half.miss_read_s == pytest.approx(whole.miss_read_s, rel=1e-9)
     assert half.miss_write_s == pytest.approx(whole.miss_write_s, rel=1e-9)
@@ -199,7 +201,8 @@ def test_seeks_span_only_the_used_part_of_the_swap_device():
     reads = full.footprint_bytes // (32 * KIB)
     spread = miss_sqrt_distance(4000, GIB // full.footprint_bytes, 1.0)
     drive = disk_model("hdd").drive
-    # Seek time grows with sqrt(distance / span): regions filling half the span, sqrt(1/2) of the spread.
+    # Seek time grows with sqrt(distance / span): regions filling half the span, sqrt(1/2) of
+    # the spread.
     expected = reads * (drive.positioning_s(spread) - drive.positioning_s(spread * 0.5**0.5))
     assert full.miss_read_s - half.miss_read_s == pytest.approx(expected, rel=1e-6)
     # The log's extents (a footprint per VM) fill an eighth of densevm's log device: shorter seeks.

@@ -1,4 +1,5 @@
-"""`scalebench report DIR`: the page shows every plot and table, and the images load in headless Chromium.
+"""`scalebench report DIR`: the page shows every plot and table, and the images load in headless
+Chromium.
 
 The sweep directory is produced by run_sweep with a FAKE point runner (made-up
 results, nothing started): this test is about the report, not about runs.
@@ -38,13 +39,15 @@ def sweep_dir(tmp: Path) -> Path:
 
 
 def images_state(page: Path, profile: Path) -> str:
-    """The body's data-images attribute after the page's load handler ran, as Chromium renders it."""
+    """The body's data-images attribute after the page's load handler ran, as Chromium renders
+    it."""
     chromium = require_tool("chromium")
     proc = subprocess.run(
         [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--dump-dom", page.as_uri()],
         capture_output=True,
         text=True,
         timeout=120,
+        check=False,
     )
     m = re.search(r'<body[^>]*data-images="([^"]*)"', proc.stdout)
     assert m, f"no data-images marker in Chromium's DOM: {proc.stderr[-2000:]}"
@@ -58,6 +61,7 @@ def test_report_images_load_in_headless_chromium(tmp_path):
         capture_output=True,
         text=True,
         timeout=60,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     page = out / "report.html"

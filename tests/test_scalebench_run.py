@@ -34,20 +34,25 @@ FAKE_DENSEVM = textwrap.dedent("""\
     with open(os.environ["FAKE_PIDS"] + ".cgroup", "w") as f:
         f.write(open("/proc/self/cgroup").read())
     t0 = time.monotonic()
-    touched = []  # faults begin with the touch (bracketed by "disk" requests), after the calibration
+    # Faults begin with the touch (bracketed by "disk" requests), after the calibration.
+    touched = []
     def stats():
         t = time.monotonic() - t0
-        early = os.environ.get("FAKE_DENSEVM_PAGES_EARLY")  # paging from boot on: the calibration pages
+        # Paging from boot on: the calibration pages.
+        early = os.environ.get("FAKE_DENSEVM_PAGES_EARLY")
         paging = max(0.0, t - touched[0]) if touched else (t if early else 0.0)
         per = [{{"id": i, "addr": "", "state": "running", "requests": int(t * 100) if i < 10 else 0,
                  "resident_bytes": 1 << 20 if i < 10 else 4096, "faults": 0,
                  "swap_read_bytes": 0, "swap_write_bytes": 0}} for i in range(vms)]
-        return {{"ok": True, "totals": {{"vms": vms, "running": vms, "stopped": 0, "requests": int(t * 1000),
+        return {{"ok": True, "totals": {{"vms": vms, "running": vms, "stopped": 0,
+                 "requests": int(t * 1000),
                  "resident_bytes": 512 << 20, "budget_bytes": 1 << 30, "block_bytes": 32768,
                  "faults": int(paging * 100), "blocks_in": 0, "blocks_out": 0,
-                 "swap_read_bytes": int(paging * 100) * 32768, "swap_write_bytes": 0, "io_seconds": t * 0.1,
+                 "swap_read_bytes": int(paging * 100) * 32768, "swap_write_bytes": 0,
+                 "io_seconds": t * 0.1,
                  "disk_usage": {{"busy_seconds": paging * 0.5, "requests": int(paging * 100),
-                                "positioned": int(paging * 50), "positioning_seconds": int(paging * 50) * 0.01}},
+                                "positioned": int(paging * 50),
+                                "positioning_seconds": int(paging * 50) * 0.01}},
                  "fault_latency_us": {{"p50": 100, "p90": 200, "p99": 300, "max": 400, "count": 1}},
                  "selfcheck_errors": 0}}, "vms": per}}
     def serve():
@@ -75,7 +80,8 @@ FAKE_DENSEVM = textwrap.dedent("""\
         print(json.dumps({{"event": "exit", "reason": "signal"}}), flush=True); os._exit(0)
     signal.signal(signal.SIGTERM, bye)
     time.sleep(0.3)
-    print(json.dumps({{"event": "ready", "vms": vms, "boot_seconds": 0.3, "api": api, "pvm": True}}), flush=True)
+    ready = {{"event": "ready", "vms": vms, "boot_seconds": 0.3, "api": api, "pvm": True}}
+    print(json.dumps(ready), flush=True)
     while True:
         time.sleep(0.1)
         if die_after and time.monotonic() - t0 > die_after:
@@ -100,9 +106,11 @@ FAKE_ZIPFPERF = textwrap.dedent("""\
         time.sleep(0.02)
     d = time.monotonic() - t0
     doc = {{"schema": "zipfperf/1", "config": {{"argv": argv}}, "duration_s": d,
-           "connections": {{"total": 1000, "rate": 1000 / d}}, "requests": {{"total": 1000, "rate": 1000 / d}},
+           "connections": {{"total": 1000, "rate": 1000 / d}},
+           "requests": {{"total": 1000, "rate": 1000 / d}},
            "replies": {{"total": 1000, "rate": 1000 / d, "status": {{"2xx": 1000}}}},
-           "latency_ms": {{"mean": 1.0, "p50": 0.9, "p90": 1.5, "p99": 3.0, "p999": 5.0, "max": 9.0}},
+           "latency_ms": {{"mean": 1.0, "p50": 0.9, "p90": 1.5, "p99": 3.0, "p999": 5.0,
+                          "max": 9.0}},
            "errors": {{"total": 0}}, "bytes": {{"sent": 0, "received": 0}}, "per_target": []}}
     open(opt("--json"), "w").write(json.dumps(doc))
     """)
@@ -180,7 +188,8 @@ def test_run_completes_and_records_everything(fakes):
     assert doc["measured_over_model"] == pytest.approx(doc["throughput_rps"] / doc["model_rps"])
     assert [s["phase"] for s in doc["timeseries"]].count("measure") >= 2
     assert "touch" in [s["phase"] for s in doc["timeseries"]] and doc["warnings"] == []
-    # 20 VMs of ~1 MiB in 8 MiB: the settle phase ran until 1.5 times the 8 that fit were swapped in.
+    # 20 VMs of ~1 MiB in 8 MiB: the settle phase ran until 1.5 times the 8 that fit were
+    # swapped in.
     assert "settle" in [s["phase"] for s in doc["timeseries"]]
     assert doc["phases"]["settle"]["target"] == 12 and doc["phases"]["settle"]["swap_ins"] >= 12
     assert (fakes / "run" / "run.png").stat().st_size > 0
@@ -294,6 +303,7 @@ def test_cli_reports_failure_with_exit_1(fakes, monkeypatch):
         capture_output=True,
         text=True,
         timeout=60,
+        check=False,
     )
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("scalebench: error: zipfperf")
@@ -355,7 +365,8 @@ def test_footprint_and_calibration_window_helpers():
         for i in range(100)
     ]
     assert hot_footprint(vms) == 1 << 20
-    # Out of core (as densevm reported for 40 VMs in 16M): evicted VMs keep 2 blocks, resident ones 31-33.
+    # Out of core (as densevm reported for 40 VMs in 16M): evicted VMs keep 2 blocks, resident
+    # ones 31-33.
     blocks = (
         [2] * 13 + [31] * 3 + [32] * 3 + [9, 4, 4, 15, 8, 29, 24, 1, 27, 33, 10, 14, 23, 30, 17, 3]
     )

@@ -41,7 +41,8 @@ class Interrupt(Exception):
 
 
 class FakePointRunner:
-    """FAKE point runner: a made-up result with a cliff between 200 and 300 VMs; can stop part way."""
+    """FAKE point runner: a made-up result with a cliff between 200 and 300 VMs; can stop part
+    way."""
 
     def __init__(self, stop_after: int | None = None) -> None:
         self.calls: list[str] = []
@@ -73,11 +74,11 @@ def test_interrupted_sweep_resumes_without_redoing_points(tmp_path):
     third = FakePointRunner()
     run_sweep(exp, tmp_path / "out", third)
     assert third.calls == []  # everything was done
-    rows = list(csv.DictReader(open(tmp_path / "out" / "results.csv")))
+    rows = list(csv.DictReader((tmp_path / "out" / "results.csv").read_text().splitlines()))
     assert len(rows) == 8 and {r["policy"] for r in rows} == {"demand", "wsswap"}
     for name in ("tput.png", "cliff.png", "cliff.csv", "sweep.json"):
         assert (tmp_path / "out" / name).stat().st_size > 0, name
-    cliff = list(csv.DictReader(open(tmp_path / "out" / "cliff.csv")))
+    cliff = list(csv.DictReader((tmp_path / "out" / "cliff.csv").read_text().splitlines()))
     assert float(cliff[0]["measured_cliff_vms"]) == pytest.approx(
         200 + 100 * (1000 - 500) / 900, rel=1e-5
     )
@@ -209,7 +210,7 @@ def test_unknown_plot_or_check_kinds_are_refused(tmp_path):
     for table in ("[[plot]]\nname = 'p'\nx = 'vms'\nkind = 'pie'\n", "[[check]]\nkind = 'vibes'\n"):
         path = tmp_path / "bad.toml"
         path.write_text("[grid]\nvms = [1]\n" + table)
-        with pytest.raises(ConfigError, match="unknown (plot|check) kind"):
+        with pytest.raises(ConfigError, match=r"unknown (plot|check) kind"):
             load_experiment(path)
 
 
@@ -244,7 +245,7 @@ def test_a_sweep_over_two_kinds_of_host_warns(tmp_path):
     doc = run_sweep(exp, tmp_path / "out", on_two_kinds)
     assert doc["hosts"] == {"big": ["h100", "h200"], "small": ["h300", "h400"]}
     assert len(doc["warnings"]) == 1 and "2 kinds of host" in doc["warnings"][0]
-    rows = list(csv.DictReader(open(tmp_path / "out" / "results.csv")))
+    rows = list(csv.DictReader((tmp_path / "out" / "results.csv").read_text().splitlines()))
     assert [(r["host"], r["host_kind"]) for r in rows[:3]] == [
         ("h100", "big"),
         ("h200", "big"),

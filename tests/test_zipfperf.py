@@ -51,7 +51,9 @@ def run(
     binary: Path, *args: str, timeout: float = 60
 ) -> tuple[subprocess.CompletedProcess[str], float]:
     t0 = time.monotonic()
-    proc = subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [str(binary), *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
     return proc, time.monotonic() - t0
 
 
@@ -65,19 +67,31 @@ def run_json(binary: Path, *args: str, timeout: float = 60) -> tuple[dict, float
 NUM = r"(-?[0-9.]+)"
 HTTPERF_LINES = {
     "total": rf"^Total: connections {NUM} requests {NUM} replies {NUM} test-duration {NUM} s$",
-    "conn_rate": rf"^Connection rate: {NUM} conn/s \({NUM} ms/conn, <={NUM} concurrent connections\)$",
-    "conn_time": rf"^Connection time \[ms\]: min {NUM} avg {NUM} max {NUM} median {NUM} stddev {NUM}$",
+    "conn_rate": (
+        rf"^Connection rate: {NUM} conn/s \({NUM} ms/conn, <={NUM} "
+        rf"concurrent connections\)$"
+    ),
+    "conn_time": (
+        rf"^Connection time \[ms\]: min {NUM} avg {NUM} max {NUM} "
+        rf"median {NUM} stddev {NUM}$"
+    ),
     "conn_connect": rf"^Connection time \[ms\]: connect {NUM}$",
     "conn_length": rf"^Connection length \[replies/conn\]: {NUM}$",
     "req_rate": rf"^Request rate: {NUM} req/s \({NUM} ms/req\)$",
     "req_size": rf"^Request size \[B\]: {NUM}$",
-    "reply_rate": rf"^Reply rate \[replies/s\]: min {NUM} avg {NUM} max {NUM} stddev {NUM} \({NUM} samples\)$",
+    "reply_rate": (
+        rf"^Reply rate \[replies/s\]: min {NUM} avg {NUM} max {NUM} "
+        rf"stddev {NUM} \({NUM} samples\)$"
+    ),
     "reply_time": rf"^Reply time \[ms\]: response {NUM} transfer {NUM}$",
     "reply_size": rf"^Reply size \[B\]: header {NUM} content {NUM} footer {NUM} \(total {NUM}\)$",
     "reply_status": rf"^Reply status: 1xx={NUM} 2xx={NUM} 3xx={NUM} 4xx={NUM} 5xx={NUM}$",
     "cpu": rf"^CPU time \[s\]: user {NUM} system {NUM} \(user {NUM}% system {NUM}% total {NUM}%\)$",
     "net": rf"^Net I/O: {NUM} KB/s \({NUM}\*10\^6 bps\)$",
-    "errors1": rf"^Errors: total {NUM} client-timo {NUM} socket-timo {NUM} connrefused {NUM} connreset {NUM}$",
+    "errors1": (
+        rf"^Errors: total {NUM} client-timo {NUM} socket-timo {NUM} "
+        rf"connrefused {NUM} connreset {NUM}$"
+    ),
     "errors2": rf"^Errors: fd-unavail {NUM} addrunavail {NUM} ftab-full {NUM} other {NUM}$",
 }
 
@@ -206,7 +220,7 @@ def zipf_pmf(n: int, alpha: float) -> list[float]:
 def assert_follows(counts: list[int], pmf: list[float]) -> None:
     """Each count within 4.5 binomial standard deviations of its expectation."""
     n = sum(counts)
-    for i, (c, p) in enumerate(zip(counts, pmf)):
+    for i, (c, p) in enumerate(zip(counts, pmf, strict=False)):
         sd = (n * p * (1 - p)) ** 0.5
         assert abs(c - n * p) <= 4.5 * sd + 1, f"target {i}: {c} vs expected {n * p:.0f} ({counts})"
 
@@ -487,7 +501,7 @@ def test_silent_server_closed_loop_ends_on_time(zipfperf):
 
 def test_server_that_never_closes_does_not_hold_up_the_run(zipfperf):
     with BadServer("noclose") as bad:
-        doc, elapsed = run_json(
+        doc, _elapsed = run_json(
             zipfperf,
             "--server=127.0.0.1",
             f"--port={bad.port}",

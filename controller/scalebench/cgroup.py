@@ -13,6 +13,7 @@ prefix that joins the groups and then execs the real command.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,7 +125,11 @@ class Containment:
         files = self.procs_files()
         if not files:
             return argv
-        script = 'n=$1; shift; i=0; while [ $i -lt $n ]; do echo $$ > "$1" || exit 126; shift; i=$((i+1)); done; exec "$@"'
+        script = (
+            "n=$1; shift; i=0; "
+            'while [ $i -lt $n ]; do echo $$ > "$1" || exit 126; shift; i=$((i+1)); done; '
+            'exec "$@"'
+        )
         return ["/bin/sh", "-c", script, "sh", str(len(files)), *map(str, files), *argv]
 
     def pressure(self) -> dict | None:
@@ -164,10 +169,8 @@ class Containment:
     def members(self) -> list[int]:
         pids: set[int] = set()
         for f in self.procs_files():
-            try:
+            with contextlib.suppress(OSError):
                 pids.update(int(x) for x in f.read_text().split())
-            except OSError:
-                pass
         return sorted(pids)
 
     def remove(self, timeout_s: float = 5.0) -> None:

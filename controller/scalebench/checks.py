@@ -18,6 +18,7 @@ check to the points with those settings. Kinds:
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from dataclasses import dataclass, field
 
@@ -52,7 +53,7 @@ def _verdict(check: str, group: str, ok: bool, detail: str) -> dict:
 
 
 def _label(series: list[str], key: tuple) -> str:
-    return ", ".join(f"{s}={v}" for s, v in zip(series, key)) or "all"
+    return ", ".join(f"{s}={v}" for s, v in zip(series, key, strict=False)) or "all"
 
 
 def run_checks(specs: list[CheckSpec], rows: list[dict]) -> list[dict]:
@@ -67,7 +68,7 @@ def _rising(spec: CheckSpec, rows: list[dict]) -> list[dict]:
     out = []
     for key, group in group_by(rows, spec.series).items():
         pts = sorted((_f(r, spec.x), _f(r, spec.y)) for r in group)
-        falls = [(a, b) for a, b in zip(pts, pts[1:]) if b[1] <= a[1]]
+        falls = [(a, b) for a, b in itertools.pairwise(pts) if b[1] <= a[1]]
         out.append(
             _verdict(
                 f"{spec.y} rises with {spec.x}",
@@ -104,7 +105,8 @@ def _flat_until_cliff(spec: CheckSpec, rows: list[dict]) -> list[dict]:
                 "flat until the cliff",
                 _label(spec.series, key),
                 worst <= spec.tolerance,
-                f"{len(flat)} points, median {mid:,.0f}/s, worst {worst:+.1%} (limit {spec.tolerance:.0%})",
+                f"{len(flat)} points, median {mid:,.0f}/s, worst {worst:+.1%} (limit "
+                f"{spec.tolerance:.0%})",
             )
         )
     return out
@@ -120,7 +122,8 @@ def _cliff_matches_model(spec: CheckSpec, rows: list[dict]) -> list[dict]:
                 "cliff matches the model",
                 _label(spec.series, key),
                 ok,
-                f"measured {m and round(m)}, model {p and round(p)} VMs (limit {spec.tolerance:.0%})",
+                f"measured {m and round(m)}, model {p and round(p)} VMs (limit "
+                f"{spec.tolerance:.0%})",
             )
         )
     return out

@@ -101,14 +101,16 @@ def run_parser() -> Parser:
         "--timeout",
         type=float,
         default=d.timeout,
-        help=f"zipfperf timeout in seconds (default {d.timeout:g}: a cold VM on a modeled disk is slow)",
+        help=f"zipfperf timeout in seconds (default {d.timeout:g}: "
+        "a cold VM on a modeled disk is slow)",
     )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
         "--no-touch",
         dest="touch",
         action="store_false",
-        help="skip the touch phase (one request per VM so every working set exists before the warm-up)",
+        help="skip the touch phase (one request per VM so every working set exists "
+        "before the warm-up)",
     )
     p.add_argument("--addr-base", default=d.addr_base)
     p.add_argument("--port", type=int, default=d.port)
@@ -229,7 +231,8 @@ def cmd_model(argv: list[str]) -> int:
         )
         return 0
     print(
-        f"model: {cfg.vms} VMs, alpha {cfg.alpha}, block {cfg.block}, mem {cfg.mem}, {cfg.policy}, disk {cfg.disk}"
+        f"model: {cfg.vms} VMs, alpha {cfg.alpha}, block {cfg.block}, mem {cfg.mem}, "
+        f"{cfg.policy}, disk {cfg.disk}"
     )
     print(
         f"  footprint {footprint / 2**20:.2f} MiB per VM -> {pred.cache_vms} VMs fit; "
@@ -246,14 +249,16 @@ def cmd_model(argv: list[str]) -> int:
     )
     print(
         f"  cpu {cpu_us:.1f} us/request ({source}) + {fault_us:.0f} us per fault ({fault_source}) "
-        f"-> CPU bound {pred.cpu_rps:,.0f} requests/s, swap I/O bound {pred.disk_rps:,.0f} requests/s"
+        f"-> CPU bound {pred.cpu_rps:,.0f} requests/s, swap I/O bound {pred.disk_rps:,.0f} "
+        "requests/s"
     )
     print(f"  predicted {pred.model_rps:,.1f} requests/s, {pred.regime}")
     return 0
 
 
 def remodel_sweep(exp, out: Path) -> int:
-    """sweep --remodel: the model re-evaluated on every stored point, then the sweep's files rewritten."""
+    """sweep --remodel: the model re-evaluated on every stored point, then the sweep's files
+    rewritten."""
     from .runner import remodel
     from .sweep import finish_sweep, point_record
 
@@ -265,7 +270,8 @@ def remodel_sweep(exp, out: Path) -> int:
         if r is not None:
             before = r.model["remodeled"]["model_rps_before"]
             print(
-                f"{key}: measured {r.throughput_rps:,.4g}/s, model {before and f'{before:,.4g}'} -> "
+                f"{key}: measured {r.throughput_rps:,.4g}/s, model {before and f'{before:,.4g}'} "
+                "-> "
                 f"{r.model_rps:,.4g}/s, measured/model {r.measured_over_model:.2f}"
             )
     finish_sweep(exp, out)
@@ -289,7 +295,8 @@ def cmd_sweep(argv: list[str]) -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="run only the grid's points with this setting (repeatable); a later whole run keeps them",
+        help="run only the grid's points with this setting (repeatable); "
+        "a later whole run keeps them",
     )
     p.add_argument(
         "--set",

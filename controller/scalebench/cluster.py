@@ -40,7 +40,8 @@ CONNECT_TIMEOUT_S = 30.0
 
 
 def connect(address: str) -> Client:
-    """A client of the scheduler at `address` (tcp://HOST:PORT, or a scheduler file), with a worker."""
+    """A client of the scheduler at `address` (tcp://HOST:PORT, or a scheduler file), with a
+    worker."""
     try:
         if Path(address).is_file():
             client = Client(scheduler_file=address, timeout=CONNECT_TIMEOUT_S)
@@ -59,7 +60,8 @@ def connect(address: str) -> Client:
 
 
 def check_hosts(client: Client, commit: str | None) -> dict[str, dict]:
-    """{worker address: facts} of the workers that offer a whole host; ConfigError if they cannot run points."""
+    """{worker address: facts} of the workers that offer a whole host; ConfigError if they cannot
+    run points."""
     workers = client.scheduler_info(n_workers=-1)["workers"]
     hosts = [
         addr for addr, w in workers.items() if (w.get("resources") or {}).get(HOST_RESOURCE, 0) >= 1
@@ -71,7 +73,8 @@ def check_hosts(client: Client, commit: str | None) -> dict[str, dict]:
         )
     try:
         facts = client.run(worker_facts, workers=hosts)
-    # dask passes a worker's failure on as a bare Exception: typically scalebench not installed there.
+    # dask passes a worker's failure on as a bare Exception: typically scalebench not
+    # installed there.
     except Exception as e:  # noqa: BLE001
         raise ConfigError(
             f"a worker cannot run scalebench ({e}): each host needs this repository, `make run`"
@@ -81,7 +84,8 @@ def check_hosts(client: Client, commit: str | None) -> dict[str, dict]:
     ]
     if shared:
         raise ConfigError(
-            f"{len(hosts)} workers offer {HOST_RESOURCE}=1 but host {shared[0]} has several of them: "
+            f"{len(hosts)} workers offer {HOST_RESOURCE}=1 but host {shared[0]} has several of "
+            "them: "
             "a point measures its host, so one worker per host"
         )
     for f in facts.values():
@@ -101,7 +105,8 @@ def check_hosts(client: Client, commit: str | None) -> dict[str, dict]:
 def run_sweep_on_cluster(
     exp: Experiment, out_dir: Path, address: str, reporter: Reporter | None = None
 ) -> dict:
-    """run_sweep's counterpart on a dask cluster: every point not done yet, one per host at a time."""
+    """run_sweep's counterpart on a dask cluster: every point not done yet, one per host at a
+    time."""
     reporter = reporter or Reporter()
     commit = repo_commit()
     with connect(address) as client:
@@ -165,7 +170,8 @@ def _collect(
     record.parent.mkdir(parents=True)
     try:
         outcome: PointOutcome = future.result()
-    # The task failed: dask gave up after losing workers (KilledWorker), or the worker's code raised (anything).
+    # The task failed: dask gave up after losing workers (KilledWorker), or the worker's code
+    # raised (anything).
     except Exception as e:  # noqa: BLE001
         result = RunResult(f"cluster-{slug(key)}", cfg.as_dict(), host={}, finished_at=now_iso())
         result.fail(f"{type(e).__name__}: {e}")

@@ -195,7 +195,8 @@ def _result(out: Path, cfg: RunConfig) -> dict:
 
 
 def _pack(out: Path) -> bytes:
-    """The point directory's regular files as a gzipped tar: not densevm's socket and swap, and not the
+    """The point directory's regular files as a gzipped tar: not densevm's socket and swap, and not
+    the
     result, sent on its own (the client writes it last: a point without it is not done)."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz") as tar:

@@ -74,7 +74,8 @@ def load(path: Path) -> dict:
 
 
 def mixed_hosts(base: dict, new: dict) -> list[tuple[str, str, str]]:
-    """(point, base host kind, new host kind) for each point present in both that ran on different kinds
+    """(point, base host kind, new host kind) for each point present in both that ran on different
+    kinds
     of host; points whose results do not name their host's kind (older results) are not counted."""
     new_points = _points(new)
     mixed = []

@@ -113,7 +113,8 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"--mem {cfg.mem} is not within this host's memory ({host // 2**20} MiB)")
     if memory_limit(mem, cfg.vms) > host:
         raise ConfigError(
-            f"--vms {cfg.vms} with --mem {cfg.mem} needs about {memory_limit(mem, cfg.vms) / 2**30:.1f} GiB "
+            f"--vms {cfg.vms} with --mem {cfg.mem} needs about "
+            f"{memory_limit(mem, cfg.vms) / 2**30:.1f} GiB "
             f"(the budget, the VMs' kernel memory and the monitor): more than this host's memory "
             f"({host / 2**30:.1f} GiB)"
         )

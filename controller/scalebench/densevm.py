@@ -6,6 +6,7 @@ errors on stderr, and a Unix-socket control API with newline-delimited JSON.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import socket
@@ -98,7 +99,7 @@ class DenseVM:
         self.log_path = log_path
         self.events: queue.Queue[dict] = queue.Queue()
         self.exit_event: dict | None = None
-        self._log = open(log_path, "wb")
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed by close()
         self.child = Child(wrap(args.argv(binary)), stdout=subprocess.PIPE, stderr=self._log)
         self._reader = threading.Thread(target=self._read_events, daemon=True)
         self._reader.start()
@@ -150,14 +151,14 @@ class DenseVM:
             if why:
                 raise DenseVMError(why)
             if self.args.api.exists():
-                try:
+                # The API may not answer until the monitor is set up.
+                with contextlib.suppress(DenseVMError):
                     on_progress(self.totals().get("running", 0))
-                except DenseVMError:
-                    pass  # the API may not answer until the monitor is set up
         raise DenseVMError(f"densevm did not report ready within {timeout_s:.0f} s")
 
     def request(self, request: dict) -> dict:
-        """A control-API request; if densevm has died, the error says how instead of "connection refused"."""
+        """A control-API request; if densevm has died, the error says how instead of "connection
+        refused"."""
         try:
             return control(self.args.api, request)
         except DenseVMError:

@@ -20,7 +20,8 @@ joins the writes across short gaps of unchanged blocks). `wsswap` writes
 the whole set (its log rewrites every evicted block that holds data, so the set
 lies in one extent) and reads it back sequentially, as the pager does it: the
 first `after - 1` faults after an eviction are single random block reads (the
-policy waits for the VM to run again), then the rest comes in one read. Each I/O costs what the swap device measured
+policy waits for the VM to run again), then the rest comes in one read. Each I/O costs what the swap
+device measured
 (diskbench) plus the service time of the modeled disk (disks.py), exactly as the
 pager adds it.
 
@@ -35,6 +36,7 @@ drives, up to the pager's service threads):
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass, replace
 
@@ -105,7 +107,8 @@ def che_hit_ratio(n: int, k: float, alpha: float) -> float:
 
 
 def che_time(p: np.ndarray, k: float) -> float:
-    """The characteristic time T of an LRU cache of k items under popularities p (0 < k < len(p))."""
+    """The characteristic time T of an LRU cache of k items under popularities p (0 < k <
+    len(p))."""
 
     def occupancy(t: float) -> float:
         return float(np.sum(-np.expm1(-p * t)))
@@ -179,7 +182,7 @@ def estimate_written(
     resident = _blocks(_request_regions(pages, ram_bytes), block_bytes)
     changed = sorted(_blocks(_request_regions(pages[::stride], ram_bytes), block_bytes))
     written = set(changed)
-    for a, b in zip(changed, changed[1:]):
+    for a, b in itertools.pairwise(changed):
         gap = range(a + 1, b)
         if len(gap) * block_bytes <= WRITE_CLUSTER_GAP_BYTES and all(x in resident for x in gap):
             written.update(gap)

@@ -59,7 +59,8 @@ def nightly(
     baseline: Path = BASELINE,
     repeats: int = REPEATS,
 ) -> int:
-    """Run the nightly sweep; 0 when it matches the baseline (or the baseline was updated), 1 otherwise."""
+    """Run the nightly sweep; 0 when it matches the baseline (or the baseline was updated), 1
+    otherwise."""
     exp = load_experiment(experiment)
     check_addresses_free(max((cfg for _, cfg in exp.points()), key=lambda cfg: cfg.vms))
     if not update_baseline and not baseline.exists():

@@ -7,6 +7,8 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on the hosts this runs on
+import itertools
+
 import matplotlib.pyplot as plt
 
 from .units import MIB
@@ -15,7 +17,7 @@ from .units import MIB
 def _rates(samples: list[dict], key: str) -> tuple[list[float], list[float]]:
     """Per-interval rate of a counter, placed at each interval's end."""
     ts, rates = [], []
-    for a, b in zip(samples, samples[1:]):
+    for a, b in itertools.pairwise(samples):
         dt = b["t"] - a["t"]
         if dt > 0:
             ts.append(b["t"])
@@ -87,11 +89,11 @@ def line_plot(
             points = [(float(r[x]), float(r[y])) for r in group if r.get(y) not in (None, "")]
             if not points:
                 continue
-            label = ", ".join(f"{s}={v}" for s, v in zip(series, key))
+            label = ", ".join(f"{s}={v}" for s, v in zip(series, key, strict=False))
             label = f"{label} {y}" if len(ys) > 1 else label
             # One colour per series; measured solid, the model (and other metrics) dashed/dotted.
             ax.plot(
-                *zip(*points),
+                *zip(*points, strict=False),
                 ("-", "--", ":")[yi % 3],
                 color=f"C{index % 10}",
                 marker="o",

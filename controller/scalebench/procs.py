@@ -9,6 +9,7 @@ that the same `finally` blocks run as for Ctrl-C.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -50,10 +51,8 @@ class Child:
 
     def interrupt(self) -> None:
         """SIGINT the leader: a program that ends early on it (zipfperf) finishes its report."""
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGINT)
-        except ProcessLookupError:
-            pass
 
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM the group, wait up to grace_s, then SIGKILL it; returns the exit status."""
@@ -68,10 +67,8 @@ class Child:
         return code
 
     def _signal_group(self, sig: signal.Signals) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:

@@ -17,10 +17,12 @@ _CHECK_IMAGES = """
 window.addEventListener('load', () => {
   const imgs = Array.from(document.images);
   const bad = imgs.filter(i => !(i.complete && i.naturalWidth > 0));
-  document.body.dataset.images = bad.length ? 'broken:' + bad.map(i => i.getAttribute('src')).join(',')
-                                            : 'ok:' + imgs.length;
+  document.body.dataset.images = bad.length
+      ? 'broken:' + bad.map(i => i.getAttribute('src')).join(',')
+      : 'ok:' + imgs.length;
   document.getElementById('imgstatus').textContent = bad.length
-      ? bad.length + ' of ' + imgs.length + ' image(s) did not load' : imgs.length + ' image(s), all loaded';
+      ? bad.length + ' of ' + imgs.length + ' image(s) did not load'
+      : imgs.length + ' image(s), all loaded';
 });
 """
 
@@ -61,7 +63,8 @@ def render(directory: Path) -> Path:
         parts.append(f"<p>Grid: {html.escape(grid)}</p>")
     for png in sorted(directory.glob("*.png")):
         parts.append(
-            f'<h2>{html.escape(png.stem)}</h2><img src="{html.escape(png.name)}" alt="{html.escape(png.stem)}">'
+            f"<h2>{html.escape(png.stem)}</h2>"
+            f'<img src="{html.escape(png.name)}" alt="{html.escape(png.stem)}">'
         )
     for table in sorted(directory.glob("*.csv")):
         parts.append(f"<h2>{html.escape(table.name)}</h2>{_table(table)}")

@@ -248,7 +248,7 @@ class Run:
             raise
         except (DenseVMError, ZipfperfError) as e:
             r.fail(self._explain(str(e)))
-        except Exception as e:  # a failure of the db guests or of this code: still a failed result
+        except Exception as e:  # noqa: BLE001 - any failure (db guests, this code) is a failed result
             (self.out / "scalebench-traceback.txt").write_text(traceback.format_exc())
             r.fail(f"{type(e).__name__}: {e}")
         self._finish()
@@ -258,7 +258,8 @@ class Run:
         """Add the cgroup's verdict when the memory limit is what killed densevm."""
         stats = self.result.containment.get("memory", {})
         if stats.get("oom_kills"):
-            return f"{message} (the memory cgroup limit of {self.containment.limit_bytes} bytes was hit)"
+            limit = self.containment.limit_bytes
+            return f"{message} (the memory cgroup limit of {limit} bytes was hit)"
         return message
 
     def _finish(self) -> None:
@@ -273,7 +274,7 @@ class Run:
                 plot = self.out / "run.png"
                 run_plot(r, plot)
                 r.files["plot"] = str(plot)
-        except Exception as e:  # a plot must not lose the result
+        except Exception as e:  # noqa: BLE001 - a plot must not lose the result
             r.files["plot_error"] = str(e)
         r.write(path)
         if self.cfg.json:
@@ -425,7 +426,6 @@ class Run:
         which does not depend on how long the swap I/O took; at 4,000 VMs on the
         modeled 7,200 RPM disk it took 6 minutes, against seconds without the model.
         """
-        cfg = self.cfg
         self.sampler.sample("touch")
         self.dvm.set_disk_modeled(False)
         try:
@@ -466,9 +466,12 @@ class Run:
             return  # everything fits: nothing is ever evicted
         target = int(SETTLE_TURNS * fit)
         first = self.sampler.sample("settle")
-        swapped_in = lambda: int(
-            (self.sampler.samples[-1]["swap_read_bytes"] - first["swap_read_bytes"]) / footprint
-        )
+
+        def swapped_in():
+            return int(
+                (self.sampler.samples[-1]["swap_read_bytes"] - first["swap_read_bytes"]) / footprint
+            )
+
         spec = replace(
             self.load, duration_s=SETTLE_MAX_S, concurrency=max(cfg.concurrency, SETTLE_CONCURRENCY)
         )
@@ -571,7 +574,8 @@ class Run:
             ] + ", paged: an overestimate"
         return (
             None,
-            "none: the warm-up paged and no calibration is stored (pass --cpu-us, or run once in core)",
+            "none: the warm-up paged and no calibration is stored (pass --cpu-us, or run once in "
+            "core)",
         )
 
     def _fault_us(self, cpu_us: float | None) -> tuple[float, str]:
@@ -644,7 +648,8 @@ class Run:
         r.regime = classify(d["faults"], d["requests"], d["swap_read_bytes"])
         connections = (doc.get("connections") or {}).get("total") or 0
         if self.cfg.calls_per_conn == 1 and r.replies and connections < 0.9 * r.replies:
-            # Each connection is bound to one VM: Zipf then chose VMs per connection, not per request.
+            # Each connection is bound to one VM: Zipf then chose VMs per connection,
+            # not per request.
             r.warnings.append(
                 f"zipfperf reused connections ({connections} connections for {r.replies} replies): "
                 "VMs were drawn per connection, not per request"

@@ -20,14 +20,18 @@ def summary(r: RunResult) -> str:
         lines.append(f"  error:       {r.error}")
     lat = r.latency_ms or {}
     lines += [
-        f"  throughput:  {_num(r.throughput_rps)} requests/s   latency p50 {_num(lat.get('p50'), '{:.2f}')} ms, "
+        f"  throughput:  {_num(r.throughput_rps)} requests/s   latency p50 "
+        f"{_num(lat.get('p50'), '{:.2f}')} ms, "
         f"p99 {_num(lat.get('p99'), '{:.2f}')} ms   errors {_num(r.errors)}",
         f"  memory:      resident {_num(r.resident_bytes and r.resident_bytes / MIB)} MiB of "
-        f"{_num(r.budget_bytes and r.budget_bytes / MIB)} MiB budget   boot {_num(r.boot_seconds, '{:.2f}')} s",
-        f"  paging:      {_num(r.faults_per_s)} faults/s   swap in {_num(r.swap_read_mbps, '{:.1f}')} MB/s, "
+        f"{_num(r.budget_bytes and r.budget_bytes / MIB)} MiB budget   boot "
+        f"{_num(r.boot_seconds, '{:.2f}')} s",
+        f"  paging:      {_num(r.faults_per_s)} faults/s   swap in "
+        f"{_num(r.swap_read_mbps, '{:.1f}')} MB/s, "
         f"out {_num(r.swap_write_mbps, '{:.1f}')} MB/s"
         + (
-            f"   modeled drive busy {r.drive['utilization']:.0%}, {r.drive['positioning_ms']:.1f} ms a seek"
+            f"   modeled drive busy {r.drive['utilization']:.0%}, {r.drive['positioning_ms']:.1f} "
+            "ms a seek"
             if r.drive
             else ""
         ),
@@ -42,7 +46,8 @@ def summary(r: RunResult) -> str:
     if m.get("model_rps") is not None:
         lines.append(
             f"  model:       {_num(m['model_rps'])} requests/s ({m['regime']}; hit ratio "
-            f"{m['hit_ratio']:.3f}, {m['cache_vms']} VMs fit, cliff at {m['cliff_vms']}, miss {m['miss_s'] * 1e3:.1f} ms, "
+            f"{m['hit_ratio']:.3f}, {m['cache_vms']} VMs fit, cliff at {m['cliff_vms']}, miss "
+            f"{m['miss_s'] * 1e3:.1f} ms, "
             f"cpu {m['cpu_us']:.0f} us/request from {r.calibration.get('source')})   "
             f"measured/model {_num(r.measured_over_model, '{:.2f}')}"
         )

@@ -90,7 +90,8 @@ class Experiment:
             kept = [v for v in grid[key] if str(v) == value]
             if not kept:
                 raise ConfigError(
-                    f"--only {item}: {key} takes {', '.join(map(str, grid[key]))} in this experiment"
+                    f"--only {item}: {key} takes {', '.join(map(str, grid[key]))} in this "
+                    "experiment"
                 )
             grid[key] = kept
         return replace(self, grid=grid)
@@ -135,7 +136,7 @@ class Experiment:
         names = list(self.grid)
         out = []
         for values in itertools.product(*(self.grid[n] for n in names)):
-            changes = dict(zip(names, values))
+            changes = dict(zip(names, values, strict=False))
             key = ",".join(f"{n}={v}" for n, v in changes.items()) or "base"
             out.append(
                 (key, self.base.with_(**changes, labels={"point": key, "experiment": self.name}))
@@ -216,7 +217,8 @@ def csv_row(key: str, doc: dict) -> dict:
 
 
 def hosts_by_kind(docs: dict[str, dict]) -> dict[str, list[str]]:
-    """{host kind: [host names]} over the points (kind "unknown" for results older than the field)."""
+    """{host kind: [host names]} over the points (kind "unknown" for results older than the
+    field)."""
     hosts: dict[str, list[str]] = {}
     for doc in docs.values():
         host = doc.get("host") or {}
@@ -228,7 +230,10 @@ def hosts_by_kind(docs: dict[str, dict]) -> dict[str, list[str]]:
 
 def mixed_hosts_warning(hosts: dict[str, list[str]]) -> str:
     kinds = "; ".join(f"{kind} ({', '.join(map(str, names))})" for kind, names in hosts.items())
-    return f"the points ran on {len(hosts)} kinds of host: {kinds}: figures across them are not comparable"
+    return (
+        f"the points ran on {len(hosts)} kinds of host: {kinds}: "
+        "figures across them are not comparable"
+    )
 
 
 def write_csv(rows: list[dict], path: Path) -> None:

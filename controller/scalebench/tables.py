@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
 
 from .model import CLIFF_FRACTION
@@ -30,7 +31,7 @@ def cliff_rows(rows: list[dict], series: list[str]) -> list[dict]:
     for key, group in groups.items():
         group.sort(key=lambda r: int(r["vms"]))
         measured, best = None, 0.0
-        for prev, cur in zip(group, group[1:]):
+        for prev, cur in itertools.pairwise(group):
             best = max(best, float(prev["throughput_rps"]))
             level = CLIFF_FRACTION * best
             if float(cur["throughput_rps"]) < level:
@@ -42,7 +43,7 @@ def cliff_rows(rows: list[dict], series: list[str]) -> list[dict]:
         model = statistics.median(models) if models else None
         out.append(
             {
-                **dict(zip(series, key)),
+                **dict(zip(series, key, strict=False)),
                 "measured_cliff_vms": measured,
                 "model_cliff_vms": model,
                 "measured_over_model": measured / model if measured and model else None,

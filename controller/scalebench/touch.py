@@ -71,7 +71,8 @@ def touch_one(addr: str, port: int, timeout_s: float) -> bool:
 
 
 def lru_order(vms: int, alpha: float, seed: int) -> list[int]:
-    """Every VM once: unrequested ones (least popular first), then by last request in a Zipf stream."""
+    """Every VM once: unrequested ones (least popular first), then by last request in a Zipf
+    stream."""
     rng = np.random.default_rng(seed)
     stream = rng.choice(vms, size=STREAM_PER_VM * vms, p=zipf_popularity(vms, alpha))
     last = np.full(vms, -1)
@@ -89,13 +90,14 @@ def touch_all(
     timeout_s: float,
     progress: Callable[[int], None] = lambda done: None,
 ) -> list[int]:
-    """Request each VM of `order` once, `parallel` at a time; returns the VMs that did not answer."""
+    """Request each VM of `order` once, `parallel` at a time; returns the VMs that did not
+    answer."""
     base = ipaddress.IPv4Address(addr_base)
     failed: list[int] = []
     pool = ThreadPoolExecutor(max_workers=parallel)
     try:
         answers = pool.map(lambda i: touch_one(str(base + i), port, timeout_s), order)
-        for done, (i, ok) in enumerate(zip(order, answers), 1):
+        for done, (i, ok) in enumerate(zip(order, answers, strict=False), 1):
             if not ok:
                 failed.append(i)
             progress(done)  # may raise (densevm died, Ctrl-C): then drop what is still queued

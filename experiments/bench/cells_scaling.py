@@ -10,7 +10,8 @@ none`, 32k blocks), and divides the CPU time of densevm's whole process tree
 measurement of the cells issue's table; the acceptance is that kernel CPU per
 fault at 4,000 VMs stays within 1.5x of that at 250, at >= 5,000 faults/s.
 
-Usage: experiments/bench/cells_scaling.py [--vms 250,4000] [--cell-vms 250] [--window 30] [--json out.json]
+Usage: experiments/bench/cells_scaling.py [--vms 250,4000] [--cell-vms 250] [--window 30] [--json
+out.json]
 """
 
 from __future__ import annotations
@@ -177,8 +178,10 @@ def main() -> None:
                 point = measure(vms, cell_vms, args.window, Path(tmp), "127.3.0.0")
                 points.append(point)
                 print(
-                    f"{vms:>6} VMs  cells of {cell_vms:>4} ({point.cells:>3}): {point.faults_per_s:>8,.0f} faults/s  "
-                    f"CPU/fault {point.cpu_us_per_fault:6.0f} us (kernel {point.kernel_us_per_fault:5.0f}, "
+                    f"{vms:>6} VMs  cells of {cell_vms:>4} ({point.cells:>3}): "
+                    f"{point.faults_per_s:>8,.0f} faults/s  "
+                    f"CPU/fault {point.cpu_us_per_fault:6.0f} us (kernel "
+                    f"{point.kernel_us_per_fault:5.0f}, "
                     f"user {point.user_us_per_fault:5.0f})  {point.requests_per_s:>7,.0f} req/s  "
                     f"boot {point.boot_seconds:5.1f} s  load {point.load_before:.1f}",
                     flush=True,
@@ -191,8 +194,10 @@ def main() -> None:
         if small is not large:
             ratio = large.kernel_us_per_fault / small.kernel_us_per_fault
             print(
-                f"cells of {cell_vms}: kernel CPU per fault at {large.vms} VMs / at {small.vms} VMs = {ratio:.2f} "
-                f"(target <= 1.5); faults/s at {large.vms} = {large.faults_per_s:,.0f} (target >= 5,000)"
+                f"cells of {cell_vms}: kernel CPU per fault at {large.vms} VMs / at {small.vms} "
+                f"VMs = {ratio:.2f} "
+                f"(target <= 1.5); faults/s at {large.vms} = {large.faults_per_s:,.0f} (target >= "
+                "5,000)"
             )
     if args.json:
         args.json.write_text(json.dumps([asdict(p) for p in points], indent=2))

@@ -70,13 +70,15 @@ def run_one(conn, image, opts: RunOptions) -> RunResult:  # type: ignore[no-unty
     tp = result.throughput
     m = result.metrics
     extra = (
-        f" reads {m.read_share * 100:5.1f}% of sectors, {m.regions_per_1000:6.1f} MiB-regions/1k req"
+        f" reads {m.read_share * 100:5.1f}% of sectors, {m.regions_per_1000:6.1f} MiB-regions/1k "
+        "req"
         if m
         else ""
     )
     dilation = f" dilated x{result.dilation:4.1f}" if opts.dilate else ""
     print(
-        f"  {opts.workload:5} {opts.mix:11} disk {opts.disk:6}{dilation} trace {'on ' if opts.trace else 'off'} "
+        f"  {opts.workload:5} {opts.mix:11} disk {opts.disk:6}{dilation} trace "
+        f"{'on ' if opts.trace else 'off'} "
         f"c{opts.clients:<3} {tp.per_minute:8.1f} {tp.per_minute_label}{extra}",
         flush=True,
     )
@@ -176,7 +178,8 @@ def main() -> int:
         if 2 in sections:
             dilate = args.dilate is not None
             print(
-                f"2. TPC-C standard, heavy load ({args.heavy_clients} clients), {time_base(dilate)}:",
+                f"2. TPC-C standard, heavy load ({args.heavy_clients} clients), "
+                f"{time_base(dilate)}:",
                 flush=True,
             )
             factor = args.dilate or None
@@ -200,7 +203,8 @@ def main() -> int:
                     )  # the first run's measured slowdown, for all the others
         if 3 in sections:
             print(
-                f"3. tracing overhead (TPC-C standard, disk {args.overhead_disk}, one guest, {args.window:g} s "
+                f"3. tracing overhead (TPC-C standard, disk {args.overhead_disk}, one guest, "
+                f"{args.window:g} s "
                 f"windows: on, off, off, on, ...):",
                 flush=True,
             )
@@ -312,12 +316,16 @@ def print_disks(results: dict[str, RunResult], clients: int, rounds: int, base: 
         )
         value = mean_tpm(results, f"disk-{disk}", rounds)
         print(
-            f"    {disk:7} mean {value:8.1f} transactions/min ({each})  x{value / single:5.2f} of the single disk"
+            f"    {disk:7} mean {value:8.1f} transactions/min ({each})  x{value / single:5.2f} of "
+            "the single disk"
         )
     print(
-        f"    array > single: {'PASS' if mean_tpm(results, 'disk-array', rounds) > single else 'FAIL'}; "
-        f"raid5 > single: {'PASS' if mean_tpm(results, 'disk-raid5', rounds) > single else 'FAIL'}; "
-        f"ssd >= 5x single: {'PASS' if mean_tpm(results, 'disk-ssd', rounds) >= 5 * single else 'FAIL'}"
+        "    array > single: "
+        f"{'PASS' if mean_tpm(results, 'disk-array', rounds) > single else 'FAIL'}; "
+        "raid5 > single: "
+        f"{'PASS' if mean_tpm(results, 'disk-raid5', rounds) > single else 'FAIL'}; "
+        "ssd >= 5x single: "
+        f"{'PASS' if mean_tpm(results, 'disk-ssd', rounds) >= 5 * single else 'FAIL'}"
     )
 
 
@@ -356,7 +364,8 @@ def tracing_windows(
                 )
                 windows.append((on, tp.per_minute))
                 print(
-                    f"  window {len(windows):2}  tracing {'on ' if on else 'off'} {tp.per_minute:8.1f} "
+                    f"  window {len(windows):2}  tracing {'on ' if on else 'off'} "
+                    f"{tp.per_minute:8.1f} "
                     f"{tp.per_minute_label}",
                     flush=True,
                 )
@@ -368,20 +377,23 @@ def print_overhead(windows: list[tuple[bool, float]], disk: str) -> None:
     on = [x for traced, x in windows if traced]
     off = [x for traced, x in windows if not traced]
     mean_on, mean_off = sum(on) / len(on), sum(off) / len(off)
-    pairs = [(a - b) / b * 100 for a, b in zip(on, off)]
+    pairs = [(a - b) / b * 100 for a, b in zip(on, off, strict=False)]
     print(
-        f"  tracing on: {', '.join(f'{x:.1f}' for x in on)}  off (the model applied, nothing recorded): "
+        f"  tracing on: {', '.join(f'{x:.1f}' for x in on)}  off (the model applied, nothing "
+        "recorded): "
         f"{', '.join(f'{x:.1f}' for x in off)} transactions/min"
     )
     print(f"  on beside off, round by round: {', '.join(f'{d:+.1f}%' for d in pairs)}")
     print(
-        f"  mean on {mean_on:.1f}, off {mean_off:.1f}: difference {(mean_on - mean_off) / mean_off * 100:+.1f}%  "
+        f"  mean on {mean_on:.1f}, off {mean_off:.1f}: difference "
+        f"{(mean_on - mean_off) / mean_off * 100:+.1f}%  "
         f"{'PASS' if abs(mean_on - mean_off) <= 0.10 * mean_off else 'FAIL'} (within 10%)"
     )
 
 
 def save(results: dict[str, RunResult], out: Path) -> None:
-    """A list of dbtrace result documents: `scalebench dbtrace --compare --results PATH` reads it."""
+    """A list of dbtrace result documents: `scalebench dbtrace --compare --results PATH` reads
+    it."""
     out.mkdir(parents=True, exist_ok=True)
     for key, result in results.items():
         result.extra["acceptance_key"] = key

@@ -150,7 +150,8 @@ def throughput(workdir: Path, rounds: int, seconds: int) -> dict:
     (www / "index.html").write_bytes(SMALL)
     port = free_port()
     conf = workdir / "nginx.conf"
-    conf.write_text(f"""worker_processes 1; daemon off; pid {workdir}/nginx.pid; error_log {workdir}/nginx.err;
+    conf.write_text(f"""worker_processes 1; daemon off;
+pid {workdir}/nginx.pid; error_log {workdir}/nginx.err;
 events {{ worker_connections 1024; }}
 http {{ access_log off; keepalive_requests 10000000;
   server {{ listen 127.0.0.1:{port}; root {www}; }} }}
@@ -170,7 +171,7 @@ http {{ access_log off; keepalive_requests 10000000;
     return {
         "nginx_rps": nginx_rps,
         "densevm_rps": vm_rps,
-        "ratio_median": statistics.median(v / n for v, n in zip(vm_rps, nginx_rps)),
+        "ratio_median": statistics.median(v / n for v, n in zip(vm_rps, nginx_rps, strict=False)),
     }
 
 
@@ -188,26 +189,32 @@ def main() -> None:
         workdir = Path(tmp)
         boot = boot_and_memory(workdir, args.vms)
         print(
-            f"boot: {boot['vms']} VMs in {boot['boot_seconds']:.2f} s ({boot['vms_per_second']:.0f} VMs/s) on {boot['platform']}; "
-            f"{boot['exact_answers']}/{boot['vms']} answered GET / with the exact {len(SMALL)} bytes; "
+            f"boot: {boot['vms']} VMs in {boot['boot_seconds']:.2f} s "
+            f"({boot['vms_per_second']:.0f} VMs/s) on {boot['platform']}; "
+            f"{boot['exact_answers']}/{boot['vms']} answered GET / with the exact {len(SMALL)} "
+            "bytes; "
             f"shutdown {boot['shutdown_seconds']:.1f} s"
         )
         print(
-            f"memory: MemAvailable fell {boot['memavailable_drop_bytes'] / 2**20:.0f} MiB, guest RAM resident "
-            f"{boot['guest_ram_resident_bytes'] / 2**20:.0f} MiB -> {boot['host_bytes_per_idle_vm'] / 2**20:.3f} MiB "
+            f"memory: MemAvailable fell {boot['memavailable_drop_bytes'] / 2**20:.0f} MiB, guest "
+            "RAM resident "
+            f"{boot['guest_ram_resident_bytes'] / 2**20:.0f} MiB -> "
+            f"{boot['host_bytes_per_idle_vm'] / 2**20:.3f} MiB "
             f"of kernel + monitor memory per idle VM"
         )
         native = native_execution(workdir)
         print(
-            f"native: {native['requests']} requests, {native['insn_emulation_per_request']:.3f} emulated instructions, "
-            f"{native['exits_per_request']:.3f} exits, {native['halt_exits_per_request']:.3f} halts per request"
+            f"native: {native['requests']} requests, {native['insn_emulation_per_request']:.3f} "
+            "emulated instructions, "
+            f"{native['exits_per_request']:.3f} exits, {native['halt_exits_per_request']:.3f} "
+            "halts per request"
         )
         tput = throughput(workdir, args.rounds, args.seconds)
         print(
             "throughput (wrk -t1 -c32, 2,258 B): "
             + ", ".join(
                 f"nginx {n:.0f} / densevm {v:.0f}"
-                for n, v in zip(tput["nginx_rps"], tput["densevm_rps"])
+                for n, v in zip(tput["nginx_rps"], tput["densevm_rps"], strict=False)
             )
             + f" -> ratio {tput['ratio_median']:.2f} (median)"
         )

@@ -9,7 +9,8 @@ measures it. Rounds alternate the order (densevm, nginx, nginx, densevm, ...)
 so a drifting host load favours neither. The cells issue asks for densevm >=
 0.7 of nginx.
 
-Usage: experiments/bench/incore_vs_nginx.py [--vms 4000] [--rounds 2] [--seconds 30] [--json out.json]
+Usage: experiments/bench/incore_vs_nginx.py [--vms 4000] [--rounds 2] [--seconds 30] [--json
+out.json]
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ def main() -> None:
                 print(f"round {r + 1}: {server:<8} {rate:>9,.0f} requests/s", flush=True)
     d, n = statistics.mean(results["densevm"]), statistics.mean(results["nginx"])
     print(
-        f"{args.vms} VMs in core, Zipf 1.0, 64 in flight, a connection per request: densevm {d:,.0f} requests/s, "
+        f"{args.vms} VMs in core, Zipf 1.0, 64 in flight, a connection per request: densevm "
+        f"{d:,.0f} requests/s, "
         f"nginx (2 workers) {n:,.0f}: ratio {d / n:.2f} (target >= 0.7)"
     )
     if args.json:

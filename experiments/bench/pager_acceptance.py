@@ -156,11 +156,13 @@ def integrity(workdir: Path, total_faults: int) -> list[dict]:
             }
         )
         print(
-            f"integrity {policy:6} {block:>4}: {t['faults']:>8} faults, {t['selfcheck_pages']:>10} pages checked, "
+            f"integrity {policy:6} {block:>4}: {t['faults']:>8} faults, "
+            f"{t['selfcheck_pages']:>10} pages checked, "
             f"{t['selfcheck_errors']} mismatches"
         )
     print(
-        f"integrity total: {sum(r['faults'] for r in rows)} faults, {sum(r['mismatches'] for r in rows)} mismatches"
+        f"integrity total: {sum(r['faults'] for r in rows)} faults, "
+        f"{sum(r['mismatches'] for r in rows)} mismatches"
     )
     return rows
 
@@ -203,7 +205,8 @@ def budget(workdir: Path) -> dict:
         "faults": t["faults"],
     }
     print(
-        f"budget: {len(samples)} samples, max resident {pager_max / 2**20:.2f} MiB (kernel's non-atomic count "
+        f"budget: {len(samples)} samples, max resident {pager_max / 2**20:.2f} MiB (kernel's "
+        "non-atomic count "
         f"{kernel_max / 2**20:.2f} MiB) vs budget {mem / 2**20:.2f} MiB "
         f"(+{slack // 1024} KiB in flight allowed); {row['ok_2xx']}/{row['replies']} replies 2xx, "
         f"{row['errors']} errors, {t['faults']} faults"
@@ -242,7 +245,8 @@ def wsswap_vs_demand(workdir: Path, warmup: float, seconds: float) -> dict:
     wsswap = policy_run(workdir, "wsswap", warmup, seconds, None)
     ratio = wsswap["rps"] / demand["rps"] if demand["rps"] else float("inf")
     print(
-        f"wsswap vs demand (4000 VMs, alpha 1.0, 32k, hdd, 1 GiB): demand {demand['rps']:.1f} req/s, "
+        f"wsswap vs demand (4000 VMs, alpha 1.0, 32k, hdd, 1 GiB): demand {demand['rps']:.1f} "
+        "req/s, "
         f"wsswap {wsswap['rps']:.1f} req/s -> {ratio:.2f}x"
     )
     return {"demand": demand, "wsswap": wsswap, "ratio": ratio, "trace": str(trace)}
@@ -274,7 +278,8 @@ def pagesim_agreement(demand: dict, trace: Path) -> dict:
     measured = 1 - demand["faults"] / (demand["requests"] * sim["request_blocks"])
     gap = abs(sim["hit_ratio"] - measured) * 100
     print(
-        f"pagesim: hit ratio {sim['hit_ratio']:.4f} vs densevm {measured:.4f} -> {gap:.2f} percentage points"
+        f"pagesim: hit ratio {sim['hit_ratio']:.4f} vs densevm {measured:.4f} -> {gap:.2f} "
+        "percentage points"
     )
     return {
         "pagesim_hit_ratio": sim["hit_ratio"],

@@ -35,7 +35,8 @@ def main() -> None:
     ap.add_argument("--fault-us", type=float, default=100.0)
     args = ap.parse_args()
     print(
-        f"{'policy':7} {'alpha':>5} {'block':>5} {'hit che':>8} {'hit sim':>8} {'model rps':>10} {'sim rps':>9}"
+        f"{'policy':7} {'alpha':>5} {'block':>5} {'hit che':>8} {'hit sim':>8} {'model rps':>10} "
+        f"{'sim rps':>9}"
     )
     for policy in ("demand", "wsswap"):
         for alpha, block in [(a, "32k") for a in (0.0, 0.5, 1.0, 1.5)] + [

@@ -54,7 +54,10 @@ def tool(name: str) -> str:
 def client_time_wait(server_port: int) -> int:
     """TIME_WAIT sockets holding a client-side port (not the server's own)."""
     out = subprocess.run(
-        ["ss", "-Htan", "state", "time-wait"], capture_output=True, text=True
+        ["ss", "-Htan", "state", "time-wait"],
+        capture_output=True,
+        text=True,
+        check=False,
     ).stdout
     n = 0
     for line in out.splitlines():
@@ -150,33 +153,40 @@ def open_loop(port: int, rounds: int, httperf: str) -> None:
             h, z = httperf_figures(h_out), httperf_figures(z_out)
             if not (h_done and z_done and "reply_rate_avg" in h and "reply_rate_avg" in z):
                 print(
-                    f"{rate:>6} {r:>5}  incomplete run (httperf finished={h_done}, zipfperf finished={z_done})"
+                    f"{rate:>6} {r:>5}  incomplete run (httperf finished={h_done}, zipfperf "
+                    f"finished={z_done})"
                 )
                 continue
             ratio = (
                 z["reply_rate_avg"] / h["reply_rate_avg"] if h["reply_rate_avg"] else float("nan")
             )
             ratios.append(ratio)
-            # The criterion is stated at rates httperf sustains: no errors, >= 97% of the offered rate.
+            # The criterion is stated at rates httperf sustains: no errors, >= 97% of
+            # the offered rate.
             if h["errors"] == 0 and h["reply_rate_avg"] >= 0.97 * rate:
                 sustained.append(ratio)
             note = f"  (waited {waited:.0f} s for httperf's TIME_WAIT ports)" if waited > 1 else ""
             print(
-                f"{rate:>6} {r:>5} {h['reply_rate_avg']:>12.1f} {z['reply_rate_avg']:>13.1f} {ratio:>7.3f}"
+                f"{rate:>6} {r:>5} {h['reply_rate_avg']:>12.1f} {z['reply_rate_avg']:>13.1f} "
+                f"{ratio:>7.3f}"
                 f" {h['reply_rate_total']:>12.1f} {z['reply_rate_total']:>13.1f}"
-                f" {h['errors']:>5.0f}/{z['errors']:<5.0f} {z.get('p99_ms', 0):>10.1f}/{z.get('max_ms', 0):<9.1f}{note}"
+                f" {h['errors']:>5.0f}/{z['errors']:<5.0f} "
+                f"{z.get('p99_ms', 0):>10.1f}/{z.get('max_ms', 0):<9.1f}{note}"
             )
         if ratios:
             worst = max(abs(1 - x) for x in ratios)
             print(
-                f"{rate:>6}  all pairs: median ratio {statistics.median(ratios):.3f}, worst deviation {100 * worst:.2f}%"
+                f"{rate:>6}  all pairs: median ratio {statistics.median(ratios):.3f}, worst "
+                f"deviation {100 * worst:.2f}%"
             )
         if sustained:
             median = statistics.median(sustained)
             worst = max(abs(1 - x) for x in sustained)
             print(
-                f"{rate:>6}  pairs where httperf sustained the rate ({len(sustained)}): median ratio {median:.3f},"
-                f" worst deviation {100 * worst:.2f}% -> {'PASS' if abs(1 - median) <= 0.05 else 'FAIL'}"
+                f"{rate:>6}  pairs where httperf sustained the rate ({len(sustained)}): median "
+                f"ratio {median:.3f},"
+                f" worst deviation {100 * worst:.2f}% -> "
+                f"{'PASS' if abs(1 - median) <= 0.05 else 'FAIL'}"
                 " (median within 5%)"
             )
         else:
@@ -264,14 +274,17 @@ def closed_loop(port: int, rounds: int, wrk: str) -> None:
         w_total += w_rps
         z_total += z_rps
         print(
-            f"pair {r}: wrk {w_rps:>8.0f} req/s ({w_us:.1f} CPU-us/req)  zipfperf {z_rps:>8.0f} replies/s"
+            f"pair {r}: wrk {w_rps:>8.0f} req/s ({w_us:.1f} CPU-us/req)  zipfperf {z_rps:>8.0f} "
+            "replies/s"
             f" ({z_us:.1f} CPU-us/req)  ratio {z_rps / w_rps:.3f}  zipfperf p50"
-            f" {doc['latency_ms']['p50']:.3f} ms p99 {doc['latency_ms']['p99']:.3f} ms errors {doc['errors']['total']}"
+            f" {doc['latency_ms']['p50']:.3f} ms p99 {doc['latency_ms']['p99']:.3f} ms errors "
+            f"{doc['errors']['total']}"
         )
     if ratios:
         median = statistics.median(ratios)
         print(
-            f"median pair ratio {median:.3f}, ratio of sums {z_total / w_total:.3f} (min {min(ratios):.3f},"
+            f"median pair ratio {median:.3f}, ratio of sums {z_total / w_total:.3f} (min "
+            f"{min(ratios):.3f},"
             f" max {max(ratios):.3f}) -> {'PASS' if median >= 0.9 else 'FAIL'} (median >= 0.90)"
         )
 
@@ -279,13 +292,17 @@ def closed_loop(port: int, rounds: int, wrk: str) -> None:
 def sampler() -> None:
     print("\n== 4. Zipf sampling speed (rand_distr Zipf, N = 4,000) ==")
     out = subprocess.run(
-        [str(ZIPFPERF), "--bench-sampler=20000000"], capture_output=True, text=True
+        [str(ZIPFPERF), "--bench-sampler=20000000"],
+        capture_output=True,
+        text=True,
+        check=False,
     ).stdout
     print(out.rstrip())
     rates = [float(x) for x in re.findall(r"rate ([\d.]+) M samples/s", out)]
     if rates:
         print(
-            f"slowest {min(rates):.1f} M samples per CPU-second -> {'PASS' if min(rates) >= 10 else 'FAIL'}"
+            f"slowest {min(rates):.1f} M samples per CPU-second -> "
+            f"{'PASS' if min(rates) >= 10 else 'FAIL'}"
             " (>= 10 M/s; the wall figure drops when other processes share the CPU)"
         )
 
@@ -309,7 +326,7 @@ def main() -> None:
     print(
         time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "load:",
-        open("/proc/loadavg").read().split()[:3],
+        Path("/proc/loadavg").read_text().split()[:3],
     )
     parts = set(args.parts.split(","))
     unknown = parts - {"closed", "open", "high", "sampler"}

@@ -171,7 +171,7 @@ def _run(cmd: list[str], step: str, log: Path, env: dict[str, str] | None = None
     with log.open("a") as out:
         out.write(f"\n$ {' '.join(cmd)}\n")
         out.flush()
-        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, check=False)
     if proc.returncode != 0:
         tail = log.read_text().splitlines()[-5:]
         raise BuildError(
@@ -247,7 +247,8 @@ def _postgres_ids(root: Path) -> tuple[int, int]:
 
 
 def _build_image(base_root: Path, out: Path, log: Path) -> None:
-    """Copy the base tree, load the databases natively, install the guest init, make the ext4 image."""
+    """Copy the base tree, load the databases natively, install the guest init, make the ext4
+    image."""
     root = out / "root"
     _run(["cp", "-a", "--reflink=auto", str(base_root), str(root)], "copy base tree", log)
     (root / "etc/resolv.conf").write_text("")
@@ -271,8 +272,10 @@ def _build_image(base_root: Path, out: Path, log: Path) -> None:
         "-l",
         "/tmp/pg-build.log",
         "-o",
-        f"-c config_file={PG_CONF_DIR}/postgresql.conf -c listen_addresses='' -c unix_socket_directories={sock} "
-        "-c dynamic_shared_memory_type=mmap -c shared_buffers=256MB -c fsync=off -c full_page_writes=off "
+        f"-c config_file={PG_CONF_DIR}/postgresql.conf -c listen_addresses='' -c "
+        f"unix_socket_directories={sock} "
+        "-c dynamic_shared_memory_type=mmap -c shared_buffers=256MB -c fsync=off -c "
+        "full_page_writes=off "
         "-c synchronous_commit=off -c max_wal_size=4GB -c maintenance_work_mem=256MB",
     ]
     _pg(root, log, "start PostgreSQL (build)", *server, "start")
@@ -345,6 +348,7 @@ def _build_image(base_root: Path, out: Path, log: Path) -> None:
             capture_output=True,
             text=True,
             env=_chroot_env(),
+            check=False,
         )
         if probe.returncode != 0:
             raise BuildError(f"the CPU probe failed: {probe.stderr.strip()}")
@@ -353,8 +357,10 @@ def _build_image(base_root: Path, out: Path, log: Path) -> None:
         )
     finally:
         _pg(root, log, "stop PostgreSQL (build)", *server, "-m", "fast", "stop")
-    # After a clean shutdown only the segment holding the shutdown checkpoint (its REDO point) is needed. Older
-    # segments go; of the recycled ones waiting under future names, a few stay, as on a server that has been
+    # After a clean shutdown only the segment holding the shutdown checkpoint (its REDO point)
+    # is needed. Older
+    # segments go; of the recycled ones waiting under future names, a few stay, as on a server
+    # that has been
     # running (new segments would otherwise be zero-filled during the measured run).
     control = subprocess.run(
         [
@@ -370,6 +376,7 @@ def _build_image(base_root: Path, out: Path, log: Path) -> None:
         capture_output=True,
         text=True,
         env=_chroot_env(),
+        check=False,
     )
     redo = [
         line.split(":", 1)[1].strip()
@@ -491,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
             "build.py: error: building the image needs root (debootstrap, chroot)", file=sys.stderr
         )
         return 2
-    # A SIGTERM unwinds like an error: the build's PostgreSQL is stopped and the partial level removed.
+    # A SIGTERM unwinds like an error: the build's PostgreSQL is stopped and the partial level
+    # removed.
     signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit("build.py: error: terminated"))
     try:
         image = build(args.cache)

@@ -77,9 +77,8 @@ def start(
         str(api),
         *extra,
     ]
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=open(stderr_path, "wb"), cwd=tmp_path
-    )
+    with open(stderr_path, "wb") as stderr:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, cwd=tmp_path)
     deadline = time.monotonic() + timeout
     line = proc.stdout.readline()
     if not line or time.monotonic() > deadline:

@@ -19,6 +19,7 @@ averaged over the windows (a last partial window counts in proportion).
 from __future__ import annotations
 
 import csv
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -104,7 +105,7 @@ def block_metrics(records: Sequence[TraceRecord]) -> BlockMetrics:
     write_sectors = sum(r.sectors for r in writes)
     read_seq, read_streams = _streams(reads)
     write_seq, write_streams = _streams(writes)
-    gaps = [b.t - a.t for a, b in zip(data, data[1:])]
+    gaps = [b.t - a.t for a, b in itertools.pairwise(data)]
     moved = read_sectors + write_sectors
     return BlockMetrics(
         sectors_read=read_sectors,
@@ -126,7 +127,8 @@ def block_metrics(records: Sequence[TraceRecord]) -> BlockMetrics:
 
 
 def write_trace_csv(records: Sequence[TraceRecord], path: Path) -> None:
-    """One row per request: t_s (since the measured interval began), op, lba, sectors, latency_ms."""
+    """One row per request: t_s (since the measured interval began), op, lba, sectors,
+    latency_ms."""
     path.parent.mkdir(parents=True, exist_ok=True)
     t0 = records[0].t if records else 0.0
     with path.open("w", newline="") as out:
@@ -154,7 +156,8 @@ def read_trace_csv(path: Path) -> list[TraceRecord]:
 
 
 def plot_lba(records: Sequence[TraceRecord], path: Path, title: str, disk_sectors: int) -> None:
-    """LBA of each request against its issue time, reads and writes apart (the study's Figures 3-5)."""
+    """LBA of each request against its issue time, reads and writes apart (the study's Figures
+    3-5)."""
     import matplotlib
 
     matplotlib.use("Agg")

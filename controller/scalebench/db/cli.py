@@ -2,7 +2,8 @@
 
     scalebench dbtrace --workload tpcc|tpcw|rubis --mix NAME --clients N --duration S
                        [--disk none|hdd15k|array|raid5|ssd] [--json PATH] [--out DIR]
-                       [--warmup S] [--no-trace] [--dilate [FACTOR]] [--memory MIB] [--boot-timeout S]
+                       [--warmup S] [--no-trace] [--dilate [FACTOR]] [--memory MIB] [--boot-timeout
+                       S]
     scalebench dbtrace --compare [--results JSON ...] [--study-load heavy|light]
                        [--clients N --duration S --disk MODEL]
 
@@ -136,19 +137,23 @@ def _options(args: argparse.Namespace, workload: str, mix: str) -> Any:
 def _print_run(doc: dict[str, Any]) -> None:
     opts = doc["options"]
     print(
-        f"dbtrace {opts['workload']} {opts['mix']}: {opts['clients']} clients, {opts['duration_s']:g} s, "
-        f"disk {opts['disk']}, domain type {doc['domain_type']}, guest up in {doc['boot_seconds']:.1f} s"
+        f"dbtrace {opts['workload']} {opts['mix']}: {opts['clients']} clients, "
+        f"{opts['duration_s']:g} s, "
+        f"disk {opts['disk']}, domain type {doc['domain_type']}, guest up in "
+        f"{doc['boot_seconds']:.1f} s"
     )
     if doc["dilation"] > 1.0:
         print(
-            f"disk model time-dilated x{doc['dilation']:.1f} (guest CPU slowdown measured against native)"
+            f"disk model time-dilated x{doc['dilation']:.1f} (guest CPU slowdown measured against "
+            "native)"
         )
     print(throughput_line(doc))
     if doc["metrics"]:
         m = doc["metrics"]
         print(metrics_table(f"{opts['workload']} {opts['mix']}", m))
         print(
-            f"reads {m['reads']}, writes {m['writes']}, flushes {m['flushes']}; read share by sectors "
+            f"reads {m['reads']}, writes {m['writes']}, flushes {m['flushes']}; read share by "
+            "sectors "
             f"{m['read_share'] * 100:.1f}%; footprint {m['regions_per_1000']:.0f} MiB-regions and "
             f"{m['blocks_per_1000']:.0f} 4K-blocks per 1,000 requests; mean latency read "
             f"{m['mean_read_latency_ms']:.2f} ms, write {m['mean_write_latency_ms']:.2f} ms"
@@ -194,7 +199,8 @@ def run(args: argparse.Namespace) -> int:
     from .run import run_dbtrace, save_json
 
     if threading.current_thread() is threading.main_thread():
-        # A SIGTERM unwinds like Ctrl-C: the guest is destroyed and the libvirtd we started is stopped.
+        # A SIGTERM unwinds like Ctrl-C: the guest is destroyed and the libvirtd we
+        # started is stopped.
         signal.signal(signal.SIGTERM, lambda _sig, _frame: _raise_interrupt())
     try:
         if args.compare:

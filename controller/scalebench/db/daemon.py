@@ -10,6 +10,7 @@ reach the run directory's NBD socket and files.
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import os
 import pwd
@@ -138,10 +139,9 @@ class Libvirt:
         tb: TracebackType | None,
     ) -> None:
         if self.conn is not None:
-            try:
+            # Closing is best effort: the daemon is stopped next whatever it says.
+            with contextlib.suppress(Exception):
                 self.conn.close()  # type: ignore[attr-defined]
-            except Exception:
-                pass
             self.conn = None
         self._stop_daemon()
 

@@ -56,12 +56,14 @@ class DomainSpec:
         if self.nbd_socket is not None:
             return (
                 "<disk type='network' device='disk'><driver name='qemu' type='raw'/>"
-                f"<source protocol='nbd'><host transport='unix' socket={quoteattr(str(self.nbd_socket))}/>"
+                "<source protocol='nbd'><host transport='unix' "
+                f"socket={quoteattr(str(self.nbd_socket))}/>"
                 "</source><target dev='vda' bus='virtio'/></disk>"
             )
         return (
             "<disk type='file' device='disk'><driver name='qemu' type='qcow2'/>"
-            f"<source file={quoteattr(str(self.qcow2_overlay))}/><target dev='vda' bus='virtio'/></disk>"
+            f"<source file={quoteattr(str(self.qcow2_overlay))}/><target dev='vda' "
+            "bus='virtio'/></disk>"
         )
 
     def netdev(self) -> str:

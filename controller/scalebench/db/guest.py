@@ -1,13 +1,15 @@
 """One database guest's life: overlay, tracer, domain, readiness, teardown.
 
 The guest's disk is either our NBD server (copy-on-write over the base image,
-traced, disk model applied; in its own process, see tracer.py) or, with tracing off and no disk model, a qcow2
+traced, disk model applied; in its own process, see tracer.py) or, with tracing off and no disk
+model, a qcow2
 overlay QEMU opens itself. Any failure destroys the domain, stops the server
 and removes the overlay; the base image is only ever opened read-only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import time
@@ -43,7 +45,8 @@ class GuestConfig:
     trace: bool = True
     memory_mib: int = 256
     boot_timeout_s: float = 240.0
-    dilate: bool = False  # slow the disk model down by the guest's measured CPU slowdown (see diskmodel.Dilated)
+    # Slow the disk model down by the guest's measured CPU slowdown (see diskmodel.Dilated).
+    dilate: bool = False
     # With dilate: this factor instead of the measured slowdown, so that runs compared with each
     # other share one time base (a slowdown measured per run varies with the host's load).
     dilation: float | None = None
@@ -131,6 +134,7 @@ class DbGuest:
                 ],
                 capture_output=True,
                 text=True,
+                check=False,
             )
             if proc.returncode != 0:
                 raise DbTraceError(f"qemu-img could not create the overlay: {proc.stderr.strip()}")
@@ -182,7 +186,7 @@ class DbGuest:
                 try:
                     connect(self.port, "postgres", timeout=10).close()
                     break
-                except Exception:
+                except Exception:  # noqa: BLE001 - any failure means: not accepting connections yet
                     pass
             if time.monotonic() > deadline:
                 raise DbTraceError(
@@ -208,7 +212,8 @@ class DbGuest:
             conn.close()
 
     def measure_cpu_slowdown(self) -> float:
-        """The guest's time for the image's CPU probe over the native time measured at build time."""
+        """The guest's time for the image's CPU probe over the native time measured at build
+        time."""
         from .sql import connect
 
         image = self.config.image
@@ -233,7 +238,8 @@ class DbGuest:
         self.server.dilate(self.dilation)
 
     def set_tracing(self, on: bool) -> None:
-        """Record the guest's block requests from now on, or not (the disk model applies either way)."""
+        """Record the guest's block requests from now on, or not (the disk model applies either
+        way)."""
         if self.server is None:
             raise DbTraceError("tracing needs our NBD server on the disk path")
         self.server.set_recording(on)
@@ -257,10 +263,8 @@ class DbGuest:
         import libvirt
 
         if self.domain is not None:
-            try:
+            with contextlib.suppress(libvirt.libvirtError):
                 self.domain.destroy()  # type: ignore[attr-defined]
-            except libvirt.libvirtError:
-                pass
             self.domain = None
         if self.server is not None:
             self.server.stop()

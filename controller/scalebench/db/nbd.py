@@ -17,6 +17,7 @@ are due, so requests overlap in the model as they do on a real queue.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import os
 import socket
@@ -166,20 +167,16 @@ class NbdServer:
             self._cv.notify_all()
         for sock in (self._conn, self._listener):
             if sock is not None:
-                try:
+                with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
                 sock.close()
         for thread in self._threads:
             thread.join(timeout=5)
         if self.image is not None:
             self.image.close()
             self.image = None  # type: ignore[assignment]
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
-        except FileNotFoundError:
-            pass
 
     # -- negotiation -------------------------------------------------------
     def _recv(self, n: int) -> bytes:
@@ -243,7 +240,7 @@ class NbdServer:
         except (EOFError, OSError):
             if not self._stopping and self._conn is None:
                 self.error = "NBD client never connected"
-        except Exception as err:  # a protocol violation or a host I/O error ends the device
+        except Exception as err:  # noqa: BLE001 - a protocol violation or an I/O error ends the device
             self.error = f"NBD server failed: {err}"
         finally:
             with self._cv:

@@ -38,8 +38,8 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
         max(len(header[i]), *(len(r[i]) for r in rows)) if rows else len(header[i])
         for i in range(len(header))
     ]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=False))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=False)) for r in rows]
     return "\n".join(lines)
 
 

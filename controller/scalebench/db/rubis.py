@@ -13,7 +13,7 @@ authenticates the user first). Mixes as in the study's Table 2: browsing
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, ClassVar
 
 from .sql import q
 from .workload import Interaction, scale_of
@@ -70,7 +70,8 @@ def browse_categories(conn: Any, rng: random.Random, s: dict[str, Any]) -> None:
 def search_items_in_category(conn: Any, rng: random.Random, s: dict[str, Any]) -> None:
     q(
         conn,
-        "SELECT id, name, initial_price, max_bid, nb_of_bids, end_date FROM items WHERE category = :c "
+        "SELECT id, name, initial_price, max_bid, nb_of_bids, end_date FROM items WHERE category "
+        "= :c "
         "AND end_date >= now() ORDER BY end_date LIMIT 25 OFFSET :o",
         c=rng.randint(1, s["categories"]),
         o=25 * rng.randrange(4),
@@ -85,7 +86,8 @@ def search_items_in_region(conn: Any, rng: random.Random, s: dict[str, Any]) -> 
     q(
         conn,
         "SELECT i.id, i.name, i.initial_price, i.max_bid, i.nb_of_bids, i.end_date FROM items i "
-        "JOIN users u ON i.seller = u.id WHERE i.category = :c AND u.region = :r AND i.end_date >= now() "
+        "JOIN users u ON i.seller = u.id WHERE i.category = :c AND u.region = :r AND i.end_date "
+        ">= now() "
         "ORDER BY i.end_date LIMIT 25",
         c=rng.randint(1, s["categories"]),
         r=rng.randint(1, s["regions"]),
@@ -103,7 +105,8 @@ def view_user_info(conn: Any, rng: random.Random, s: dict[str, Any]) -> None:
     q(conn, "SELECT * FROM users WHERE id = :u", u=seller)
     q(
         conn,
-        "SELECT c.comment, c.rating, u.nickname FROM comments c JOIN users u ON c.from_user_id = u.id "
+        "SELECT c.comment, c.rating, u.nickname FROM comments c JOIN users u ON c.from_user_id = "
+        "u.id "
         "WHERE c.to_user_id = :u",
         u=seller,
     )
@@ -131,7 +134,8 @@ def store_bid(conn: Any, rng: random.Random, s: dict[str, Any]) -> None:
     bid = float(current or 0) + rng.uniform(0.5, 5.0)
     q(
         conn,
-        "INSERT INTO bids (user_id, item_id, qty, bid, max_bid, date) VALUES (:u, :i, 1, :b, :b, now())",
+        "INSERT INTO bids (user_id, item_id, qty, bid, max_bid, date) VALUES (:u, :i, 1, :b, :b, "
+        "now())",
         u=user,
         i=item,
         b=round(bid, 2),
@@ -190,7 +194,8 @@ def register_user(conn: Any, rng: random.Random, s: dict[str, Any]) -> None:
     ((n,),) = q(conn, "SELECT nextval('users_id_seq')")
     q(
         conn,
-        "INSERT INTO users VALUES (:n, 'first', 'last', :nick, :pw, 'new@example.invalid', 0, 0, now(), :r)",
+        "INSERT INTO users VALUES (:n, 'first', 'last', :nick, :pw, 'new@example.invalid', 0, 0, "
+        "now(), :r)",
         n=n,
         nick=f"user{n}",
         pw=f"pw{n}",
@@ -202,8 +207,10 @@ def register_item(conn: Any, rng: random.Random, s: dict[str, Any]) -> None:
     seller = _authenticate(conn, rng, s)
     q(
         conn,
-        "INSERT INTO items (name, description, initial_price, quantity, reserve_price, buy_now, nb_of_bids, "
-        "max_bid, start_date, end_date, seller, category) VALUES ('new item', :d, 10, 1, 15, 30, 0, 0, now(), "
+        "INSERT INTO items (name, description, initial_price, quantity, reserve_price, buy_now, "
+        "nb_of_bids, "
+        "max_bid, start_date, end_date, seller, category) VALUES ('new item', :d, 10, 1, 15, 30, "
+        "0, 0, now(), "
         "now() + interval '7 days', :s, :c)",
         d="description " * 40,
         s=seller,
@@ -217,12 +224,12 @@ class Rubis:
     name = "rubis"
     database = "rubis"
     per_minute_label = "web interactions/min"
-    mixes: dict[str, dict[str, float]] = {
+    mixes: ClassVar[dict[str, dict[str, float]]] = {
         "browsing": _mix(1.0),
         "bidding": _mix(0.85),
         "highbidding": _mix(0.60),
     }
-    interactions: dict[str, Interaction] = {
+    interactions: ClassVar[dict[str, Interaction]] = {
         "browse_categories": browse_categories,
         "search_items_in_category": search_items_in_category,
         "browse_regions": browse_regions,

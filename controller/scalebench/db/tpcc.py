@@ -11,7 +11,7 @@ Throughput is reported in transactions per minute (all five kinds).
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, ClassVar
 
 from .sql import q
 from .workload import ExpectedRollback, Interaction, scale_of
@@ -36,7 +36,8 @@ def last_name(n: int) -> str:
 def _customer_by_last_name(conn: Any, w: int, d: int, rng: random.Random) -> int:
     rows = q(
         conn,
-        "SELECT c_id FROM customer WHERE c_w_id = :w AND c_d_id = :d AND c_last = :l ORDER BY c_first",
+        "SELECT c_id FROM customer WHERE c_w_id = :w AND c_d_id = :d AND c_last = :l ORDER BY "
+        "c_first",
         w=w,
         d=d,
         l=last_name(nurand(rng, 255, 0, 999, C_LAST_RUN)),
@@ -58,7 +59,7 @@ def new_order(conn: Any, rng: random.Random, s: dict[str, Any]) -> None:
     ]
     qty = [rng.randint(1, 10) for _ in items]
     q(conn, "SELECT w_tax FROM warehouse WHERE w_id = :w", w=w)
-    ((d_tax, o_id),) = q(
+    ((_d_tax, o_id),) = q(
         conn,
         "UPDATE district SET d_next_o_id = d_next_o_id + 1 WHERE d_w_id = :w AND d_id = :d "
         "RETURNING d_tax, d_next_o_id - 1",
@@ -67,7 +68,8 @@ def new_order(conn: Any, rng: random.Random, s: dict[str, Any]) -> None:
     )
     q(
         conn,
-        "SELECT c_discount, c_last, c_credit FROM customer WHERE c_w_id = :w AND c_d_id = :d AND c_id = :c",
+        "SELECT c_discount, c_last, c_credit FROM customer WHERE c_w_id = :w AND c_d_id = :d AND "
+        "c_id = :c",
         w=w,
         d=d,
         c=c,
@@ -103,7 +105,8 @@ def new_order(conn: Any, rng: random.Random, s: dict[str, Any]) -> None:
     q(
         conn,
         "INSERT INTO order_line SELECT :w, :d, :o, n, i, sw, NULL, q, q * p, di "
-        "FROM unnest(CAST(:ns AS int[]), CAST(:ids AS int[]), CAST(:sws AS int[]), CAST(:qs AS int[]), "
+        "FROM unnest(CAST(:ns AS int[]), CAST(:ids AS int[]), CAST(:sws AS int[]), CAST(:qs AS "
+        "int[]), "
         "CAST(:ps AS numeric[]), CAST(:dis AS text[])) AS v(n, i, sw, q, p, di)",
         w=w,
         d=d,
@@ -144,7 +147,8 @@ def payment(conn: Any, rng: random.Random, s: dict[str, Any]) -> None:
         conn,
         "UPDATE customer SET c_balance = c_balance - :h, c_ytd_payment = c_ytd_payment + :h, "
         "c_payment_cnt = c_payment_cnt + 1, c_data = CASE WHEN c_credit = 'BC' THEN "
-        "substr(:info || c_data, 1, 500) ELSE c_data END WHERE c_w_id = :w AND c_d_id = :d AND c_id = :c",
+        "substr(:info || c_data, 1, 500) ELSE c_data END WHERE c_w_id = :w AND c_d_id = :d AND "
+        "c_id = :c",
         h=amount,
         info=f"{c} {cd} {cw} {d} {w} {amount} ",
         w=cw,
@@ -172,7 +176,8 @@ def order_status(conn: Any, rng: random.Random, s: dict[str, Any]) -> None:
     )
     q(
         conn,
-        "SELECT c_balance, c_first, c_middle, c_last FROM customer WHERE c_w_id = :w AND c_d_id = :d "
+        "SELECT c_balance, c_first, c_middle, c_last FROM customer WHERE c_w_id = :w AND c_d_id = "
+        ":d "
         "AND c_id = :c",
         w=w,
         d=d,
@@ -195,14 +200,18 @@ def delivery(conn: Any, rng: random.Random, s: dict[str, Any]) -> None:
         q(
             conn,
             "WITH no AS (DELETE FROM new_order WHERE (no_w_id, no_d_id, no_o_id) IN "
-            "  (SELECT no_w_id, no_d_id, no_o_id FROM new_order WHERE no_w_id = :w AND no_d_id = :d "
+            "  (SELECT no_w_id, no_d_id, no_o_id FROM new_order WHERE no_w_id = :w AND no_d_id = "
+            ":d "
             "   ORDER BY no_o_id LIMIT 1 FOR UPDATE SKIP LOCKED) RETURNING no_o_id), "
             "o AS (UPDATE orders SET o_carrier_id = :car FROM no WHERE o_w_id = :w AND o_d_id = :d "
             "  AND o_id = no.no_o_id RETURNING o_id, o_c_id), "
-            "ol AS (UPDATE order_line SET ol_delivery_d = now() FROM o WHERE ol_w_id = :w AND ol_d_id = :d "
+            "ol AS (UPDATE order_line SET ol_delivery_d = now() FROM o WHERE ol_w_id = :w AND "
+            "ol_d_id = :d "
             "  AND ol_o_id = o.o_id RETURNING ol_amount) "
-            "UPDATE customer SET c_balance = c_balance + (SELECT coalesce(sum(ol_amount), 0) FROM ol), "
-            "c_delivery_cnt = c_delivery_cnt + 1 FROM o WHERE c_w_id = :w AND c_d_id = :d AND c_id = o.o_c_id",
+            "UPDATE customer SET c_balance = c_balance + (SELECT coalesce(sum(ol_amount), 0) FROM "
+            "ol), "
+            "c_delivery_cnt = c_delivery_cnt + 1 FROM o WHERE c_w_id = :w AND c_d_id = :d AND "
+            "c_id = o.o_c_id",
             w=w,
             d=d,
             car=carrier,
@@ -213,7 +222,8 @@ def stock_level(conn: Any, rng: random.Random, s: dict[str, Any]) -> None:
     w, d = s["home"], s["district"]
     q(
         conn,
-        "SELECT count(DISTINCT s_i_id) FROM order_line JOIN stock ON s_w_id = :w AND s_i_id = ol_i_id "
+        "SELECT count(DISTINCT s_i_id) FROM order_line JOIN stock ON s_w_id = :w AND s_i_id = "
+        "ol_i_id "
         "WHERE ol_w_id = :w AND ol_d_id = :d AND s_quantity < :t AND ol_o_id >= "
         "(SELECT d_next_o_id - 20 FROM district WHERE d_w_id = :w AND d_id = :d) AND ol_o_id < "
         "(SELECT d_next_o_id FROM district WHERE d_w_id = :w AND d_id = :d)",
@@ -229,7 +239,7 @@ class Tpcc:
     name = "tpcc"
     database = "tpcc"
     per_minute_label = "transactions/min"
-    mixes: dict[str, dict[str, float]] = {
+    mixes: ClassVar[dict[str, dict[str, float]]] = {
         "standard": {
             "new_order": 45,
             "payment": 43,
@@ -245,7 +255,7 @@ class Tpcc:
             "stock_level": 4,
         },
     }
-    interactions: dict[str, Interaction] = {
+    interactions: ClassVar[dict[str, Interaction]] = {
         "new_order": new_order,
         "payment": payment,
         "order_status": order_status,

@@ -6,7 +6,8 @@ TPC-W's browsing mix): Home, New Products, Best Sellers, Product Detail,
 Search Request, Search Results (by subject, author or title; a title search
 is a ``LIKE '%word%'`` scan of the item table, as in the common Java
 implementation). Best Sellers aggregates the most recent orders: 1,000 here,
-TPC-W's 3,333 scaled with the database (0.3 of the study's). Order interactions (weights from TPC-W's ordering mix):
+TPC-W's 3,333 scaled with the database (0.3 of the study's). Order interactions (weights from
+TPC-W's ordering mix):
 Shopping Cart, Customer Registration, Buy Request, Buy Confirm, Order
 Inquiry, Order Display, Admin Request, Admin Confirm. The mixes set the share
 of browse versus order interactions as in the study's Table 1: browsing 95/5,
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import Any
+from typing import Any, ClassVar
 
 from .sql import q
 from .workload import Interaction, scale_of
@@ -80,14 +81,16 @@ def home(conn: Any, rng: random.Random, s: dict[str, Any]) -> None:
 def new_products(conn: Any, rng: random.Random, s: dict[str, Any]) -> None:
     q(
         conn,
-        "SELECT i_id, i_title, a_fname, a_lname FROM item JOIN author ON i_a_id = a_id WHERE i_subject = :s "
+        "SELECT i_id, i_title, a_fname, a_lname FROM item JOIN author ON i_a_id = a_id WHERE "
+        "i_subject = :s "
         "ORDER BY i_pub_date DESC, i_title LIMIT 50",
         s=rng.randrange(s["subjects"]),
     )
 
 
 def best_sellers(conn: Any, rng: random.Random, s: dict[str, Any]) -> None:
-    # The window's lower bound is passed as a value so that the planner sees a short range of order_line.
+    # The window's lower bound is passed as a value so that the planner sees a short range of
+    # order_line.
     ((latest,),) = q(conn, "SELECT max(o_id) FROM orders")
     q(
         conn,
@@ -158,7 +161,8 @@ def shopping_cart(conn: Any, rng: random.Random, s: dict[str, Any]) -> None:
     q(conn, "UPDATE shopping_cart SET sc_time = now() WHERE sc_id = :c", c=cart)
     q(
         conn,
-        "SELECT scl_i_id, i_title, i_cost, scl_qty FROM shopping_cart_line JOIN item ON scl_i_id = i_id "
+        "SELECT scl_i_id, i_title, i_cost, scl_qty FROM shopping_cart_line JOIN item ON scl_i_id "
+        "= i_id "
         "WHERE scl_sc_id = :c",
         c=cart,
     )
@@ -198,13 +202,15 @@ def buy_request(conn: Any, rng: random.Random, s: dict[str, Any]) -> None:
     )
     q(
         conn,
-        "UPDATE customer SET c_login = now(), c_expiration = now() + interval '2 hours' WHERE c_id = :c",
+        "UPDATE customer SET c_login = now(), c_expiration = now() + interval '2 hours' WHERE "
+        "c_id = :c",
         c=s["customer"],
     )
     cart = _ensure_cart(conn, s)
     q(
         conn,
-        "SELECT scl_i_id, i_title, i_cost, scl_qty FROM shopping_cart_line JOIN item ON scl_i_id = i_id "
+        "SELECT scl_i_id, i_title, i_cost, scl_qty FROM shopping_cart_line JOIN item ON scl_i_id "
+        "= i_id "
         "WHERE scl_sc_id = :c",
         c=cart,
     )
@@ -236,7 +242,8 @@ def buy_confirm(conn: Any, rng: random.Random, s: dict[str, Any]) -> None:
     )
     q(
         conn,
-        "UPDATE item SET i_stock = CASE WHEN i_stock - v.q < 10 THEN i_stock - v.q + 21 ELSE i_stock - v.q END "
+        "UPDATE item SET i_stock = CASE WHEN i_stock - v.q < 10 THEN i_stock - v.q + 21 ELSE "
+        "i_stock - v.q END "
         "FROM unnest(CAST(:ids AS int[]), CAST(:qs AS int[])) AS v(i, q) WHERE i_id = v.i",
         ids=[int(r[0]) for r in lines],
         qs=[int(r[1]) for r in lines],
@@ -279,7 +286,8 @@ def admin_confirm(conn: Any, rng: random.Random, s: dict[str, Any]) -> None:
     q(
         conn,
         "UPDATE item SET i_cost = i_cost * 0.99, i_image = 'img/new', i_thumbnail = 'thumb/new', "
-        "i_pub_date = current_date, i_related1 = :r1, i_related2 = :r2, i_related3 = :r3, i_related4 = :r4, "
+        "i_pub_date = current_date, i_related1 = :r1, i_related2 = :r2, i_related3 = :r3, "
+        "i_related4 = :r4, "
         "i_related5 = :r5 WHERE i_id = :i",
         i=item,
         r1=related[0],
@@ -296,12 +304,12 @@ class Tpcw:
     name = "tpcw"
     database = "tpcw"
     per_minute_label = "web interactions/min"
-    mixes: dict[str, dict[str, float]] = {
+    mixes: ClassVar[dict[str, dict[str, float]]] = {
         "browsing": _mix(0.95),
         "shopping": _mix(0.80),
         "ordering": _mix(0.50),
     }
-    interactions: dict[str, Interaction] = {
+    interactions: ClassVar[dict[str, Interaction]] = {
         "home": home,
         "new_products": new_products,
         "best_sellers": best_sellers,

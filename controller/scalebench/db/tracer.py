@@ -48,7 +48,7 @@ def _child(
             record=record,
             real_flush=real_flush,
         )
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - reported to the parent, whatever it is
         conn.send(("error", f"the NBD server could not start: {err}"))
         return
     conn.send(("ready", server.t0))

@@ -9,6 +9,7 @@ think time: the study's heavy-load set-up) and record response times.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 import threading
@@ -142,7 +143,7 @@ def run_workload(
         conn, out = conns[index], results[index]
         try:
             state = workload.session(conn, index, rng)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - the client's failure is its result
             out.failure = f"session set-up failed: {err}"
             start_barrier.abort()
             return
@@ -159,11 +160,11 @@ def run_workload(
                 conn.run("COMMIT")
             except ExpectedRollback:
                 conn.run("ROLLBACK")
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - a failed interaction is counted, not fatal
                 out.errors[name] = out.errors.get(name, 0) + 1
                 try:
                     conn.run("ROLLBACK")
-                except Exception:
+                except Exception:  # noqa: BLE001 - a connection that cannot roll back is done
                     out.failure = f"{name}: {err}"
                     return
                 continue
@@ -174,10 +175,8 @@ def run_workload(
     stop_at[0] = float("inf")
     for thread in threads:
         thread.start()
-    try:
+    with contextlib.suppress(threading.BrokenBarrierError):
         start_barrier.wait(timeout=600)
-    except threading.BrokenBarrierError:
-        pass
     if on_start is not None:
         on_start()
     began = time.monotonic()
@@ -192,10 +191,8 @@ def run_workload(
         ended = min(time.monotonic(), stop_at[0])
         stop_at[0] = 0.0
         for conn in conns:
-            try:
+            with contextlib.suppress(Exception):
                 conn.close()
-            except Exception:
-                pass
     elapsed = max(ended - began, 1e-9)
     failures = [r.failure for r in results if r.failure]
     if failures and not any(r.samples for r in results):
