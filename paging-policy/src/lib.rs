@@ -12,6 +12,7 @@
 //! [`space`] (swap layouts), [`swap`] (the O_DIRECT device), [`disk`] (disk
 //! models), [`stats`], [`trace`], [`config`], [`error`].
 
+pub mod batching;
 pub mod config;
 pub mod disk;
 pub mod error;

@@ -52,14 +52,12 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 
+use crate::batching::{cluster_writes, read_runs, runs, write_runs};
 use crate::config::{check_block, default_swap_path, PagerConfig};
 use crate::disk::DiskSpec;
 use crate::error::PagerError;
 use crate::guest_memory::{SpaceHandoff, SpaceId};
-use crate::ledger::{
-    cluster_writes, read_runs, write_runs, Access, Admission, Classified, Ledger, PlanBlock, Wakes,
-    NO_LOC,
-};
+use crate::ledger::{Access, Admission, Classified, Ledger, PlanBlock, Wakes, NO_LOC};
 use crate::policy::{build_policy, BlockId, SwapLayout, VmId};
 use crate::space::SwapSpace;
 use crate::stats::TotalLatency;
@@ -726,17 +724,11 @@ impl Pager {
         // Installed without waking: the faulting thread and any other
         // waiting on these blocks (deferred ones included) resume only now
         // that the ledger and the stats account for the install.
-        let mut i = 0;
-        while i < plan.len() {
-            let mut j = i + 1;
-            while j < plan.len() && plan[j].block == plan[j - 1].block + 1 {
-                j += 1;
-            }
+        for run in runs(&plan, |a, b| b.block == a.block + 1) {
             let _ = place
                 .space
                 .uffd
-                .wake(place.addr(plan[i].block, bs), (j - i) * bs);
-            i = j;
+                .wake(place.addr(plan[run.start].block, bs), run.len() * bs);
         }
         s.plan = plan;
         r
@@ -782,15 +774,9 @@ impl Pager {
     fn install(&self, plan: &[PlanBlock], place: &Place, s: &Scratch) -> Result<(), PagerError> {
         let bs = self.block;
         let buf = s.read.as_slice();
-        let mut i = 0;
-        while i < plan.len() {
-            let mut j = i + 1;
-            while j < plan.len()
-                && plan[j].block == plan[j - 1].block + 1
-                && plan[j].dirty == plan[i].dirty
-            {
-                j += 1;
-            }
+        for std::ops::Range { start: i, end: j } in
+            runs(plan, |a, b| b.block == a.block + 1 && b.dirty == a.dirty)
+        {
             let dst = place.addr(plan[i].block, bs);
             // SAFETY: source is our buffer of (j-i) blocks; the destination
             // blocks are registered and absent (busy in the ledger).
@@ -801,7 +787,6 @@ impl Pager {
                     .copy(dst, buf[i * bs..].as_ptr(), (j - i) * bs, !plan[i].dirty)
             };
             tolerate(&place.space, copied)?;
-            i = j;
         }
         Ok(())
     }
@@ -815,13 +800,6 @@ impl Pager {
         s: &mut Scratch,
     ) -> Result<f64, PagerError> {
         let bs = self.block;
-        let adj: Vec<bool> = (0..victims.len())
-            .map(|i| {
-                i > 0
-                    && victims[i].vm == victims[i - 1].vm
-                    && victims[i].block == victims[i - 1].block + 1
-            })
-            .collect();
         let addrs: Vec<usize> = victims
             .iter()
             .zip(places)
@@ -835,16 +813,8 @@ impl Pager {
         let addr = |i: usize| addrs[i];
         let offset = |i: usize| offsets[i];
         // Runs of blocks adjacent in one VM's memory.
-        let mut adjacent_runs = Vec::new();
-        let mut i = 0;
-        while i < victims.len() {
-            let mut j = i + 1;
-            while j < victims.len() && adj[j] {
-                j += 1;
-            }
-            adjacent_runs.push(i..j);
-            i = j;
-        }
+        let adjacent_runs: Vec<_> =
+            runs(victims, |a, b| b.vm == a.vm && b.block == a.block + 1).collect();
         // 1. Stop writers: from here on a write blocks on the protection.
         for run in &adjacent_runs {
             let space = &places[run.start].space;

@@ -22,10 +22,11 @@
 
 use serde::Serialize;
 
+use crate::batching::{cluster_writes, read_runs, write_runs};
 use crate::config::check_block;
 use crate::disk::{DiskModel, DiskSpec};
 use crate::error::PagerError;
-use crate::ledger::{cluster_writes, read_runs, write_runs, Admission, Ledger, PlanBlock, Wakes};
+use crate::ledger::{Admission, Ledger, PlanBlock, Wakes};
 use crate::policy::{build_policy, SwapLayout, VmId};
 use crate::space::SwapSpace;
 
