@@ -9,7 +9,7 @@ use crate::supervisor::{Exit, Supervisor, SupervisorSetup};
 use clap::Args;
 use kvm_ioctls::Kvm;
 use paging_policy::trace::{TraceHeader, TraceWriter};
-use paging_policy::{parse_size, Pager, PagerConfig};
+use paging_policy::{parse_size, DiskSpec, Pager, PagerConfig, PolicySpec};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::io::Write;
@@ -250,10 +250,10 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
     let pager_config = PagerConfig {
         budget_bytes: size("--mem", &args.mem)?,
         block_bytes: size("--block", &args.block)?,
-        policy: args.policy.clone(),
+        policy: PolicySpec::parse(&args.policy).map_err(|e| ConfigError(e.to_string()))?,
         swap_path: args.swap.clone(),
         keep_swap: args.keep_swap,
-        disk: args.disk.clone(),
+        disk: DiskSpec::parse(&args.disk).map_err(|e| ConfigError(e.to_string()))?,
         swap_bytes: args
             .swap_size
             .as_deref()

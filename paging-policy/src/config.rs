@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use crate::disk::DiskSpec;
 use crate::error::PagerError;
+use crate::policy::PolicySpec;
 
 /// Smallest block size: one x86 page.
 pub const MIN_BLOCK: u64 = 4 << 10;
@@ -26,17 +27,14 @@ pub struct PagerConfig {
     pub budget_bytes: u64,
     /// Unit of fault-in and eviction (`--block`).
     pub block_bytes: u64,
-    /// `demand`, `wsswap` (`wsswap,after=N`), or a path to a policy plugin
-    /// (`lib.so`), optionally followed by `,key=value,...` arguments passed
-    /// to the plugin.
-    pub policy: String,
+    /// The paging policy (`--policy`, parsed once by [`PolicySpec::parse`]).
+    pub policy: PolicySpec,
     /// Swap file or block device; `None` = a file in the current directory.
     pub swap_path: Option<PathBuf>,
     /// Keep the swap file at exit instead of removing it.
     pub keep_swap: bool,
-    /// Disk model (`none`, `hdd`, `hdd15k`, `ssd`, `array:N`, `raid5:N`, with
-    /// optional `,key=value` overrides).
-    pub disk: String,
+    /// The disk model (`--disk`, parsed once by [`DiskSpec::parse`]).
+    pub disk: DiskSpec,
     /// Swap capacity; `None` = sized from the number of VMs and the policy.
     pub swap_bytes: Option<u64>,
     /// Busy CPU work added to every fault-in: a known slowdown of the
@@ -49,85 +47,14 @@ impl Default for PagerConfig {
         PagerConfig {
             budget_bytes: DEFAULT_BUDGET,
             block_bytes: DEFAULT_BLOCK,
-            policy: "demand".to_string(),
+            policy: PolicySpec::Demand,
             swap_path: None,
             keep_swap: false,
-            disk: "none".to_string(),
+            disk: DiskSpec::default(),
             swap_bytes: None,
             inject_fault: std::time::Duration::ZERO,
         }
     }
-}
-
-/// Which policy a `--policy` string names.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PolicySpec {
-    /// Denali's demand paging with clustered clock eviction.
-    Demand,
-    /// Working-set swap; the recorded set is prefetched at the `after`-th
-    /// fault since the VM's eviction (`wsswap,after=N`).
-    WsSwap {
-        /// Faults since eviction that trigger the prefetch (>= 1).
-        after: u32,
-    },
-    /// A plugin shared library and the argument string handed to it.
-    Plugin {
-        /// Path of the shared library.
-        path: PathBuf,
-        /// Everything after the first comma, passed to the plugin verbatim.
-        args: String,
-    },
-}
-
-impl PolicySpec {
-    /// Parses a `--policy` value. Anything containing a `/` or ending in `.so`
-    /// is a plugin path; other names must be built in.
-    pub fn parse(s: &str) -> Result<PolicySpec, PagerError> {
-        let (head, args) = match s.split_once(',') {
-            Some((h, a)) => (h, a),
-            None => (s, ""),
-        };
-        match head {
-            "demand" if args.is_empty() => Ok(PolicySpec::Demand),
-            "wsswap" if args.is_empty() => Ok(PolicySpec::WsSwap {
-                after: crate::policy::wsswap::DEFAULT_AFTER,
-            }),
-            "wsswap" => match args.strip_prefix("after=").map(str::parse::<u32>) {
-                Some(Ok(after)) if after >= 1 => Ok(PolicySpec::WsSwap { after }),
-                _ => Err(PagerError::UnknownPolicy(s.to_string())),
-            },
-            _ if head.contains('/') || head.ends_with(".so") => Ok(PolicySpec::Plugin {
-                path: PathBuf::from(head),
-                args: args.to_string(),
-            }),
-            _ => Err(PagerError::UnknownPolicy(s.to_string())),
-        }
-    }
-}
-
-/// Parses a size such as `32k`, `896K`, `1G`, `4096`, `4M`, `2GiB`.
-/// Suffixes are binary (k = 1024).
-pub fn parse_size(s: &str) -> Result<u64, PagerError> {
-    let bad = || PagerError::BadSize(s.to_string());
-    let t = s.trim();
-    let t = t
-        .strip_suffix("iB")
-        .or_else(|| t.strip_suffix("ib"))
-        .or_else(|| t.strip_suffix('B'))
-        .or_else(|| t.strip_suffix('b'))
-        .unwrap_or(t);
-    let (num, shift) = match t.chars().last() {
-        Some('k' | 'K') => (&t[..t.len() - 1], 10),
-        Some('m' | 'M') => (&t[..t.len() - 1], 20),
-        Some('g' | 'G') => (&t[..t.len() - 1], 30),
-        Some('t' | 'T') => (&t[..t.len() - 1], 40),
-        _ => (t, 0),
-    };
-    if num.is_empty() || !num.bytes().all(|b| b.is_ascii_digit()) {
-        return Err(bad());
-    }
-    let n: u64 = num.parse().map_err(|_| bad())?;
-    n.checked_mul(1u64 << shift).ok_or_else(bad)
 }
 
 /// Checks that a block size is a power of two in [4k, 256k].
@@ -168,13 +95,11 @@ impl PagerConfig {
                 block: self.block_bytes,
             });
         }
-        match PolicySpec::parse(&self.policy)? {
-            PolicySpec::Plugin { path, .. } if !path.is_file() => {
-                return Err(PagerError::PluginMissing(path));
+        if let PolicySpec::Plugin { path, .. } = &self.policy {
+            if !path.is_file() {
+                return Err(PagerError::PluginMissing(path.clone()));
             }
-            _ => {}
         }
-        DiskSpec::parse(&self.disk)?;
         if let Some(bytes) = self.swap_bytes {
             if bytes < vm_ram_bytes || bytes % self.block_bytes != 0 {
                 return Err(PagerError::BadSwapSize {
@@ -208,44 +133,4 @@ fn check_writable(path: &Path) -> Result<(), PagerError> {
         let _ = std::fs::remove_file(path);
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sizes() {
-        assert_eq!(parse_size("32k").unwrap(), 32768);
-        assert_eq!(parse_size("896K").unwrap(), 896 * 1024);
-        assert_eq!(parse_size("1G").unwrap(), 1 << 30);
-        assert_eq!(parse_size("4096").unwrap(), 4096);
-        assert_eq!(parse_size("4MiB").unwrap(), 4 << 20);
-        for bad in ["", "k", "1.5G", "-1", "12q", "99999999999999999999T"] {
-            assert!(parse_size(bad).is_err(), "{bad}");
-        }
-    }
-
-    #[test]
-    fn policy_specs() {
-        assert_eq!(PolicySpec::parse("demand").unwrap(), PolicySpec::Demand);
-        assert_eq!(
-            PolicySpec::parse("wsswap").unwrap(),
-            PolicySpec::WsSwap { after: 3 }
-        );
-        assert_eq!(
-            PolicySpec::parse("wsswap,after=1").unwrap(),
-            PolicySpec::WsSwap { after: 1 }
-        );
-        assert!(PolicySpec::parse("wsswap,after=0").is_err());
-        assert!(PolicySpec::parse("demand,x=1").is_err());
-        assert_eq!(
-            PolicySpec::parse("./libx.so,mode=panic").unwrap(),
-            PolicySpec::Plugin {
-                path: "./libx.so".into(),
-                args: "mode=panic".into()
-            }
-        );
-        assert!(PolicySpec::parse("lru").is_err());
-    }
 }

@@ -18,8 +18,8 @@
 
 use serde_json::json;
 
-use crate::config::parse_size;
 use crate::error::PagerError;
+use crate::units::parse_size;
 
 /// Which kind of drive a model is built from.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -129,6 +129,13 @@ pub struct DiskSpec {
     pub span_bytes: u64,
     /// Seed of the rotational-latency generator.
     pub seed: u64,
+}
+
+impl Default for DiskSpec {
+    /// No model (`none`): real I/O only.
+    fn default() -> Self {
+        DiskSpec::parse("none").expect("'none' is a valid disk model")
+    }
 }
 
 impl DiskSpec {

@@ -26,8 +26,12 @@ pub mod stats;
 pub mod swap;
 pub mod trace;
 pub mod uffd;
+pub mod units;
 
-pub use config::{parse_size, PagerConfig};
+pub use config::PagerConfig;
+pub use disk::DiskSpec;
 pub use error::PagerError;
 pub use guest_memory::{GuestMemory, SpaceHandoff, SpaceId};
 pub use pager::Pager;
+pub use policy::PolicySpec;
+pub use units::parse_size;

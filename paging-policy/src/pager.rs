@@ -53,8 +53,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Map, Value};
 
 use crate::batching::{cluster_writes, read_runs, runs, write_runs};
-use crate::config::{check_block, default_swap_path, PagerConfig};
-use crate::disk::DiskSpec;
+use crate::config::{default_swap_path, PagerConfig};
 use crate::error::PagerError;
 use crate::guest_memory::{SpaceHandoff, SpaceId};
 use crate::ledger::{Access, Admission, Classified, Ledger, PlanBlock, Wakes, NO_LOC};
@@ -183,7 +182,6 @@ impl Pager {
         max_vms: u32,
         vm_ram_bytes: u64,
     ) -> Result<Arc<Pager>, PagerError> {
-        check_block(cfg.block_bytes)?;
         cfg.validate(vm_ram_bytes, cfg.block_bytes)?;
         let block = cfg.block_bytes;
         let budget_blocks = cfg.budget_bytes / block;
@@ -197,9 +195,8 @@ impl Pager {
                 SwapLayout::Log => 2 * per_vm,
             }
         });
-        let spec = DiskSpec::parse(&cfg.disk)?;
-        let model = spec.build(capacity);
-        let disk = model.describe(&spec);
+        let model = cfg.disk.build(capacity);
+        let disk = model.describe(&cfg.disk);
         let path: PathBuf = cfg.swap_path.clone().unwrap_or_else(default_swap_path);
         let swap = SwapDevice::open(&path, capacity, cfg.keep_swap, model)?;
         // SAFETY: plain syscalls; the descriptors are fresh and ours.
@@ -518,7 +515,7 @@ impl Pager {
             "budget_bytes": self.cfg.budget_bytes,
             "block_bytes": self.block,
             "policy": l.policy_name(),
-            "policy_spec": self.cfg.policy,
+            "policy_spec": self.cfg.policy.to_string(),
             "layout": match l.layout() { SwapLayout::PerVm => "per-vm", SwapLayout::Log => "log" },
             "swap_path": self.swap.path(),
             "swap_bytes": self.swap.capacity(),

@@ -27,7 +27,7 @@ use crate::config::check_block;
 use crate::disk::{DiskModel, DiskSpec};
 use crate::error::PagerError;
 use crate::ledger::{Admission, Ledger, PlanBlock, Wakes};
-use crate::policy::{build_policy, SwapLayout, VmId};
+use crate::policy::{build_policy, PolicySpec, SwapLayout, VmId};
 use crate::space::SwapSpace;
 
 /// Simulation settings.
@@ -37,10 +37,10 @@ pub struct SimConfig {
     pub budget_bytes: u64,
     /// Block size.
     pub block_bytes: u64,
-    /// Policy (`demand`, `wsswap`, plugin path).
-    pub policy: String,
-    /// Disk model string.
-    pub disk: String,
+    /// The paging policy.
+    pub policy: PolicySpec,
+    /// The disk model.
+    pub disk: DiskSpec,
     /// RAM of every VM.
     pub vm_ram_bytes: u64,
     /// Number of VMs.
@@ -188,7 +188,7 @@ impl Simulator {
                 per_vm
             }
         });
-        let model = DiskSpec::parse(&cfg.disk)?.build(capacity);
+        let model = cfg.disk.build(capacity);
         let space = SwapSpace::new(layout, capacity, bs, cfg.vm_ram_bytes);
         let mut ledger = Ledger::new(policy, space, bs, cfg.budget_bytes);
         for vm in 0..cfg.vms {
@@ -351,7 +351,7 @@ impl Simulator {
         let bound = disk_seconds.max(cpu_seconds);
         SimReport {
             policy: self.ledger.policy_name().to_string(),
-            disk: self.cfg.disk.clone(),
+            disk: self.cfg.disk.text.clone(),
             requests,
             warmup: self.cfg.warmup.min(c.requests),
             block_touches: touches,

@@ -171,6 +171,9 @@ impl SwapDevice {
             return Ok(());
         }
         let upto = bytes.next_multiple_of(RESERVE_STEP).min(self.capacity);
+        if upto <= *reserved {
+            return Ok(());
+        }
         // SAFETY: fallocate on our own descriptor; mode 0 keeps the size.
         let r = unsafe {
             libc::fallocate(

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{config, plugin, Region, Rng};
-use paging_policy::{Pager, PagerConfig, PagerError};
+use paging_policy::{DiskSpec, Pager, PagerConfig, PagerError, PolicySpec};
 
 const WORDS_PER_PAGE: usize = 512;
 
@@ -413,14 +413,7 @@ fn bad_configuration_fails_with_one_line() {
         ),
         (
             PagerConfig {
-                policy: "lru".into(),
-                ..ok.clone()
-            },
-            "unknown policy",
-        ),
-        (
-            PagerConfig {
-                policy: "/nonexistent/libp.so".into(),
+                policy: PolicySpec::parse("/nonexistent/libp.so").unwrap(),
                 ..ok.clone()
             },
             "not found",
@@ -431,13 +424,6 @@ fn bad_configuration_fails_with_one_line() {
                 ..ok.clone()
             },
             "not writable",
-        ),
-        (
-            PagerConfig {
-                disk: "floppy".into(),
-                ..ok.clone()
-            },
-            "invalid disk model",
         ),
     ];
     for (cfg, want) in cases {
@@ -453,6 +439,17 @@ fn bad_configuration_fails_with_one_line() {
         paging_policy::parse_size("12q"),
         Err(PagerError::BadSize(_))
     ));
+    // Names are refused where they are parsed, once.
+    let policy = PolicySpec::parse("lru").unwrap_err().to_string();
+    assert!(
+        policy.contains("unknown policy") && !policy.contains('\n'),
+        "{policy}"
+    );
+    let disk = DiskSpec::parse("floppy").unwrap_err().to_string();
+    assert!(
+        disk.contains("invalid disk model") && !disk.contains('\n'),
+        "{disk}"
+    );
 }
 
 /// Waits until the pager reports a fatal error.
@@ -570,7 +567,7 @@ fn plugin_load_errors() {
 fn disk_model_adds_time() {
     let block = 32u64 << 10;
     let mut cfg = config("demand", block, 4 * block, "disk");
-    cfg.disk = "hdd".into();
+    cfg.disk = DiskSpec::parse("hdd").unwrap();
     let pager = Pager::new(cfg, 1, 16 * block).unwrap();
     let r = Region::new(16 * block as usize);
     r.register(&pager, 0).unwrap();

@@ -17,7 +17,7 @@ use serde_json::json;
 
 use paging_policy::sim::{SimConfig, Simulator};
 use paging_policy::trace::TraceReader;
-use paging_policy::{parse_size, PagerError};
+use paging_policy::{parse_size, DiskSpec, PagerError, PolicySpec};
 
 /// Trace-driven simulator of the densevm pager.
 #[derive(Parser, Debug)]
@@ -210,8 +210,8 @@ fn setup(cli: &Cli) -> Result<(Simulator, Source, u32, u64), PagerError> {
     let sim = Simulator::new(SimConfig {
         budget_bytes: cli.mem,
         block_bytes: cli.block,
-        policy: cli.policy.clone(),
-        disk: cli.disk.clone(),
+        policy: PolicySpec::parse(&cli.policy)?,
+        disk: DiskSpec::parse(&cli.disk)?,
         vm_ram_bytes: vm_ram,
         vms,
         request_ranges: ranges,

@@ -19,8 +19,8 @@ pub mod demand;
 pub mod plugin;
 pub mod wsswap;
 
-use crate::config::PolicySpec;
 use crate::error::PagerError;
+use std::path::PathBuf;
 
 /// Identifier of a VM (densevm's VM index).
 pub type VmId = u32;
@@ -97,21 +97,121 @@ pub trait Policy: Send {
     }
 }
 
-/// Builds the policy a `--policy` string names. `budget_blocks` is the
-/// global budget in blocks.
+/// Which policy a `--policy` string names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PolicySpec {
+    /// Denali's demand paging with clustered clock eviction.
+    Demand,
+    /// Working-set swap; the recorded set is prefetched at the `after`-th
+    /// fault since the VM's eviction (`wsswap,after=N`).
+    WsSwap {
+        /// Faults since eviction that trigger the prefetch (>= 1).
+        after: u32,
+    },
+    /// A plugin shared library and the argument string handed to it.
+    Plugin {
+        /// Path of the shared library.
+        path: PathBuf,
+        /// Everything after the first comma, passed to the plugin verbatim.
+        args: String,
+    },
+}
+
+impl PolicySpec {
+    /// Parses a `--policy` value. Anything containing a `/` or ending in `.so`
+    /// is a plugin path; other names must be built in.
+    pub fn parse(s: &str) -> Result<PolicySpec, PagerError> {
+        let (head, args) = match s.split_once(',') {
+            Some((h, a)) => (h, a),
+            None => (s, ""),
+        };
+        match head {
+            "demand" if args.is_empty() => Ok(PolicySpec::Demand),
+            "wsswap" if args.is_empty() => Ok(PolicySpec::WsSwap {
+                after: wsswap::DEFAULT_AFTER,
+            }),
+            "wsswap" => match args.strip_prefix("after=").map(str::parse::<u32>) {
+                Some(Ok(after)) if after >= 1 => Ok(PolicySpec::WsSwap { after }),
+                _ => Err(PagerError::UnknownPolicy(s.to_string())),
+            },
+            _ if head.contains('/') || head.ends_with(".so") => Ok(PolicySpec::Plugin {
+                path: PathBuf::from(head),
+                args: args.to_string(),
+            }),
+            _ => Err(PagerError::UnknownPolicy(s.to_string())),
+        }
+    }
+}
+
+impl std::fmt::Display for PolicySpec {
+    /// The `--policy` text that parses back to this spec.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PolicySpec::Demand => write!(f, "demand"),
+            PolicySpec::WsSwap { after } if *after == wsswap::DEFAULT_AFTER => write!(f, "wsswap"),
+            PolicySpec::WsSwap { after } => write!(f, "wsswap,after={after}"),
+            PolicySpec::Plugin { path, args } if args.is_empty() => write!(f, "{}", path.display()),
+            PolicySpec::Plugin { path, args } => write!(f, "{},{args}", path.display()),
+        }
+    }
+}
+
+/// Builds the policy `spec` names. `budget_blocks` is the global budget in
+/// blocks.
 pub fn build_policy(
-    spec: &str,
+    spec: &PolicySpec,
     block_bytes: u64,
     budget_blocks: u64,
 ) -> Result<Box<dyn Policy>, PagerError> {
-    Ok(match PolicySpec::parse(spec)? {
+    Ok(match spec {
         PolicySpec::Demand => Box::new(demand::Demand::new()),
-        PolicySpec::WsSwap { after } => Box::new(wsswap::WsSwap::new(after)),
+        PolicySpec::WsSwap { after } => Box::new(wsswap::WsSwap::new(*after)),
         PolicySpec::Plugin { path, args } => Box::new(plugin::PluginPolicy::load(
-            &path,
-            &args,
+            path,
+            args,
             block_bytes,
             budget_blocks,
         )?),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policy_specs() {
+        assert_eq!(PolicySpec::parse("demand").unwrap(), PolicySpec::Demand);
+        assert_eq!(
+            PolicySpec::parse("wsswap").unwrap(),
+            PolicySpec::WsSwap { after: 3 }
+        );
+        assert_eq!(
+            PolicySpec::parse("wsswap,after=1").unwrap(),
+            PolicySpec::WsSwap { after: 1 }
+        );
+        assert!(PolicySpec::parse("wsswap,after=0").is_err());
+        assert!(PolicySpec::parse("demand,x=1").is_err());
+        assert_eq!(
+            PolicySpec::parse("./libx.so,mode=panic").unwrap(),
+            PolicySpec::Plugin {
+                path: "./libx.so".into(),
+                args: "mode=panic".into()
+            }
+        );
+        assert!(PolicySpec::parse("lru").is_err());
+    }
+
+    #[test]
+    fn policy_specs_print_as_they_parse() {
+        for text in [
+            "demand",
+            "wsswap",
+            "wsswap,after=5",
+            "./libx.so",
+            "./libx.so,a=1,b=2",
+        ] {
+            assert_eq!(PolicySpec::parse(text).unwrap().to_string(), text);
+        }
+    }
 }

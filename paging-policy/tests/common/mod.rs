@@ -102,10 +102,9 @@ pub fn config(policy: &str, block: u64, budget: u64, tag: &str) -> PagerConfig {
     PagerConfig {
         budget_bytes: budget,
         block_bytes: block,
-        policy: policy.to_string(),
+        policy: paging_policy::PolicySpec::parse(policy).expect("a valid test policy"),
         swap_path: Some(swap_path(tag)),
         keep_swap: false,
-        disk: "none".to_string(),
         swap_bytes: None,
         ..PagerConfig::default()
     }
