@@ -1,7 +1,8 @@
 """Bad input: one line `scalebench: error: ...`, exit status 2, nothing started.
 
 The bin directory holds FAKE densevm/zipfperf scripts that only leave a marker
-file when executed, to prove that nothing was started.
+file when executed, to prove that nothing was started. `densevm describe`,
+which starts nothing and which validation asks, is passed to the real binary.
 """
 
 from __future__ import annotations
@@ -12,16 +13,22 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import release_binary
 
 MARKER_SCRIPT = '#!/bin/sh\ntouch "$(dirname "$0")/STARTED"\nsleep 30\n'
+DESCRIBE_THEN_MARKER = (
+    '#!/bin/sh\n[ "$1" = describe ] && exec "{real}" "$@"\n'
+    'touch "$(dirname "$0")/STARTED"\nsleep 30\n'
+)
 
 
 @pytest.fixture
 def bindir(tmp_path) -> Path:
     d = tmp_path / "bin"
     d.mkdir()
+    (d / "densevm").write_text(DESCRIBE_THEN_MARKER.format(real=release_binary("densevm")))
+    (d / "zipfperf").write_text(MARKER_SCRIPT)
     for name in ("densevm", "zipfperf"):
-        (d / name).write_text(MARKER_SCRIPT)
         (d / name).chmod(0o755)
     return d
 

@@ -7,7 +7,7 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
-from scalebench.disks import HDD, disk_model
+from scalebench.disks import disk_model, drive
 from scalebench.model import (
     ModelInput,
     che_hit_ratio,
@@ -94,7 +94,8 @@ def test_miss_cost_is_denalis_random_reads_plus_one_sequential_write():
     # Uniform popularity, VM regions filling the drive: the drive's average seek.
     p = predict(hdd_input(alpha=0.0, swap_bytes=4000 * 4 * MIB))
     fp = p.footprint_bytes
-    random_read = (HDD.overhead_ms + HDD.seek_ms) / 1e3 + 30 / HDD.rpm + 32 * KIB / (HDD.mb_s * 1e6)
+    hdd = drive("hdd")
+    random_read = (hdd.overhead_ms + hdd.seek_ms) / 1e3 + 30 / hdd.rpm + 32 * KIB / (hdd.mb_s * 1e6)
     assert p.miss_read_s == pytest.approx(fp // (32 * KIB) * random_read, rel=0.005)
     assert p.miss_write_s == pytest.approx(random_read - 32 * KIB / 40e6 + fp / 40e6, rel=0.005)
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import release_binary
 from scalebench.config import RunConfig
 from scalebench.runner import Binaries, classify, hot_footprint, run
 
@@ -26,6 +27,8 @@ FAKE_DENSEVM = textwrap.dedent("""\
     # listener that answers any request with a fixed 200 reply.
     import ipaddress, json, os, signal, socket, sys, threading, time
     argv = sys.argv[1:]
+    if argv[0] == "describe":  # facts, not a run: the real binary's
+        os.execv("{real}", ["densevm", *argv])
     opt = lambda name: argv[argv.index(name) + 1]
     vms, api = int(opt("--vms")), opt("--api")
     die_after = float(os.environ.get("FAKE_DENSEVM_DIE_AFTER", "0"))
@@ -123,7 +126,7 @@ def fakes(tmp_path, monkeypatch) -> Path:
     bindir.mkdir()
     for name, text in (("densevm", FAKE_DENSEVM), ("zipfperf", FAKE_ZIPFPERF)):
         path = bindir / name
-        path.write_text(text.format(python=sys.executable))
+        path.write_text(text.format(python=sys.executable, real=release_binary("densevm")))
         path.chmod(0o755)
     monkeypatch.setenv("SCALEBENCH_BIN_DIR", str(bindir))
     monkeypatch.setenv("FAKE_PIDS", str(tmp_path / "pids"))

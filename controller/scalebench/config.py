@@ -7,22 +7,20 @@ whose message is one line (the CLI prints it as `scalebench: error: ...`, exit 2
 from __future__ import annotations
 
 import ipaddress
-import os
 import socket
 from dataclasses import asdict, dataclass, field, fields, replace
-from pathlib import Path
 
+# Re-exported for the modules that import them from here.
+from .binaries import REPO_ROOT as REPO_ROOT
+from .binaries import bin_dir as bin_dir
+from .binaries import binary as binary
 from .cgroup import memory_limit
+from .describe import describe_config, fact
 from .disks import disk_model
+from .errors import ConfigError
 from .units import KIB, is_power_of_two, parse_size
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-MIN_BLOCK, MAX_BLOCK = 4 * KIB, 256 * KIB
 OBJECTS = ("small", "large")
-
-
-class ConfigError(ValueError):
-    """Bad input: reported as one line, exit status 2, nothing started."""
 
 
 @dataclass(frozen=True)
@@ -105,8 +103,11 @@ def validate(cfg: RunConfig) -> RunConfig:
     if cfg.alpha < 0:
         raise ConfigError(f"--alpha must be >= 0 (got {cfg.alpha})")
     block = _size("block", cfg.block)
-    if not is_power_of_two(block) or not MIN_BLOCK <= block <= MAX_BLOCK:
-        raise ConfigError(f"--block must be a power of two from 4k to 256k (got {cfg.block})")
+    lo, hi = fact("pager.block.min"), fact("pager.block.max")
+    if not is_power_of_two(block) or not lo <= block <= hi:
+        raise ConfigError(
+            f"--block must be a power of two from {lo // KIB}k to {hi // KIB}k (got {cfg.block})"
+        )
     mem = _size("mem", cfg.mem)
     host = host_memory_bytes()
     if mem <= 0 or mem > host:
@@ -120,12 +121,12 @@ def validate(cfg: RunConfig) -> RunConfig:
         )
     if _size("ws", cfg.ws) <= 0:
         raise ConfigError(f"--ws must be positive (got {cfg.ws})")
-    if cfg.policy not in ("demand", "wsswap") and not (
-        cfg.policy.endswith(".so") and os.path.isfile(cfg.policy)
-    ):
+    try:
+        describe_config("--policy", cfg.policy)  # densevm's own grammar, checked by densevm
+    except ConfigError as e:
         raise ConfigError(
-            f"--policy must be demand, wsswap or an existing PATH.so (got {cfg.policy})"
-        )
+            f"--policy must be demand, wsswap[,after=N] or an existing PATH.so[,ARGS]: {e}"
+        ) from None
     try:
         disk_model(cfg.disk)
     except ValueError as e:
@@ -174,18 +175,3 @@ def check_addresses_free(cfg: RunConfig) -> None:
                     f"{addr}:{cfg.port} is not free ({e.strerror}): another densevm? "
                     "choose other addresses with --addr-base"
                 ) from None
-
-
-def bin_dir() -> Path:
-    """Where densevm and zipfperf are: $SCALEBENCH_BIN_DIR, else the repo's target/release."""
-    return Path(os.environ.get("SCALEBENCH_BIN_DIR") or REPO_ROOT / "target" / "release")
-
-
-def binary(name: str) -> Path:
-    """Path of a required binary; ConfigError (nothing started yet) when it is missing."""
-    path = bin_dir() / name
-    if not os.access(path, os.X_OK):
-        raise ConfigError(
-            f"{path} is missing or not executable: run `make build` (or set SCALEBENCH_BIN_DIR)"
-        )
-    return path

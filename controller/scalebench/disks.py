@@ -1,11 +1,10 @@
-"""Disk models: the one place the controller keeps their parameters.
+"""Disk models as the performance model charges them.
 
 densevm's pager (`--disk MODEL`, paging-policy/src/disk.rs) adds a modeled
 service time to each real swap I/O, so that results of Denali's era (7,200 RPM
 IDE disks) are reproducible on a fast SSD. The performance model must charge
-the same times, so the drive parameters below are the pager's (DriveParams::
-hdd/hdd15k/ssd, stripe unit 64 KiB); when the pager changes them, change them
-here.
+the same times, so the drive parameters and the stripe unit are the pager's
+own, read from `densevm describe` (describe.py), never copied here.
 
 The pager's service time of a non-sequential request on a rotating drive is
 command overhead + seek + rotational latency (uniform over one revolution) +
@@ -21,9 +20,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .units import KIB
+from .describe import fact
 
-STRIPE_BYTES = 64 * KIB  # the pager's default stripe unit for arrays
 # E[sqrt(|x - y|)] for x, y uniform on [0, 1]: random requests over the whole span.
 UNIFORM_SQRT_DISTANCE = 8 / 15
 
@@ -52,9 +50,25 @@ class Drive:
         return (self.overhead_ms + seek_ms + self.lat_ms) / 1e3 + half_revolution
 
 
-HDD = Drive(seek_ms=8.9, track_ms=1.0, rpm=7200, mb_s=40.0, overhead_ms=0.1, lat_ms=0.0)
-HDD15K = Drive(seek_ms=3.5, track_ms=0.2, rpm=15000, mb_s=90.0, overhead_ms=0.05, lat_ms=0.0)
-SSD = Drive(seek_ms=0.0, track_ms=0.0, rpm=0, mb_s=500.0, overhead_ms=0.0, lat_ms=0.1)
+DRIVE_NAMES = ("hdd", "hdd15k", "ssd")
+
+
+def drive(name: str) -> Drive:
+    """The pager's drive `name` (hdd, hdd15k, ssd), with its parameters."""
+    p = fact(f"pager.disks.drives.{name}")
+    return Drive(
+        seek_ms=p["seek_ms"],
+        track_ms=p["track_ms"],
+        rpm=p["rpm"],
+        mb_s=p["mb_s"],
+        overhead_ms=p["overhead_ms"],
+        lat_ms=p["lat_ms"],
+    )
+
+
+def stripe_bytes() -> int:
+    """The pager's stripe unit for arrays."""
+    return int(fact("pager.disks.stripe_bytes"))
 
 
 @dataclass(frozen=True)
@@ -76,7 +90,7 @@ class DiskModel:
         whose seek distance averages E[sqrt(distance / span)] = sqrt_distance (default: uniform)."""
         if self.drive is None:
             return 0.0
-        spread = max(1, min(self.data_drives, -(-size // STRIPE_BYTES)))
+        spread = max(1, min(self.data_drives, -(-size // stripe_bytes())))
         return self.drive.positioning_s(sqrt_distance) + size / (self.drive.mb_s * 1e6 * spread)
 
 
@@ -84,7 +98,7 @@ def differences(model: DiskModel, pager: dict) -> list[str]:
     """Where the pager's reported disk model (`{"cmd":"pager"}` -> pager.disk) differs from ours.
 
     An empty list means the model charges what the pager adds; anything else
-    means this module has fallen behind paging-policy/src/disk.rs.
+    means the run's densevm was another build than the one described.
     """
     if model.drive is None:
         return (
@@ -98,7 +112,7 @@ def differences(model: DiskModel, pager: dict) -> list[str]:
         "overhead_ms": model.drive.overhead_ms,
         "lat_ms": model.drive.lat_ms,
         "drives": model.drives,
-        "stripe_bytes": STRIPE_BYTES,
+        "stripe_bytes": stripe_bytes(),
     }
     return [
         f"{k} {pager[k]} vs {v}"
@@ -107,7 +121,6 @@ def differences(model: DiskModel, pager: dict) -> list[str]:
     ]
 
 
-_DRIVES = {"hdd": HDD, "hdd15k": HDD15K, "ssd": SSD}
 _ARRAY = re.compile(r"^(array|raid5):(\d+)$")
 
 
@@ -118,15 +131,16 @@ def disk_model(name: str) -> DiskModel:
     """
     if name in ("none", ""):
         return DiskModel("none", None)
-    if name in _DRIVES:
-        return DiskModel(name, _DRIVES[name])
+    if name in DRIVE_NAMES:
+        return DiskModel(name, drive(name))
     m = _ARRAY.match(name)
     if m and 1 <= int(m.group(2)) <= 64:
         kind, n = m.group(1), int(m.group(2))
+        member = drive(fact("pager.disks.array_drive"))
         if kind == "array":
-            return DiskModel(name, HDD, drives=n, data_drives=n)
+            return DiskModel(name, member, drives=n, data_drives=n)
         if n >= 3:
-            return DiskModel(name, HDD, drives=n, data_drives=n - 1)
+            return DiskModel(name, member, drives=n, data_drives=n - 1)
     raise ValueError(
         f"unknown disk model {name!r} (none, hdd, hdd15k, ssd, array:N, raid5:N with 3 <= N <= 64)"
     )

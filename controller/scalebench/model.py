@@ -42,38 +42,26 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from .describe import fact, vms_swap_is_sized_for
 from .diskbench import DiskBench
 from .disks import UNIFORM_SQRT_DISTANCE, DiskModel
-from .units import KIB, MIB
+from .units import KIB
 
-# The webguest's paged RAM as densevm lays it out (hypervisor/src/boot.rs,
-# RamLayout): connection state at the head of bss (RAM offset 0), the working
-# set right after bss (page aligned, not block aligned), the stack at the top.
-# A request touches all three, so the footprint is every block they overlap:
-# internal fragmentation grows with the block, which is why small blocks delay
-# the cliff. Only an estimate for `scalebench model`: runs measure the footprint.
-GUEST_RAM_BYTES = 4 * MIB
-GUEST_WS_OFFSET = 0x87000
+# The webguest's paged RAM as densevm lays it out (`densevm describe`, guest):
+# connection state at the head of bss (RAM offset 0), the working set right
+# after bss (page aligned, not block aligned), the stack at the top. A request
+# touches all three, so the footprint is every block they overlap: internal
+# fragmentation grows with the block, which is why small blocks delay the
+# cliff. Only an estimate for `scalebench model`: runs measure the footprint,
+# and this estimate takes one slot's connection buffer as the bss it touches.
 GUEST_BSS_HEAD_BYTES = 8 * KIB
-GUEST_STACK_BYTES = 32 * KIB
-# densevm's default --ws-write-stride: a request writes every 4th working-set page, reads the rest.
-GUEST_WS_WRITE_STRIDE = 4
-# The pager rewrites unchanged blocks to join two writes across a gap up to this
-# (paging-policy/src/ledger.rs, WRITE_CLUSTER_GAP_BYTES).
-WRITE_CLUSTER_GAP_BYTES = 256 * KIB
 PAGE_BYTES = 4 * KIB
-# wsswap's default `after` (paging-policy/src/policy/wsswap.rs): the fault that prefetches the set.
-WSSWAP_AFTER = 3
 
-POLICIES = ("demand", "wsswap")
 # Where "the cliff" is: throughput below half the in-core throughput. The sweep
 # locates the measured cliff with the same fraction (tables.cliff_rows).
 CLIFF_FRACTION = 0.5
 # The model's regime is in-core while paging costs less than this share of throughput.
 IN_CORE_LOSS = 0.05
-# The pager serves faults on this many threads (paging-policy/src/pager.rs,
-# SERVICE_THREADS): at most that many swap I/Os are in flight, whatever the drives.
-PAGER_SERVICE_THREADS = 8
 # Host time per fault served, aggregate over the host, when a run has nothing
 # better: runs calibrate it in their settle phase (runner.py) and `scalebench
 # model` uses the stored value. A fault resolved with one 32 KiB UFFDIO_COPY
@@ -81,12 +69,13 @@ PAGER_SERVICE_THREADS = 8
 DEFAULT_FAULT_US = 100.0
 
 
-def densevm_swap_bytes(vms: int, policy: str, ram_bytes: int = GUEST_RAM_BYTES) -> int:
-    """The swap device densevm sizes when none is given: a region of RAM size for each VM it
-    could hold (twice the VMs booted, room for `create`; hypervisor/src/serve.rs), twice
-    that for the log layout (paging-policy/src/pager.rs). The modeled drives span it all."""
-    regions = max(2 * vms, vms + 64) * ram_bytes
-    return 2 * regions if policy == "wsswap" else regions
+def densevm_swap_bytes(vms: int, policy: str, ram_bytes: int | None = None) -> int:
+    """The swap device densevm sizes when none is given (`densevm describe`): a region of
+    RAM size for each VM it is sized for, times the policy's layout factor (the log needs
+    slack). The modeled drives span it all."""
+    ram = ram_bytes or fact("guest.ram_bytes")
+    layout = fact("pager.policy.layouts").get(policy, "per-vm")  # plugins: per-VM regions
+    return vms_swap_is_sized_for(vms) * ram * fact("pager.swap_bytes_per_ram_byte")[layout]
 
 
 def zipf_popularity(n: int, alpha: float) -> np.ndarray:
@@ -156,13 +145,15 @@ def _blocks(regions: list[tuple[int, int]], block_bytes: int) -> set[int]:
     return blocks
 
 
-def _request_regions(ws_pages: list[int], ram_bytes: int) -> list[tuple[int, int]]:
-    return [(0, GUEST_BSS_HEAD_BYTES), (ram_bytes - GUEST_STACK_BYTES, GUEST_STACK_BYTES)] + [
-        (GUEST_WS_OFFSET + p * PAGE_BYTES, PAGE_BYTES) for p in ws_pages
+def _request_regions(ws_pages: list[int], ram_bytes: int | None) -> list[tuple[int, int]]:
+    ram = ram_bytes or fact("guest.ram_bytes")
+    stack, ws_offset = fact("guest.stack_bytes"), fact("guest.ws_offset")
+    return [(0, GUEST_BSS_HEAD_BYTES), (ram - stack, stack)] + [
+        (ws_offset + p * PAGE_BYTES, PAGE_BYTES) for p in ws_pages
     ]
 
 
-def estimate_footprint(ws_bytes: int, block_bytes: int, ram_bytes: int = GUEST_RAM_BYTES) -> int:
+def estimate_footprint(ws_bytes: int, block_bytes: int, ram_bytes: int | None = None) -> int:
     """Resident bytes of one VM that has served requests: the blocks its requests touch."""
     pages = list(range(-(-ws_bytes // PAGE_BYTES)))
     return len(_blocks(_request_regions(pages, ram_bytes), block_bytes)) * block_bytes
@@ -171,20 +162,22 @@ def estimate_footprint(ws_bytes: int, block_bytes: int, ram_bytes: int = GUEST_R
 def estimate_written(
     ws_bytes: int,
     block_bytes: int,
-    stride: int = GUEST_WS_WRITE_STRIDE,
-    ram_bytes: int = GUEST_RAM_BYTES,
+    stride: int | None = None,
+    ram_bytes: int | None = None,
 ) -> int:
     """Bytes the eviction of one VM writes under the per-VM layout: the blocks a request
     changes (its connection state, its stack and every `stride`-th working-set page,
     densevm's --ws-write-stride), joined across gaps of resident blocks of up to
-    WRITE_CLUSTER_GAP_BYTES as the pager joins its writes (paging-policy ledger.rs)."""
+    the pager's write-cluster gap, as the pager joins its writes."""
+    stride = stride or fact("guest.ws_write_stride_default")
+    gap_bytes = fact("pager.write_cluster_gap_bytes")
     pages = list(range(-(-ws_bytes // PAGE_BYTES)))
     resident = _blocks(_request_regions(pages, ram_bytes), block_bytes)
     changed = sorted(_blocks(_request_regions(pages[::stride], ram_bytes), block_bytes))
     written = set(changed)
     for a, b in itertools.pairwise(changed):
         gap = range(a + 1, b)
-        if len(gap) * block_bytes <= WRITE_CLUSTER_GAP_BYTES and all(x in resident for x in gap):
+        if len(gap) * block_bytes <= gap_bytes and all(x in resident for x in gap):
             written.update(gap)
     return len(written) * block_bytes
 
@@ -204,7 +197,7 @@ class ModelInput:
     bench: DiskBench | None  # None: the real device's time is left out (modeled time only)
     fault_s: float = DEFAULT_FAULT_US * 1e-6  # pager CPU per fault served (aggregate)
     written_bytes: int | None = None  # of the footprint, what an eviction writes (None: all of it)
-    after: int = WSSWAP_AFTER  # wsswap: the fault after an eviction that prefetches the set
+    after: int | None = None  # wsswap: the fault after an eviction that prefetches the set
     swap_bytes: int | None = (
         None  # the swap device the drives' seeks span (None: as densevm sizes it)
     )
@@ -224,7 +217,8 @@ class ModelInput:
     @property
     def single_faults(self) -> int:
         """wsswap: block faults served one by one before the prefetch."""
-        return min(self.after - 1, self.footprint_bytes // self.block_bytes)
+        after = self.after or fact("pager.policy.wsswap_after_default")
+        return min(after - 1, self.footprint_bytes // self.block_bytes)
 
 
 @dataclass(frozen=True)
@@ -278,7 +272,7 @@ def miss_cost(inp: ModelInput) -> tuple[float, float]:
     # regions, one of RAM size per VM in creation order, fill only part of the drive.
     spread = miss_sqrt_distance(
         inp.vms, inp.budget_bytes // inp.footprint_bytes, inp.alpha
-    ) * math.sqrt(inp.used_fraction(inp.vms * GUEST_RAM_BYTES))
+    ) * math.sqrt(inp.used_fraction(inp.vms * fact("guest.ram_bytes")))
     write = disk.request_s(inp.written, spread) + (bench.sequential_write_s if bench else 0.0)
     read = (fp // block) * (disk.request_s(block, spread) + random_read)
     return read, write
@@ -311,7 +305,8 @@ def _bounds(inp: ModelInput) -> _Bounds:
     )
     cpu_per_request = inp.cpu_s + misses * faults_per_miss * inp.fault_s
     io_per_request = misses * (read + write)
-    parallel = min(inp.disk.parallelism, PAGER_SERVICE_THREADS)
+    # The pager's service threads bound the swap I/Os in flight, whatever the drives.
+    parallel = min(inp.disk.parallelism, fact("pager.service_threads"))
     return _Bounds(
         k,
         hit,
@@ -346,8 +341,9 @@ def cliff_vms(inp: ModelInput) -> int:
 
 def predict(inp: ModelInput) -> Prediction:
     """Predicted throughput and its parts for one configuration."""
-    if inp.policy not in POLICIES:
-        raise ValueError(f"the model knows the policies {', '.join(POLICIES)}, not {inp.policy!r}")
+    known = fact("pager.policy.builtin")
+    if inp.policy not in known:
+        raise ValueError(f"the model knows the policies {', '.join(known)}, not {inp.policy!r}")
     b = _bounds(inp)
     # In core while paging costs under IN_CORE_LOSS of the in-core throughput.
     in_core = b.rps >= (1.0 - IN_CORE_LOSS) / inp.cpu_s

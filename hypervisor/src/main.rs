@@ -6,6 +6,7 @@ mod api;
 mod boot;
 mod cell;
 mod cells;
+mod describe;
 mod devices;
 mod framing;
 mod loader;
@@ -39,6 +40,10 @@ struct Cli {
 enum Command {
     /// Boot N VMs and serve HTTP on their loopback addresses until SIGTERM.
     Serve(Box<serve::ServeArgs>),
+    /// Print, as JSON, the facts a controller needs about a configuration
+    /// (the same flags as `serve`): guest layout, block limits, policies,
+    /// swap sizing and the disk models' parameters. Starts nothing.
+    Describe(Box<describe::DescribeArgs>),
     /// A worker process of `serve` (started by it; its stdin is the link).
     #[command(hide = true)]
     Cell,
@@ -77,6 +82,7 @@ fn main() {
     };
     let code = match cli.command {
         Command::Serve(args) => serve::run(*args),
+        Command::Describe(args) => describe::run(*args),
         Command::Cell => cell::run(),
     };
     std::process::exit(code);

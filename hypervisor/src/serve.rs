@@ -27,6 +27,8 @@ const FDS_PER_CELL: u64 = 4;
 /// Kernel memory a 1-vCPU KVM VM holds (0.55-0.6 MB measured, host-notes.md):
 /// a VM count the host cannot hold is refused up front.
 const KERNEL_BYTES_PER_VM: u64 = 600 << 10;
+/// A request writes one word in every 4th working-set page by default.
+pub const DEFAULT_WS_WRITE_STRIDE: u32 = 4;
 /// Longest orderly teardown before the process just exits.
 const TEARDOWN_GRACE: Duration = Duration::from_secs(30);
 
@@ -50,7 +52,7 @@ pub struct ServeArgs {
     #[arg(long, default_value = "896K")]
     pub ws: String,
     /// Write one word in every Nth working-set page per request (1 = every page).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = DEFAULT_WS_WRITE_STRIDE)]
     pub ws_write_stride: u32,
     /// A number given to every guest in its boot info, opaque to the monitor
     /// (the test guests read their behaviour from it).
@@ -171,6 +173,12 @@ pub fn load_guest(args: &ServeArgs) -> Result<(GuestImage, RamLayout), ConfigErr
     Ok((image, layout))
 }
 
+/// The VMs the swap is sized for: room for VMs created later through the
+/// API, too.
+pub fn vms_with_headroom(vms: u32) -> u32 {
+    vms.saturating_mul(2).max(vms.saturating_add(64))
+}
+
 fn size(flag: &str, text: &str) -> Result<u64, ConfigError> {
     parse_size(text).map_err(|e| ConfigError(format!("{flag}: {e}")))
 }
@@ -240,14 +248,10 @@ fn mem_available() -> Option<u64> {
         .map(|kib| kib << 10)
 }
 
-fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
-    check_flags(args)?;
-    // The parent holds a few descriptors per cell; each cell checks its own VMs.
-    ensure_fd_budget(args.vms.div_ceil(args.cell_vms), FDS_PER_CELL)?;
-    ensure_fd_budget(args.cell_vms.min(args.vms), fds_per_vm(args))
-        .map_err(|ConfigError(e)| ConfigError(format!("--cell-vms {}: {e}", args.cell_vms)))?;
-    let (_, layout) = load_guest(args)?;
-    let pager_config = PagerConfig {
+/// The pager's configuration from `serve`'s flags, parsed once and checked
+/// against the guest's layout.
+pub fn pager_config(args: &ServeArgs, layout: &RamLayout) -> Result<PagerConfig, ConfigError> {
+    let config = PagerConfig {
         budget_bytes: size("--mem", &args.mem)?,
         block_bytes: size("--block", &args.block)?,
         policy: PolicySpec::parse(&args.policy).map_err(|e| ConfigError(e.to_string()))?,
@@ -261,9 +265,20 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
             .transpose()?,
         inject_fault: std::time::Duration::from_micros(args.inject_fault_us),
     };
-    pager_config
+    config
         .validate(layout.ram_bytes, layout.request_footprint())
         .map_err(|e| ConfigError(e.to_string()))?;
+    Ok(config)
+}
+
+fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
+    check_flags(args)?;
+    // The parent holds a few descriptors per cell; each cell checks its own VMs.
+    ensure_fd_budget(args.vms.div_ceil(args.cell_vms), FDS_PER_CELL)?;
+    ensure_fd_budget(args.cell_vms.min(args.vms), fds_per_vm(args))
+        .map_err(|ConfigError(e)| ConfigError(format!("--cell-vms {}: {e}", args.cell_vms)))?;
+    let (_, layout) = load_guest(args)?;
+    let pager_config = pager_config(args, &layout)?;
     let trace = match &args.record_trace {
         Some(path) => {
             let header = TraceHeader {
@@ -299,9 +314,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
         }
         let _ = std::fs::remove_file(&api_path);
     }
-    // Room in the swap for VMs created later through the API, too.
-    let max_vms = args.vms.saturating_mul(2).max(args.vms + 64);
-    let pager = Pager::new(pager_config, max_vms, layout.ram_bytes)
+    let pager = Pager::new(pager_config, vms_with_headroom(args.vms), layout.ram_bytes)
         .map_err(|e| ConfigError(e.to_string()))?;
     // Only the owner may drive the monitor: the socket is created 0600, whatever the umask.
     // SAFETY: umask only changes this process's file-creation mask; restored right after.

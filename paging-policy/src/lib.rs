@@ -14,6 +14,7 @@
 
 pub mod batching;
 pub mod config;
+pub mod describe;
 pub mod disk;
 pub mod error;
 pub mod guest_memory;

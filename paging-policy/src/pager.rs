@@ -54,6 +54,7 @@ use serde_json::{json, Map, Value};
 
 use crate::batching::{cluster_writes, read_runs, runs, write_runs};
 use crate::config::{default_swap_path, PagerConfig};
+use crate::describe::swap_bytes_per_ram_byte;
 use crate::error::PagerError;
 use crate::guest_memory::{SpaceHandoff, SpaceId};
 use crate::ledger::{Access, Admission, Classified, Ledger, PlanBlock, Wakes, NO_LOC};
@@ -65,7 +66,7 @@ use crate::uffd::{space_gone, Fault, FaultKind, Uffd};
 
 /// Fault-service threads. Faults mostly wait on I/O (or on the disk
 /// model's sleep), so more threads than cores keep the swap queue busy.
-const SERVICE_THREADS: usize = 8;
+pub const SERVICE_THREADS: usize = 8;
 
 /// How long a fault waiting for room re-checks for a fatal error.
 const WAIT_SLICE: Duration = Duration::from_millis(50);
@@ -188,12 +189,7 @@ impl Pager {
         let policy = build_policy(&cfg.policy, block, budget_blocks)?;
         let layout = policy.layout();
         let capacity = cfg.swap_bytes.unwrap_or_else(|| {
-            let per_vm = max_vms.max(1) as u64 * vm_ram_bytes;
-            match layout {
-                SwapLayout::PerVm => per_vm,
-                // The log needs slack to find contiguous extents.
-                SwapLayout::Log => 2 * per_vm,
-            }
+            max_vms.max(1) as u64 * vm_ram_bytes * swap_bytes_per_ram_byte(layout)
         });
         let model = cfg.disk.build(capacity);
         let disk = model.describe(&cfg.disk);
@@ -348,10 +344,7 @@ impl Pager {
         }
         // Swap for every registered VM's whole RAM (twice, for the log's
         // slack), allocated now rather than found missing mid-run.
-        let per_vm = match st.ledger.layout() {
-            SwapLayout::PerVm => self.vm_ram,
-            SwapLayout::Log => 2 * self.vm_ram,
-        };
+        let per_vm = self.vm_ram * swap_bytes_per_ram_byte(st.ledger.layout());
         self.swap.reserve((st.places.len() as u64 + 1) * per_vm)?;
         st.ledger.register(vm, (len / self.block) as u32)?;
         st.regions.insert((space.id, addr), (vm, len));

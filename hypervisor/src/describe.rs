@@ -1,0 +1,67 @@
+//! `densevm describe`: the monitor's and the pager's facts for a given set of
+//! `serve` flags, as JSON. The controller reads them (cached per binary)
+//! instead of keeping copies of constants that would drift.
+
+use crate::abi;
+use crate::serve::{self, ConfigError, ServeArgs};
+use clap::Args;
+use serde_json::{json, Value};
+
+/// Flags of `densevm describe`: those of `serve`, whose configuration it
+/// describes without starting anything.
+#[derive(Args, Debug)]
+pub struct DescribeArgs {
+    /// One line of JSON (default: indented, for people).
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    serve: ServeArgs,
+}
+
+/// The description of `args.serve`'s configuration, checked as `serve`
+/// checks it (guest, block, budget, policy, disk, swap path).
+pub fn describe(args: &ServeArgs) -> Result<Value, ConfigError> {
+    let (_, layout) = serve::load_guest(args)?;
+    let pager = serve::pager_config(args, &layout)?;
+    Ok(json!({
+        "schema": "densevm-describe/1",
+        "version": env!("CARGO_PKG_VERSION"),
+        "guest": {
+            "ram_bytes": layout.ram_bytes,
+            "ws_offset": layout.ws_offset,
+            "ws_bytes": layout.ws_bytes,
+            "stack_bytes": abi::STACK_BYTES,
+            "request_ranges": layout.request_ranges(),
+            "ws_write_stride_default": serve::DEFAULT_WS_WRITE_STRIDE,
+        },
+        "config": {
+            "block_bytes": pager.block_bytes,
+            "budget_bytes": pager.budget_bytes,
+            "policy": pager.policy.to_string(),
+            "disk": pager.disk.text,
+        },
+        "swap": {
+            "vms_sized_for": serve::vms_with_headroom(args.vms),
+            "rule": "max(2 x vms, vms + 64) VMs, each ram_bytes x swap_bytes_per_ram_byte[layout]",
+        },
+        "pager": paging_policy::describe::describe(),
+    }))
+}
+
+/// Prints the description; exit code 0, or 2 for a configuration error.
+pub fn run(args: DescribeArgs) -> i32 {
+    match describe(&args.serve) {
+        Ok(value) => {
+            let text = match args.json {
+                true => value.to_string(),
+                false => serde_json::to_string_pretty(&value).expect("JSON values print"),
+            };
+            println!("{text}");
+            0
+        }
+        Err(ConfigError(e)) => {
+            eprintln!("densevm: error: {e}");
+            2
+        }
+    }
+}

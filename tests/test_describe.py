@@ -1,0 +1,55 @@
+"""The controller reads the pager's and the guest's facts from `densevm describe`
+instead of keeping copies: every fact it reads is there, and the models it
+charges are the pager's."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from scalebench import describe
+from scalebench.config import ConfigError
+from scalebench.disks import disk_model
+
+CONTROLLER = Path(describe.__file__).parent
+
+
+def test_every_fact_the_controller_reads_is_required_and_described():
+    read = set()
+    for source in CONTROLLER.rglob("*.py"):
+        read.update(re.findall(r'fact\(\s*(?:f?)"([a-z_.{}0-9-]+)"', source.read_text()))
+    read = {path for path in read if "{" not in path}
+    assert read, "no fact() reads found: the scan is broken"
+    assert read <= set(describe.REQUIRED), f"read but not required: {read - set(describe.REQUIRED)}"
+    describe.check(describe.describe_config())
+
+
+@pytest.mark.parametrize("missing", describe.REQUIRED)
+def test_a_description_without_a_fact_is_refused(missing):
+    doc = describe.describe_config()
+    *parents, leaf = missing.split(".")
+    node = doc
+    for key in parents:
+        node = node[key]
+    del node[leaf]
+    with pytest.raises(describe.DescribeError, match=re.escape(missing)):
+        describe.check(doc)
+
+
+@pytest.mark.parametrize("name", ["hdd", "hdd15k", "ssd", "array:4", "raid5:5"])
+def test_the_models_drives_are_the_pagers(name):
+    pager = describe.fact("pager.disks.drives")
+    member = name if ":" not in name else describe.fact("pager.disks.array_drive")
+    drive = disk_model(name).drive
+    assert drive is not None
+    for key in ("seek_ms", "track_ms", "rpm", "mb_s", "overhead_ms", "lat_ms"):
+        assert getattr(drive, key) == pager[member][key], key
+
+
+def test_densevm_refuses_what_it_would_refuse_to_serve():
+    with pytest.raises(ConfigError, match="unknown policy 'lru'"):
+        describe.describe_config("--policy", "lru")
+    assert describe.describe_config("--policy", "wsswap,after=2")["config"]["policy"] == (
+        "wsswap,after=2"
+    )
