@@ -1,7 +1,7 @@
 """The scalebench command line: a thin layer over the library.
 
 `scalebench [run flags]` (or `scalebench run ...`) runs the main job; the
-subcommands are model, sweep, report, compare, nightly and dbtrace. Every bad
+subcommands are model, sweep, report, compare, nightly, dbtrace, policy and trace. Every bad
 input is one line `scalebench: error: ...` on stderr and exit status 2, before
 anything is started.
 """
@@ -21,7 +21,17 @@ from .model import DEFAULT_FAULT_US
 # `scalebench model` without --cpu-us on a host with no stored calibration: about
 # what the 4,000-VM main job calibrated on a (busy) development host, 527 us.
 UNCALIBRATED_CPU_US = 500.0
-SUBCOMMANDS = ("run", "model", "sweep", "report", "compare", "nightly", "dbtrace")
+SUBCOMMANDS = (
+    "run",
+    "model",
+    "sweep",
+    "report",
+    "compare",
+    "nightly",
+    "dbtrace",
+    "policy",
+    "trace",
+)
 _DEFAULTS = RunConfig()
 
 
@@ -443,6 +453,18 @@ def cmd_dbtrace(argv: list[str]) -> int:
     return db_cli.run(p.parse_args(["dbtrace", *argv]))
 
 
+def cmd_policy(argv: list[str]) -> int:
+    from .policydev import commands
+
+    return commands.run_policy(commands.policy_parser(Parser).parse_args(argv))
+
+
+def cmd_trace(argv: list[str]) -> int:
+    from .policydev import commands
+
+    return commands.run_trace(commands.trace_parser(Parser).parse_args(argv))
+
+
 COMMANDS = {
     "run": cmd_run,
     "model": cmd_model,
@@ -451,6 +473,8 @@ COMMANDS = {
     "compare": cmd_compare,
     "nightly": cmd_nightly,
     "dbtrace": cmd_dbtrace,
+    "policy": cmd_policy,
+    "trace": cmd_trace,
 }
 
 
