@@ -27,7 +27,7 @@ V1_MEMORY = CGROUP_ROOT / "memory"
 PARENT = "scalebench"
 
 # The limit is the pager's budget plus what the budget does not cover: per VM,
-# KVM's kernel memory (0.55-0.60 MB measured, host-notes.md), the vCPU thread,
+# KVM's kernel memory (docs/host-facts.md), the vCPU thread,
 # its sockets and rings; per process, densevm's own heap, code and pager tables.
 MARGIN_PER_VM_BYTES = 1 * MIB
 MARGIN_FIXED_BYTES = 256 * MIB

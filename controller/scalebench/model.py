@@ -65,7 +65,7 @@ IN_CORE_LOSS = 0.05
 # Host time per fault served, aggregate over the host, when a run has nothing
 # better: runs calibrate it in their settle phase (runner.py) and `scalebench
 # model` uses the stored value. A fault resolved with one 32 KiB UFFDIO_COPY
-# takes 84-131 us here (host-notes.md). Overridable with --fault-us.
+# takes 84-131 us here (docs/host-facts.md). Overridable with --fault-us.
 DEFAULT_FAULT_US = 100.0
 
 

@@ -24,7 +24,7 @@ const FDS_PER_VM: u64 = 4;
 const FD_HEADROOM: u64 = 1024;
 /// Descriptors the parent holds per cell: link, userfaultfd, memfd, pidfd slack.
 const FDS_PER_CELL: u64 = 4;
-/// Kernel memory a 1-vCPU KVM VM holds (0.55-0.6 MB measured, host-notes.md):
+/// Kernel memory a 1-vCPU KVM VM holds (docs/host-facts.md, "Costs of KVM operations"):
 /// a VM count the host cannot hold is refused up front.
 const KERNEL_BYTES_PER_VM: u64 = 600 << 10;
 /// A request writes one word in every 4th working-set page by default.

@@ -1,6 +1,6 @@
 """libvirtd: use the running one, or start our own and stop it afterwards.
 
-Without systemd, Debian 12's monolithic libvirtd runs when (host-notes.md):
+Without systemd, Debian 12's monolithic libvirtd runs when (docs/host-facts.md):
 the ``libvirt-qemu`` user and ``kvm`` group exist, ``/dev/kvm`` is group
 ``kvm`` mode 0660, and ``/etc/libvirt/qemu.conf`` sets ``stdio_handler =
 "file"`` (no virtlogd). ``prepare_host`` makes those hold (root only); the

@@ -18,7 +18,7 @@ def is_pvm_host() -> bool:
 
 
 def pick_domain_type() -> str:
-    """``kvm`` where guests run natively, ``qemu`` (TCG) otherwise (host-notes.md).
+    """``kvm`` where guests run natively, ``qemu`` (TCG) otherwise (docs/host-facts.md).
 
     ``SCALEBENCH_DOMAIN_TYPE`` overrides the choice.
     """
