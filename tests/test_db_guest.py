@@ -87,9 +87,9 @@ def test_short_tpcc_run_traces_reads_and_writes_inside_the_disk(
 
     before = _base_state(image.rootfs)
     opts = RunOptions(
-        workload="tpcc", mix="standard", clients=2, duration_s=15, disk="ssd", out_dir=tmp_path
+        workload="tpcc", mix="standard", clients=2, duration_s=15, disk="flash8", out_dir=tmp_path
     )
-    with DbGuest(GuestConfig(image=image, run_dir=tmp_path, disk="ssd"), libvirt_conn) as guest:
+    with DbGuest(GuestConfig(image=image, run_dir=tmp_path, disk="flash8"), libvirt_conn) as guest:
         name = guest.name
         assert name in _domain_names(libvirt_conn)
         result = run_on_guest(guest, opts, tmp_path)

@@ -37,17 +37,28 @@ class Drive:
     overhead_ms: float  # per-command controller overhead
     lat_ms: float  # flash access latency (0 for rotating drives)
 
-    def positioning_s(self, sqrt_distance: float = UNIFORM_SQRT_DISTANCE) -> float:
-        """Expected time before a request's transfer starts, given E[sqrt(seek distance / span)].
+    @property
+    def full_stroke_ms(self) -> float:
+        """Seek across the whole span: chosen so that uniformly random requests average
+        `seek_ms` on the pager's square-root seek curve."""
+        return self.track_ms + (self.seek_ms - self.track_ms) / UNIFORM_SQRT_DISTANCE
 
-        The pager's seek curve: track-to-track time plus the rest of the full
-        stroke in proportion to the square root of the distance, the full stroke
-        chosen so that uniformly random requests average `seek_ms`.
-        """
-        full_ms = self.track_ms + (self.seek_ms - self.track_ms) / UNIFORM_SQRT_DISTANCE
-        seek_ms = self.track_ms + (full_ms - self.track_ms) * sqrt_distance if self.seek_ms else 0.0
-        half_revolution = 30.0 / self.rpm if self.rpm else 0.0
-        return (self.overhead_ms + seek_ms + self.lat_ms) / 1e3 + half_revolution
+    @property
+    def revolution_s(self) -> float:
+        """One revolution of the spindle (0 for flash)."""
+        return 60.0 / self.rpm if self.rpm else 0.0
+
+    def seek_ms_at(self, sqrt_distance: float) -> float:
+        """Seek time for a distance of sqrt_distance**2 of the span: the pager's seek curve."""
+        if not self.seek_ms:
+            return 0.0
+        return self.track_ms + (self.full_stroke_ms - self.track_ms) * sqrt_distance
+
+    def positioning_s(self, sqrt_distance: float = UNIFORM_SQRT_DISTANCE) -> float:
+        """Expected time before a request's transfer starts, given E[sqrt(seek distance / span)]:
+        overhead, seek, half a revolution of rotational latency, and flash latency."""
+        ms = self.overhead_ms + self.seek_ms_at(sqrt_distance) + self.lat_ms
+        return ms / 1e3 + self.revolution_s / 2
 
 
 DRIVE_NAMES = ("hdd", "hdd15k", "ssd")

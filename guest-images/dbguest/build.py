@@ -37,8 +37,12 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
+
+# The image record is the controller's (scalebench.db.image reads what this prints).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "controller"))
+from scalebench.db.image import GuestImage
 
 HERE = Path(__file__).resolve().parent
 SQL_DIR = HERE / "sql"
@@ -87,19 +91,6 @@ GUEST_PG_HBA = """\
 local all all trust
 host all all 0.0.0.0/0 trust
 """
-
-
-@dataclass(frozen=True)
-class GuestImage:
-    """Paths of a built image; the files are read-only base artefacts."""
-
-    kernel: str
-    initrd: str
-    rootfs: str
-    key: str
-    databases: tuple[str, ...]
-    cpu_probe_n: int  # scalebench_cpu_probe(n) in the postgres database ...
-    cpu_probe_native_s: float  # ... took this long natively at build time (best of 5)
 
 
 class BuildError(RuntimeError):

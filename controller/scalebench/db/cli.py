@@ -1,9 +1,9 @@
 """``scalebench dbtrace``: a thin command line over scalebench.db.run.
 
     scalebench dbtrace --workload tpcc|tpcw|rubis --mix NAME --clients N --duration S
-                       [--disk none|hdd15k|array|raid5|ssd] [--json PATH] [--out DIR]
-                       [--warmup S] [--no-trace] [--dilate [FACTOR]] [--memory MIB] [--boot-timeout
-                       S]
+                       [--disk none|hdd15k|array:4,drive=hdd15k|raid5:4,drive=hdd15k|flash8]
+                       [--json PATH] [--out DIR] [--warmup S] [--no-trace] [--dilate [FACTOR]]
+                       [--memory MIB] [--boot-timeout S]
     scalebench dbtrace --compare [--results JSON ...] [--study-load heavy|light]
                        [--clients N --duration S --disk MODEL]
 

@@ -17,7 +17,8 @@ BUILDER = REPO_ROOT / "guest-images" / "dbguest" / "build.py"
 
 @dataclass(frozen=True)
 class GuestImage:
-    """Paths of the base artefacts (never written to)."""
+    """A built image: paths of its read-only base artefacts, the databases in it, and its CPU
+    probe. build.py makes it and prints it as JSON; ensure_image reads it back."""
 
     kernel: str
     initrd: str
@@ -25,7 +26,7 @@ class GuestImage:
     key: str
     databases: tuple[str, ...]
     cpu_probe_n: int  # scalebench_cpu_probe(n) in the guest's postgres database ...
-    cpu_probe_native_s: float  # ... took this long natively at build time
+    cpu_probe_native_s: float  # ... took this long natively at build time (best of 5)
 
 
 def ensure_image(cache: Path | None = None, builder: Path = BUILDER) -> GuestImage:
