@@ -29,6 +29,15 @@ pub enum FrameError {
     Io(#[from] io::Error),
 }
 
+/// Whether a bounded read left lines to handle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum More {
+    /// Everything the stream had was read and split.
+    No,
+    /// The line limit was reached; more input may be buffered or unread.
+    Lines,
+}
+
 /// A nonblocking stream with line-buffered input and buffered output.
 #[derive(Debug)]
 pub struct LineStream<S> {
@@ -58,34 +67,58 @@ impl<S: Read + Write> LineStream<S> {
     /// Reads what the stream has now and appends every complete line (without
     /// its newline) to `lines`. Lines already read are kept when it fails.
     pub fn read_lines(&mut self, lines: &mut Vec<Vec<u8>>) -> Result<(), FrameError> {
+        self.read_lines_upto(lines, usize::MAX).map(|_| ())
+    }
+
+    /// Like `read_lines`, but appends at most `max` lines. `Ok(More::Lines)`
+    /// means it stopped at `max` with input still buffered or unread: the
+    /// caller must call again without waiting for readiness (an edge-triggered
+    /// poll will not report data already there). A peer that writes faster
+    /// than its lines are handled thus cannot hold its reader in this call.
+    pub fn read_lines_upto(
+        &mut self,
+        lines: &mut Vec<Vec<u8>>,
+        max: usize,
+    ) -> Result<More, FrameError> {
+        let mut room = max;
         let mut chunk = [0u8; 16 << 10];
         loop {
-            let n = match nonblocking(|| self.stream.read(&mut chunk))? {
-                None => return Ok(()),
-                Some(0) => return Err(FrameError::Closed),
-                Some(n) => n,
-            };
-            self.input.extend_from_slice(&chunk[..n]);
-            self.split_lines(lines);
+            room -= self.split_lines(lines, room);
+            if room == 0 {
+                return Ok(More::Lines);
+            }
             // Checked per chunk, so a client streaming a line without end is
             // cut off at the limit, not when it stops sending.
             if self.input.len() > self.max_line {
                 return Err(FrameError::TooLong(self.max_line));
             }
+            let n = match nonblocking(|| self.stream.read(&mut chunk))? {
+                None => return Ok(More::No),
+                Some(0) => return Err(FrameError::Closed),
+                Some(n) => n,
+            };
+            self.input.extend_from_slice(&chunk[..n]);
         }
     }
 
-    fn split_lines(&mut self, lines: &mut Vec<Vec<u8>>) {
-        let mut start = 0;
-        while let Some(pos) = self.input[self.scanned..].iter().position(|b| *b == b'\n') {
+    /// Moves up to `max` complete lines from the input to `lines`; returns how many.
+    fn split_lines(&mut self, lines: &mut Vec<Vec<u8>>, max: usize) -> usize {
+        let (mut start, mut taken) = (0, 0);
+        while taken < max {
+            let Some(pos) = self.input[self.scanned..].iter().position(|b| *b == b'\n') else {
+                self.scanned = self.input.len();
+                break;
+            };
             let end = self.scanned + pos;
             lines.push(self.input[start..end].to_vec());
+            taken += 1;
             start = end + 1;
             self.scanned = start;
         }
-        // One shift per read, not one per line.
+        // One shift per call, not one per line.
         self.input.drain(..start);
-        self.scanned = self.input.len();
+        self.scanned -= start;
+        taken
     }
 
     /// Queues one line (a newline is added).
@@ -140,6 +173,24 @@ mod tests {
             lines,
             vec![b"one".to_vec(), b"two".to_vec(), b"three".to_vec()]
         );
+    }
+
+    #[test]
+    fn a_bounded_read_stops_at_its_limit_and_resumes_without_new_input() {
+        let (mut framed, mut peer) = pair();
+        peer.write_all(b"a\nb\nc\nd\ne").unwrap();
+        let mut lines = Vec::new();
+        assert_eq!(framed.read_lines_upto(&mut lines, 2).unwrap(), More::Lines);
+        assert_eq!(lines, vec![b"a".to_vec(), b"b".to_vec()]);
+        assert_eq!(framed.read_lines_upto(&mut lines, 2).unwrap(), More::Lines);
+        assert_eq!(framed.read_lines_upto(&mut lines, 2).unwrap(), More::No);
+        peer.write_all(b"\n").unwrap();
+        assert_eq!(framed.read_lines_upto(&mut lines, 2).unwrap(), More::No);
+        let want: Vec<Vec<u8>> = ["a", "b", "c", "d", "e"]
+            .iter()
+            .map(|l| l.as_bytes().to_vec())
+            .collect();
+        assert_eq!(lines, want);
     }
 
     #[test]

@@ -9,7 +9,7 @@
 
 use crate::api::{self, Request};
 use crate::cells::{Cell, PendingCell};
-use crate::framing::{FrameError, LineStream};
+use crate::framing::{FrameError, LineStream, More};
 use crate::protocol::{FromCell, ToCell};
 use crate::serve::{self, ServeArgs};
 use mio::net::{UnixListener, UnixStream};
@@ -33,6 +33,10 @@ const KIND_CELL: usize = 2;
 const MAX_API_LINE: usize = 64 << 10;
 /// Control clients served at once; more are turned away with an error.
 const MAX_API_CLIENTS: usize = 256;
+/// Requests of one client handled per turn of the event loop: a client that
+/// pipelines requests faster than they are answered waits for the next turn,
+/// so the other clients, the cells and the signals are served in between.
+const API_REQUESTS_PER_TURN: usize = 32;
 /// Replies a client may leave unread before it is disconnected (a full
 /// stats reply of 10,000 VMs is ~3 MB).
 const MAX_API_UNSENT: usize = 64 << 20;
@@ -87,6 +91,8 @@ pub struct Supervisor {
     api: UnixListener,
     api_path: PathBuf,
     clients: Slab<LineStream<UnixStream>>,
+    /// Clients that had more requests than one turn handles.
+    clients_with_more: Vec<usize>,
     signals: signal_hook_mio::v1_0::Signals,
     boot_started: Instant,
     ready_line: Option<Value>,
@@ -112,6 +118,7 @@ impl Supervisor {
             api,
             api_path: setup.api_path,
             clients: Slab::new(),
+            clients_with_more: Vec::new(),
             signals,
             boot_started: setup.boot_started,
             ready_line: Some(setup.ready_line),
@@ -143,7 +150,9 @@ impl Supervisor {
                 return Err(format!("pager: {error}"));
             }
             self.check_boot();
-            let timeout = if self.ready_line.is_some() {
+            let timeout = if !self.clients_with_more.is_empty() {
+                Duration::ZERO
+            } else if self.ready_line.is_some() {
                 Duration::from_millis(20)
             } else {
                 Duration::from_millis(250)
@@ -168,6 +177,9 @@ impl Supervisor {
                         }
                     }
                 }
+            }
+            for key in std::mem::take(&mut self.clients_with_more) {
+                self.client_ready(key);
             }
         }
     }
@@ -393,7 +405,7 @@ impl Supervisor {
             return;
         };
         let mut lines = Vec::new();
-        let read = client.read_lines(&mut lines);
+        let read = client.read_lines_upto(&mut lines, API_REQUESTS_PER_TURN);
         let mut replies = Vec::with_capacity(lines.len() + 1);
         for line in lines {
             let reply = match api::parse(&line) {
@@ -403,7 +415,13 @@ impl Supervisor {
             replies.push(reply);
         }
         let closing = match read {
-            Ok(()) => false,
+            Ok(More::No) => false,
+            Ok(More::Lines) => {
+                if !self.clients_with_more.contains(&key) {
+                    self.clients_with_more.push(key);
+                }
+                false
+            }
             Err(FrameError::TooLong(limit)) => {
                 replies.push(json!({ "error": format!("request longer than {limit} bytes") }));
                 true

@@ -63,7 +63,8 @@ def _attack(api: Path, rng: random.Random) -> None:
         s.close()
 
 
-def _good_request(api: Path) -> bool:
+def good_request(api: Path) -> bool:
+    """One `list` request from a well-behaved client: True when it is answered with ok."""
     s = _open(api)
     if s is None:
         return False
@@ -103,7 +104,7 @@ def fuzz(api: Path, seconds: float, seed: int = 1, idle_clients: int = 1000) -> 
                 result.attacks += 1
             result.rounds += 1
             result.good_requests += 1
-            if not _good_request(api):
+            if not good_request(api):
                 result.good_failures += 1
     finally:
         for s in held:
