@@ -179,6 +179,35 @@ def test_a_fault_storm_under_a_budget_leaves_neighbours_exact(tmp_path):
         stop_quickly(m)
 
 
+def test_a_resident_quota_makes_a_fault_storm_page_against_itself(tmp_path):
+    """With --vm-resident-max, the storming VM evicts its own blocks: it never
+    holds more than its quota, while a neighbour keeps what it touched."""
+    quota = 1 << 20
+    m = start_hostile(
+        tmp_path,
+        Behaviour.FAULT_STORM,
+        "127.227.0.0",
+        "--mem",
+        "64M",
+        "--block",
+        "32k",
+        "--vm-resident-max",
+        "1M",
+    )
+    try:
+        time.sleep(1)
+        neighbours_serve(m)
+        vms = {v["id"]: v for v in m.control({"cmd": "stats"})["vms"]}
+        storm = vms[HOSTILE_VM]
+        assert storm["state"] == "running"
+        assert storm["blocks_out"] > 0, "the storm should have paged against itself"
+        assert storm["resident_bytes"] <= quota
+        assert m.control({"cmd": "pager"})["pager"]["vm_resident_max_bytes"] == quota
+        neighbours_serve(m)
+    finally:
+        stop_quickly(m)
+
+
 def test_a_spinning_guest_leaves_neighbours_serving(tmp_path):
     m = start_hostile(tmp_path, Behaviour.SPIN, "127.218.0.0")
     try:

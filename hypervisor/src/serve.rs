@@ -106,6 +106,11 @@ pub struct ServeArgs {
     /// Threads that create VMs at boot, per cell.
     #[arg(long, default_value_t = 2)]
     pub boot_threads: u32,
+    /// Most resident memory one VM may hold (e.g. 512k); past it the VM's
+    /// own blocks are evicted, whatever the policy chooses, so a thrashing
+    /// VM pages against itself rather than its neighbours. Default: none.
+    #[arg(long)]
+    pub vm_resident_max: Option<String>,
     /// Busy CPU work per served request, in microseconds: a known slowdown of
     /// the in-core path, only for checking regression detection.
     #[arg(long, default_value_t = 0)]
@@ -262,6 +267,11 @@ pub fn pager_config(args: &ServeArgs, layout: &RamLayout) -> Result<PagerConfig,
             .swap_size
             .as_deref()
             .map(|s| size("--swap-size", s))
+            .transpose()?,
+        vm_resident_max: args
+            .vm_resident_max
+            .as_deref()
+            .map(|s| size("--vm-resident-max", s))
             .transpose()?,
         inject_fault: std::time::Duration::from_micros(args.inject_fault_us),
     };

@@ -37,6 +37,9 @@ pub struct PagerConfig {
     pub disk: DiskSpec,
     /// Swap capacity; `None` = sized from the number of VMs and the policy.
     pub swap_bytes: Option<u64>,
+    /// Most resident memory one VM may hold (`--vm-resident-max`); past it
+    /// the VM's own blocks are evicted, whatever the policy chooses.
+    pub vm_resident_max: Option<u64>,
     /// Busy CPU work added to every fault-in: a known slowdown of the
     /// out-of-core path, only for checking regression detection.
     pub inject_fault: std::time::Duration,
@@ -52,6 +55,7 @@ impl Default for PagerConfig {
             keep_swap: false,
             disk: DiskSpec::default(),
             swap_bytes: None,
+            vm_resident_max: None,
             inject_fault: std::time::Duration::ZERO,
         }
     }
@@ -63,6 +67,19 @@ pub fn check_block(block_bytes: u64) -> Result<(), PagerError> {
         return Err(PagerError::BadBlock(block_bytes));
     }
     Ok(())
+}
+
+/// Checks that a per-VM quota (`--vm-resident-max`) holds at least one
+/// request's `footprint` (whole blocks): below it, a VM would evict its own
+/// working set on every fault and never finish a request.
+pub fn check_vm_quota(quota: Option<u64>, footprint: u64) -> Result<(), PagerError> {
+    match quota {
+        Some(bytes) if bytes < footprint => Err(PagerError::QuotaTooSmall {
+            quota: bytes,
+            footprint,
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// Default swap file name in the current directory, unique per process so
@@ -95,6 +112,7 @@ impl PagerConfig {
                 block: self.block_bytes,
             });
         }
+        check_vm_quota(self.vm_resident_max, footprint)?;
         if let PolicySpec::Plugin { path, .. } = &self.policy {
             if !path.is_file() {
                 return Err(PagerError::PluginMissing(path.clone()));

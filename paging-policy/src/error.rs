@@ -35,6 +35,14 @@ pub enum PagerError {
         /// Block size in bytes.
         block: u64,
     },
+    /// A per-VM quota cannot hold one request's footprint.
+    #[error("--vm-resident-max {quota} bytes is below one VM's minimum footprint of {footprint} bytes (rounded up to whole blocks)")]
+    QuotaTooSmall {
+        /// The configured quota in bytes.
+        quota: u64,
+        /// The footprint in bytes, rounded up to whole blocks.
+        footprint: u64,
+    },
     /// The policy name is neither built in nor a path to a shared library.
     #[error("unknown policy '{0}': expected demand, wsswap, wsswap,after=N or a path to a policy shared library (.so)")]
     UnknownPolicy(String),

@@ -11,6 +11,11 @@
 //! installed blocks not yet dropped (including those being evicted) and
 //! `reserved` counts blocks being faulted in. A fault is admitted only when
 //! its blocks fit, so resident guest memory never exceeds the budget.
+//!
+//! Per-VM quota (optional): a VM whose resident blocks, less those being
+//! evicted, plus those being faulted in would pass its quota gives up its
+//! own blocks first, whatever the policy: one thrashing VM then pages
+//! against itself instead of evicting its neighbours.
 
 use crate::error::PagerError;
 use crate::policy::{BlockId, Policy, SwapLayout, VmId};
@@ -55,6 +60,11 @@ pub struct VmLedger {
     blocks: Vec<Block>,
     resident: u32,
     busy: u32,
+    /// Blocks being faulted in (reserved) and being evicted (still resident).
+    reserved: u32,
+    evicting: u32,
+    /// Where the search for this VM's own victims resumes (quota evictions).
+    hand: u32,
     dying: bool,
     /// Statistics of this VM.
     pub stats: VmCounters,
@@ -144,6 +154,8 @@ pub struct Ledger {
     victims: Vec<(VmId, BlockId)>,
     places: Vec<u64>,
     released: Vec<u64>,
+    /// Most blocks one VM may hold (u64::MAX: no quota).
+    vm_quota_blocks: u64,
     /// Totals over all VMs, including destroyed ones.
     pub totals: VmCounters,
 }
@@ -169,8 +181,15 @@ impl Ledger {
             victims: Vec::new(),
             places: Vec::new(),
             released: Vec::new(),
+            vm_quota_blocks: u64::MAX,
             totals: VmCounters::default(),
         }
+    }
+
+    /// Limits every VM to `bytes` of resident memory (rounded down to whole
+    /// blocks, at least one); `None` lifts the limit.
+    pub fn set_vm_quota(&mut self, bytes: Option<u64>) {
+        self.vm_quota_blocks = bytes.map_or(u64::MAX, |b| (b / self.block_bytes).max(1));
     }
 
     fn policy_err(&mut self) -> Result<(), PagerError> {
@@ -254,6 +273,9 @@ impl Ledger {
             ],
             resident: 0,
             busy: 0,
+            reserved: 0,
+            evicting: 0,
+            hand: 0,
             dying: false,
             stats: VmCounters::default(),
         });
@@ -404,7 +426,7 @@ impl Ledger {
         // One fault may take at most half the budget: a prefetch as large as
         // the budget would evict every other VM, active ones included. The
         // blocks nearest the faulting one are kept.
-        let cap = (budget / 2).max(1) as usize;
+        let cap = (budget / 2).max(1).min(self.vm_quota_blocks) as usize;
         prefetch.retain(|&b| v.blocks[b as usize].state == State::Absent);
         if prefetch.len() > cap {
             prefetch.sort_unstable_by_key(|&b| b.abs_diff(block));
@@ -435,8 +457,14 @@ impl Ledger {
     /// wait, or hand out victims to evict first (marked busy, swap space
     /// placed). The policy's victims are validated here.
     pub fn admit(&mut self, n: u64, vm: VmId) -> Result<Admission, PagerError> {
+        if let Some(decision) = self.admit_within_quota(n, vm)? {
+            return Ok(decision);
+        }
         if self.resident + self.reserved + n <= self.budget_blocks {
             self.reserved += n;
+            if let Some(v) = self.vm_mut(vm) {
+                v.reserved += n as u32;
+            }
             return Ok(Admission::Go);
         }
         let deficit = self.resident + self.reserved + n - self.budget_blocks;
@@ -470,6 +498,44 @@ impl Ledger {
         };
         self.victims = victims;
         Ok(Admission::Evict(plan?))
+    }
+
+    /// The quota's part of `admit`: `None` when `vm` stays within its quota
+    /// with `n` more blocks, else a wait for its own evictions in flight, or
+    /// its own blocks to evict (resuming where its last search stopped).
+    fn admit_within_quota(&mut self, n: u64, vm: VmId) -> Result<Option<Admission>, PagerError> {
+        let quota = self.vm_quota_blocks;
+        let Some(v) = self.vm_mut(vm) else {
+            return Ok(None);
+        };
+        let held = (v.resident - v.evicting + v.reserved) as u64 + n;
+        if held <= quota {
+            return Ok(None);
+        }
+        let mut need = held - quota;
+        let mut victims = std::mem::take(&mut self.victims);
+        victims.clear();
+        let v = self.vms[vm as usize].as_mut().expect("looked up above");
+        let blocks = v.blocks.len() as u32;
+        for _ in 0..blocks {
+            if need == 0 {
+                break;
+            }
+            let b = v.hand;
+            v.hand = (b + 1) % blocks;
+            if v.blocks[b as usize].state == State::Resident {
+                victims.push((vm, b));
+                need -= 1;
+            }
+        }
+        let decision = if victims.is_empty() {
+            Ok(Admission::Wait)
+        } else {
+            victims.sort_unstable();
+            self.start_eviction(&victims).map(Admission::Evict)
+        };
+        self.victims = victims;
+        decision.map(Some)
     }
 
     /// Validates victims: known VM, block in range, no duplicates, resident.
@@ -560,6 +626,7 @@ impl Ledger {
                 let e = &mut v.blocks[b as usize];
                 e.state = State::Evict;
                 v.busy += 1;
+                v.evicting += 1;
                 let (loc, dirty) = if to_write(&*e) {
                     let loc = places.get(k).copied().unwrap_or(NO_LOC);
                     k += 1;
@@ -618,6 +685,7 @@ impl Ledger {
                 wakes.push((p.vm, p.block));
             }
             v.busy -= 1;
+            v.evicting -= 1;
             v.resident -= 1;
             v.stats.blocks_out += 1;
             v.stats.io_seconds += share;
@@ -662,6 +730,7 @@ impl Ledger {
         }
         let n = plan.len() as u64;
         v.busy -= n as u32;
+        v.reserved -= n as u32;
         v.resident += n as u32;
         v.stats.record_fault(n, read, io_seconds, latency_us);
         self.totals.record_fault(n, read, io_seconds, latency_us);
@@ -679,5 +748,90 @@ impl VmLedger {
     /// Resident blocks of this VM.
     pub fn resident_blocks(&self) -> u32 {
         self.resident
+    }
+}
+
+#[cfg(test)]
+mod quota_tests {
+    use super::*;
+    use crate::policy::demand::Demand;
+
+    const BLOCK: u64 = 4096;
+    const VM_BLOCKS: u32 = 16;
+
+    /// Two VMs of 16 blocks under demand, a budget of 8 blocks.
+    fn ledger(quota_blocks: Option<u64>) -> Ledger {
+        let space = SwapSpace::new(SwapLayout::PerVm, 2 * 16 * BLOCK, BLOCK, 16 * BLOCK);
+        let mut l = Ledger::new(Box::new(Demand::new()), space, BLOCK, 8 * BLOCK);
+        l.set_vm_quota(quota_blocks.map(|b| b * BLOCK));
+        l.register(0, VM_BLOCKS).unwrap();
+        l.register(1, VM_BLOCKS).unwrap();
+        l
+    }
+
+    /// Faults `block` of `vm` in, evicting as the ledger asks; returns the
+    /// evicted (VM, block) pairs.
+    fn fault(l: &mut Ledger, vm: VmId, block: BlockId) -> Vec<(VmId, BlockId)> {
+        assert_eq!(l.classify(vm, block, Access::Read), Classified::FaultIn);
+        let (mut plan, mut wakes, mut evicted) = (Vec::new(), Vec::new(), Vec::new());
+        l.plan_fault(vm, block, false, &mut plan).unwrap();
+        loop {
+            match l.admit(plan.len() as u64, vm).unwrap() {
+                Admission::Go => break,
+                Admission::Wait => panic!("nothing is in flight to wait for"),
+                Admission::Evict(victims) => {
+                    evicted.extend(victims.iter().map(|p| (p.vm, p.block)));
+                    l.finish_eviction(&victims, 0.0, &mut wakes);
+                }
+            }
+        }
+        l.finish_install(&plan, 0.0, 0, &mut wakes);
+        evicted
+    }
+
+    fn resident(l: &Ledger, vm: VmId) -> u32 {
+        l.vm(vm).unwrap().resident_blocks()
+    }
+
+    #[test]
+    fn a_vm_over_its_quota_evicts_its_own_blocks_in_turn() {
+        let mut l = ledger(Some(3));
+        for b in 0..3 {
+            assert!(fault(&mut l, 1, b).is_empty());
+        }
+        for b in 0..3 {
+            assert!(fault(&mut l, 0, b).is_empty());
+        }
+        // Within the budget (6 of 8), but VM 0 is at its quota: it pays.
+        assert_eq!(fault(&mut l, 0, 3), vec![(0, 0)]);
+        assert_eq!(fault(&mut l, 0, 4), vec![(0, 1)]);
+        assert_eq!(fault(&mut l, 0, 5), vec![(0, 2)]);
+        assert_eq!(resident(&l, 0), 3);
+        assert_eq!(resident(&l, 1), 3);
+        assert!((0..3).all(|b| l.is_resident(1, b)));
+        assert_eq!(l.resident_blocks(), 6);
+    }
+
+    #[test]
+    fn without_a_quota_the_policy_evicts_the_neighbour() {
+        let mut l = ledger(None);
+        for b in 0..3 {
+            fault(&mut l, 1, b);
+        }
+        let evicted: Vec<_> = (0..8).flat_map(|b| fault(&mut l, 0, b)).collect();
+        assert!(evicted.iter().any(|&(vm, _)| vm == 1), "{evicted:?}");
+        assert_eq!(l.resident_blocks(), 8);
+    }
+
+    #[test]
+    fn a_fault_never_plans_more_than_the_quota() {
+        let mut l = ledger(Some(2));
+        // A quota of 2 with the budget's cap of 4: the plan is the faulting
+        // block alone under demand, and the VM never holds more than 2.
+        for b in 0..VM_BLOCKS {
+            fault(&mut l, 0, b);
+            assert!(resident(&l, 0) <= 2);
+        }
+        assert_eq!(l.totals.blocks_out, u64::from(VM_BLOCKS) - 2);
     }
 }

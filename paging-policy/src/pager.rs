@@ -216,7 +216,11 @@ impl Pager {
             swap,
             disk,
             state: Mutex::new(State {
-                ledger: Ledger::new(policy, space, block, cfg.budget_bytes),
+                ledger: {
+                    let mut ledger = Ledger::new(policy, space, block, cfg.budget_bytes);
+                    ledger.set_vm_quota(cfg.vm_resident_max);
+                    ledger
+                },
                 regions: BTreeMap::new(),
                 places: HashMap::new(),
                 spaces: HashMap::new(),
@@ -513,6 +517,7 @@ impl Pager {
             "swap_path": self.swap.path(),
             "swap_bytes": self.swap.capacity(),
             "keep_swap": self.cfg.keep_swap,
+            "vm_resident_max_bytes": self.cfg.vm_resident_max,
             "disk": self.disk,
             "service_threads": SERVICE_THREADS,
         });

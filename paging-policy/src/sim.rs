@@ -23,7 +23,7 @@
 use serde::Serialize;
 
 use crate::batching::{cluster_writes, read_runs, write_runs};
-use crate::config::check_block;
+use crate::config::{check_block, check_vm_quota};
 use crate::disk::{DiskModel, DiskSpec};
 use crate::error::PagerError;
 use crate::ledger::{Admission, Ledger, PlanBlock, Wakes};
@@ -55,6 +55,8 @@ pub struct SimConfig {
     pub dirty: f64,
     /// Swap capacity (default: as the pager sizes it).
     pub swap_bytes: Option<u64>,
+    /// Most resident memory one VM may hold (as the pager's `--vm-resident-max`).
+    pub vm_resident_max: Option<u64>,
     /// Requests replayed before counting starts.
     pub warmup: u64,
     /// Requests in flight at once (at least 1).
@@ -169,6 +171,7 @@ impl Simulator {
                 block: bs,
             });
         }
+        check_vm_quota(cfg.vm_resident_max, footprint)?;
         // Deterministic choice of written blocks: a multiplicative hash of
         // the block index against the dirty fraction.
         let written = (0..nblocks as u64)
@@ -191,6 +194,7 @@ impl Simulator {
         let model = cfg.disk.build(capacity);
         let space = SwapSpace::new(layout, capacity, bs, cfg.vm_ram_bytes);
         let mut ledger = Ledger::new(policy, space, bs, cfg.budget_bytes);
+        ledger.set_vm_quota(cfg.vm_resident_max);
         for vm in 0..cfg.vms {
             ledger.register(vm, nblocks as u32)?;
         }

@@ -62,6 +62,10 @@ struct Cli {
     /// Swap capacity (default: sized like the pager does).
     #[arg(long, value_parser = size)]
     swap_size: Option<u64>,
+    /// Most resident memory one VM may hold; past it the VM's own blocks are
+    /// evicted, whatever the policy chooses (as densevm's --vm-resident-max).
+    #[arg(long, value_parser = size)]
+    vm_resident_max: Option<u64>,
     /// CPU cost of one in-core request, µs.
     #[arg(long, default_value_t = 30.0)]
     cpu_us: f64,
@@ -219,6 +223,7 @@ fn setup(cli: &Cli) -> Result<(Simulator, Source, u32, u64), PagerError> {
         fault_us: cli.fault_us,
         dirty: cli.dirty,
         swap_bytes: cli.swap_size,
+        vm_resident_max: cli.vm_resident_max,
         warmup: cli.warmup,
         concurrency: cli.concurrency,
     })?;

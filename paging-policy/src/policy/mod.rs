@@ -85,9 +85,11 @@ pub trait Policy: Send {
     /// invalid answer stops the run.
     fn choose_victims(&mut self, need: u32, faulting_vm: VmId, victims: &mut Vec<(VmId, BlockId)>);
 
-    /// A block chosen by `choose_victims` is being evicted: it is no longer
-    /// resident for the policy's purposes. Proposed blocks that the pager
-    /// could not evict (momentarily busy) get no call and stay resident.
+    /// A block is being evicted: it is no longer resident for the policy's
+    /// purposes. Usually one chosen by `choose_victims` (proposed blocks
+    /// that the pager could not evict, momentarily busy, get no call and
+    /// stay resident); with a per-VM quota (`--vm-resident-max`), also a
+    /// block the ledger took from a VM over its quota, in block order.
     fn on_evicted(&mut self, vm: VmId, block: BlockId);
 
     /// A failure the policy wants to report (plugins: a panic or a broken
