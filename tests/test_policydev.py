@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import RELEASE_DIR, REPO_ROOT, release_binary
-from scalebench.policydev import traces
+from scalebench.config import ConfigError
+from scalebench.policydev import grid, traces
 from support.densevm import kvm_available
 
 
@@ -74,6 +75,8 @@ def test_synth_popularity_follows_alpha():
         (["policy", "compare", "--blocks", "3k"], "3k"),
         (["policy", "compare", "--alpha", "1", "--trace", "x.trace"], "not both"),
         (["policy", "compare", "--trace", "/nonexistent.trace"], "nonexistent"),
+        (["policy", "compare", "--real", "--real-points", "0"], "--real-points"),
+        (["policy", "compare", "--real", "--vms", "999999"], "vms"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, fragment):
@@ -162,6 +165,61 @@ def test_policy_compare_on_traces(tmp_path):
         (p, w) for p in ("demand", "wsswap") for w in ("a0.5.trace", "a1.5.trace")
     }
     assert {r["alpha"] for r in rows} == {"0.5", "1.5"}
+
+
+def test_policies_take_arguments_as_densevm_spells_them(tmp_path):
+    lib = tmp_path / "libmine.so"
+    lib.write_bytes(b"")
+    assert grid.parse_policies(f"wsswap,after=8,{lib},window=100,k=2,wsswap") == (
+        "demand",
+        "wsswap,after=8",
+        f"{lib},window=100,k=2",
+        "wsswap",
+    )
+    assert grid.policy_label("wsswap,after=8") == "wsswap(after=8)"
+    assert grid.policy_label(f"{lib},window=100") == "mine(window=100)"
+    with pytest.raises(ConfigError, match="before any policy"):
+        grid.parse_policies("after=8,wsswap")
+
+
+def test_policy_compare_runs_a_policy_with_its_arguments(tmp_path):
+    proc = scalebench(
+        *("policy", "compare", "--policies", "wsswap,after=2,wsswap", "--blocks", "32k"),
+        *("--alpha", "1.0", "--vms", "300", "--requests", "8000", "--mem", "64M"),
+        *("--out", str(tmp_path / "o")),
+    )
+    assert proc.returncode == 0, proc.stderr
+    with open(tmp_path / "o" / "compare.csv") as f:
+        rows = {r["policy"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"demand", "wsswap", "wsswap(after=2)"}
+    # Prefetching after 2 faults rather than the default changes what is read.
+    assert rows["wsswap(after=2)"]["swap_read_mib"] != rows["wsswap"]["swap_read_mib"]
+
+
+@pytest.mark.skipif(not kvm_available(), reason="/dev/kvm is absent or not accessible")
+def test_policy_compare_real_reruns_the_best_points_on_densevm(tmp_path):
+    out = tmp_path / "o"
+    proc = scalebench(
+        *("policy", "compare", "--policies", "wsswap", "--blocks", "16k,64k", "--alpha", "1.0"),
+        *("--vms", "40", "--requests", "4000", "--mem", "32M", "--disk", "none"),
+        *("--real", "--real-duration", "3", "--addr-base", "127.228.0.0", "--out", str(out)),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "real/sim" in proc.stdout
+    with open(out / "real.csv") as f:
+        rows = list(csv.DictReader(f))
+    with open(out / "compare.csv") as f:
+        sims = list(csv.DictReader(f))
+    assert [r["policy"] for r in rows] == ["demand", "wsswap"]
+    for r in rows:
+        best = max(
+            (s for s in sims if s["policy"] == r["policy"]),
+            key=lambda s: float(s["predicted_rps"]),
+        )
+        assert r["block"] == best["block"], "the rerun is the policy's best simulated point"
+        assert r["error"] == "" and float(r["real_rps"]) > 0
+        assert 0 <= float(r["real_hit_ratio"]) <= 1
+        assert (Path(r["run_dir"]) / "result.json").exists()
 
 
 @pytest.mark.skipif(not kvm_available(), reason="/dev/kvm is absent or not accessible")

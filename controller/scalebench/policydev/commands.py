@@ -8,7 +8,7 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
-from ..config import ConfigError
+from ..config import ConfigError, RunConfig
 from ..units import parse_size
 
 
@@ -42,6 +42,25 @@ def policy_parser(parser_class) -> argparse.ArgumentParser:
     cmp.add_argument("--seed", type=int, default=1)
     cmp.add_argument("--workers", type=int, default=None, help="parallel pagesims (default: cores)")
     cmp.add_argument("--out", default=None, help="output directory (default policy-compare-STAMP)")
+    cmp.add_argument(
+        "--real",
+        action="store_true",
+        help="rerun each policy's best synthetic points on densevm, simulated beside measured",
+    )
+    cmp.add_argument(
+        "--real-points", type=int, default=1, help="with --real: points per policy (default 1)"
+    )
+    cmp.add_argument(
+        "--real-duration",
+        type=float,
+        default=30.0,
+        help="with --real: measured seconds of each run (default 30)",
+    )
+    cmp.add_argument(
+        "--addr-base",
+        default=RunConfig.addr_base,
+        help=f"with --real: the VMs' first address (default {RunConfig.addr_base})",
+    )
     return p
 
 
@@ -107,6 +126,8 @@ def _compare(args: argparse.Namespace) -> int:
     )
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
     out = Path(args.out or f"policy-compare-{stamp}")
+    if args.real:
+        _check_real(args, spec, out)
     total = len(spec.policies) * len(spec.blocks) * len(spec.workloads)
     done = []
 
@@ -122,7 +143,46 @@ def _compare(args: argparse.Namespace) -> int:
         f"{len(points) - len(failed)} point(s) ok, {len(failed)} failed; results in {out} "
         f"(scalebench report {out})"
     )
-    return 1 if failed else 0
+    real_failed = _compare_real(args, spec, points, out) if args.real else False
+    return 1 if failed or real_failed else 0
+
+
+def _check_real(args: argparse.Namespace, spec, out: Path) -> None:
+    """--real's settings, checked before the grid runs: a real run that could not start
+    should not cost the simulations first."""
+    from . import grid, real
+
+    if args.real_points < 1 or args.real_duration <= 0:
+        raise ConfigError("--real-points must be >= 1 and --real-duration > 0")
+    synthetic = [w for w in spec.workloads if w.alpha is not None and w.trace is None]
+    if not synthetic:
+        raise ConfigError("--real reruns synthetic points: give --alpha, not only --trace")
+    for policy in spec.policies:
+        probe = grid.PointResult(grid.policy_label(policy), spec.blocks[0], synthetic[0].alpha, "")
+        real.run_config(spec, probe, out, args.real_duration, args.addr_base)
+
+
+def _compare_real(args: argparse.Namespace, spec, points, out: Path) -> bool:
+    """Reruns the best points on densevm and prints them beside the simulator; True if any
+    real run failed."""
+    from . import real
+
+    chosen = real.best_points(points, args.real_points)
+    print(
+        f"--real: {len(chosen)} point(s) on densevm, {spec.vms} VMs, "
+        f"{args.real_duration:g} s measured each (plus boot, touch and warm-up)",
+        flush=True,
+    )
+
+    def progress(i: int, n: int, p: real.RealPoint) -> None:
+        outcome = f"error: {p.error}" if p.error else f"{p.real_rps or 0:.1f} requests/s"
+        print(f"[real {i}/{n}] {p.policy} {p.block} alpha={p.alpha:g}: {outcome}", flush=True)
+
+    results = real.rerun(spec, chosen, out, args.real_duration, args.addr_base, progress)
+    print(real.table(results))
+    real.write_csv(out / "real.csv", results)
+    print(f"simulated vs measured in {out / 'real.csv'}; each run's files under {out / 'real'}")
+    return any(p.error for p in results)
 
 
 def run_trace(args: argparse.Namespace) -> int:

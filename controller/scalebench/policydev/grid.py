@@ -76,21 +76,36 @@ class PointResult:
 
 
 def policy_label(policy: str) -> str:
-    """A short name for tables and plots: built-ins as is, plugins by their file stem."""
-    return policy if policy in BUILT_IN else Path(policy).stem.removeprefix("lib")
+    """A short name for tables and plots: built-ins as is, plugins by their file stem, and
+    arguments in parentheses (`wsswap(after=8)`)."""
+    head, *args = policy.split(",")
+    name = head if head in BUILT_IN else Path(head).stem.removeprefix("lib")
+    return f"{name}({','.join(args)})" if args else name
 
 
 def parse_policies(text: str) -> tuple[str, ...]:
-    """The --policies list with plugin paths made absolute; demand first, added if absent."""
+    """The --policies list with plugin paths made absolute; demand first, added if absent.
+
+    Items are separated by commas; a `key=value` item belongs to the policy before it, as
+    its argument (`wsswap,after=8`, `./libmine.so,window=100`): the same spelling as
+    densevm's and pagesim's `--policy`.
+    """
+    items: list[list[str]] = []
+    for token in filter(None, (t.strip() for t in text.split(","))):
+        if "=" in token:
+            if not items:
+                raise ConfigError(f"--policies: argument {token} comes before any policy")
+            items[-1].append(token)
+        else:
+            items.append([token])
     out: list[str] = []
-    for item in filter(None, (p.strip() for p in text.split(","))):
-        if item in BUILT_IN:
-            out.append(item)
-            continue
-        path = Path(item).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"--policies: {item} is neither demand, wsswap nor a plugin file")
-        out.append(str(path.resolve()))
+    for head, *args in items:
+        if head not in BUILT_IN:
+            path = Path(head).expanduser()
+            if not path.is_file():
+                raise ConfigError(f"--policies: {head} is neither demand, wsswap nor a plugin file")
+            head = str(path.resolve())
+        out.append(",".join([head, *args]))
     if not out:
         raise ConfigError("--policies is empty")
     if BASELINE not in out:
