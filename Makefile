@@ -51,7 +51,7 @@ lint: deps
 
 test: deps build lint
 	$(CARGO) test --release --workspace --quiet
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q --durations=15 tests
 
 clean:
 	$(CARGO) clean
