@@ -532,6 +532,7 @@ impl Ledger {
             Ok(Admission::Wait)
         } else {
             victims.sort_unstable();
+            self.policy.on_quota_eviction(vm);
             self.start_eviction(&victims).map(Admission::Evict)
         };
         self.victims = victims;
@@ -752,7 +753,7 @@ impl VmLedger {
 }
 
 #[cfg(test)]
-mod quota_tests {
+mod tests {
     use super::*;
     use crate::policy::demand::Demand;
 
@@ -833,5 +834,197 @@ mod quota_tests {
             assert!(resident(&l, 0) <= 2);
         }
         assert_eq!(l.totals.blocks_out, u64::from(VM_BLOCKS) - 2);
+    }
+
+    // The block state machine, one VM block at a time.
+
+    fn plan(l: &mut Ledger, vm: VmId, block: BlockId, write: bool) -> Vec<PlanBlock> {
+        let mut plan = Vec::new();
+        l.plan_fault(vm, block, write, &mut plan).unwrap();
+        plan
+    }
+
+    #[test]
+    fn a_fault_in_is_busy_until_installed_and_wakes_deferred_faults() {
+        let mut l = ledger(None);
+        assert_eq!(l.classify(0, 4, Access::Read), Classified::FaultIn);
+        let p = plan(&mut l, 0, 4, false);
+        assert_eq!((p.len(), p[0].loc, p[0].dirty), (1, NO_LOC, false));
+        // Another vCPU faults on the block in flight: deferred, woken later.
+        assert_eq!(l.classify(0, 4, Access::Read), Classified::Defer);
+        assert!(matches!(l.admit(1, 0).unwrap(), Admission::Go));
+        assert!(!l.is_resident(0, 4));
+        let mut wakes = Vec::new();
+        l.finish_install(&p, 0.0, 7, &mut wakes);
+        assert_eq!(wakes, vec![(0, 4)]);
+        assert!(l.is_resident(0, 4));
+        assert_eq!(l.classify(0, 4, Access::Read), Classified::Stale);
+        let v = l.vm(0).unwrap();
+        assert_eq!(
+            (v.resident_blocks(), v.stats.faults, v.stats.blocks_in),
+            (1, 1, 1)
+        );
+    }
+
+    #[test]
+    fn a_clean_block_lifts_its_protection_at_the_first_write_only() {
+        let mut l = ledger(None);
+        fault(&mut l, 0, 2);
+        let mut wakes = Vec::new();
+        let first = l.classify(0, 2, Access::WriteProtect);
+        assert_eq!(first, Classified::Unprotect { first_write: true });
+        assert_eq!(l.classify(0, 2, Access::Read), Classified::Defer);
+        l.end_unprotect(0, 2, Some(42), &mut wakes);
+        assert_eq!(wakes, vec![(0, 2)]);
+        assert!(l.is_resident(0, 2));
+        // Dirty now: a later write-protect fault (another mapping) is not a first write.
+        let again = l.classify(0, 2, Access::WriteProtect);
+        assert_eq!(again, Classified::Unprotect { first_write: false });
+        l.end_unprotect(0, 2, None, &mut wakes);
+        assert_eq!(l.vm(0).unwrap().stats.wp_faults, 2);
+        // A write-protect fault on a block no longer resident is stale.
+        assert_eq!(l.classify(0, 9, Access::WriteProtect), Classified::Stale);
+    }
+
+    #[test]
+    fn a_written_block_goes_to_swap_and_comes_back_from_there() {
+        let mut l = ledger(Some(1));
+        assert_eq!(l.classify(0, 0, Access::Write), Classified::FaultIn);
+        let p = plan(&mut l, 0, 0, true);
+        assert!(p[0].dirty);
+        assert!(matches!(l.admit(1, 0).unwrap(), Admission::Go));
+        let mut wakes = Vec::new();
+        l.finish_install(&p, 0.0, 0, &mut wakes);
+        // The quota of one block evicts block 0 to make room for block 1.
+        assert_eq!(l.classify(0, 1, Access::Read), Classified::FaultIn);
+        let p1 = plan(&mut l, 0, 1, false);
+        let Admission::Evict(victims) = l.admit(1, 0).unwrap() else {
+            panic!("block 0 must go first");
+        };
+        assert_eq!((victims[0].block, victims[0].dirty), (0, true));
+        assert_ne!(victims[0].loc, NO_LOC, "a dirty block gets a swap place");
+        assert_eq!(l.classify(0, 0, Access::Read), Classified::Defer);
+        l.finish_eviction(&victims, 0.5, &mut wakes);
+        assert!(wakes.contains(&(0, 0)));
+        assert!(matches!(l.admit(1, 0).unwrap(), Admission::Go));
+        l.finish_install(&p1, 0.0, 0, &mut wakes);
+        let v = l.vm(0).unwrap();
+        assert_eq!((v.stats.blocks_out, v.stats.swap_write_bytes), (1, BLOCK));
+        assert_eq!(v.stats.write_faults, 1);
+        // Faulted again, block 0 is read from where it was written.
+        let back = plan(&mut l, 0, 0, false);
+        assert_eq!(back[0].loc, victims[0].loc);
+    }
+
+    #[test]
+    fn an_unchanged_block_is_dropped_without_a_write_and_keeps_its_copy() {
+        let mut l = ledger(Some(1));
+        fault(&mut l, 0, 0);
+        let p = plan(&mut l, 0, 1, false);
+        let Admission::Evict(victims) = l.admit(1, 0).unwrap() else {
+            panic!("block 0 must go first");
+        };
+        assert_eq!((victims[0].dirty, victims[0].loc), (false, NO_LOC));
+        let mut wakes = Vec::new();
+        l.finish_eviction(&victims, 0.0, &mut wakes);
+        assert!(matches!(l.admit(1, 0).unwrap(), Admission::Go));
+        l.finish_install(&p, 0.0, 0, &mut wakes);
+        assert_eq!(l.vm(0).unwrap().stats.swap_write_bytes, 0);
+        assert_eq!(
+            plan(&mut l, 0, 0, false)[0].loc,
+            NO_LOC,
+            "still zero-filled"
+        );
+    }
+
+    #[test]
+    fn the_budget_waits_for_evictions_in_flight() {
+        let mut l = ledger(None);
+        for b in 0..4 {
+            fault(&mut l, 1, b);
+        }
+        for b in 0..4 {
+            fault(&mut l, 0, b);
+        }
+        assert_eq!(l.resident_blocks(), 8);
+        let _p = plan(&mut l, 0, 4, false);
+        let Admission::Evict(victims) = l.admit(1, 0).unwrap() else {
+            panic!("the budget is full");
+        };
+        assert_eq!(victims.iter().map(|v| v.vm).collect::<Vec<_>>(), vec![1; 4]);
+        // A second fault while those four are being written: room is coming.
+        let _q = plan(&mut l, 0, 5, false);
+        assert!(matches!(l.admit(1, 0).unwrap(), Admission::Wait));
+        let mut wakes = Vec::new();
+        l.finish_eviction(&victims, 0.0, &mut wakes);
+        assert!(matches!(l.admit(1, 0).unwrap(), Admission::Go));
+        assert!(matches!(l.admit(1, 0).unwrap(), Admission::Go));
+        assert!(l.resident_blocks() + 2 <= 8);
+    }
+
+    #[test]
+    fn a_dying_vm_is_gone_to_faults_and_reports_its_busy_blocks() {
+        let mut l = ledger(None);
+        fault(&mut l, 0, 0);
+        let _p = plan(&mut l, 0, 1, false);
+        assert_eq!(l.begin_unregister(0).unwrap(), Some(1));
+        assert_eq!(l.classify(0, 2, Access::Read), Classified::Gone);
+        assert_eq!(l.classify(7, 0, Access::Read), Classified::Gone);
+        assert_eq!(l.begin_unregister(7).unwrap(), None);
+        assert!(
+            l.register(1, VM_BLOCKS).is_err(),
+            "VM 1 is registered already"
+        );
+    }
+
+    /// A test double for the policy, so that the ledger's checks of its
+    /// answers can be exercised: it proposes a fixed victim list.
+    struct Proposes(Vec<(VmId, BlockId)>);
+
+    impl Policy for Proposes {
+        fn name(&self) -> &str {
+            "proposes"
+        }
+        fn layout(&self) -> SwapLayout {
+            SwapLayout::PerVm
+        }
+        fn on_vm_registered(&mut self, _: VmId, _: u32) {}
+        fn on_vm_unregistered(&mut self, _: VmId) {}
+        fn on_fault(&mut self, _: VmId, _: BlockId, _: &mut Vec<BlockId>) {}
+        fn on_installed(&mut self, _: VmId, _: BlockId) {}
+        fn choose_victims(&mut self, _: u32, _: VmId, victims: &mut Vec<(VmId, BlockId)>) {
+            victims.extend_from_slice(&self.0);
+        }
+        fn on_evicted(&mut self, _: VmId, _: BlockId) {}
+    }
+
+    fn full_ledger_proposing(victims: Vec<(VmId, BlockId)>) -> Ledger {
+        let space = SwapSpace::new(SwapLayout::PerVm, 2 * 16 * BLOCK, BLOCK, 16 * BLOCK);
+        let mut l = Ledger::new(Box::new(Proposes(victims)), space, BLOCK, 2 * BLOCK);
+        l.register(0, VM_BLOCKS).unwrap();
+        for b in 0..2 {
+            let mut p = Vec::new();
+            l.plan_fault(0, b, false, &mut p).unwrap();
+            assert!(matches!(l.admit(1, 0).unwrap(), Admission::Go));
+            l.finish_install(&p, 0.0, 0, &mut Vec::new());
+        }
+        l
+    }
+
+    #[test]
+    fn a_policy_proposing_impossible_victims_stops_the_run() {
+        for (victims, why) in [
+            (vec![(0, 5)], "is not resident"),
+            (vec![(3, 0)], "does not exist"),
+            (vec![(0, 0), (0, 0)], "duplicate"),
+            (vec![(0, 0), (0, 1), (0, 2)], "only 2 blocks resident"),
+            (vec![], "no victim"),
+        ] {
+            let mut l = full_ledger_proposing(victims);
+            let mut p = Vec::new();
+            l.plan_fault(0, 9, false, &mut p).unwrap();
+            let err = l.admit(1, 0).unwrap_err().to_string();
+            assert!(err.contains(why), "{err}");
+        }
     }
 }

@@ -384,3 +384,136 @@ impl Simulator {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BLOCK: u64 = 4096;
+
+    /// VMs of 4 blocks whose requests touch blocks 0 and 1, all written; a
+    /// budget of 2 blocks (one VM's request), one request in flight.
+    fn config(vms: u32, policy: &str, disk: &str) -> SimConfig {
+        SimConfig {
+            budget_bytes: 2 * BLOCK,
+            block_bytes: BLOCK,
+            policy: PolicySpec::parse(policy).unwrap(),
+            disk: DiskSpec::parse(disk).unwrap(),
+            vm_ram_bytes: 4 * BLOCK,
+            vms,
+            request_ranges: vec![(0, 2 * BLOCK)],
+            cpu_us: 100.0,
+            fault_us: 10.0,
+            dirty: 1.0,
+            swap_bytes: None,
+            vm_resident_max: None,
+            warmup: 0,
+            concurrency: 1,
+        }
+    }
+
+    fn replay(cfg: SimConfig, vms: &[VmId]) -> SimReport {
+        let mut sim = Simulator::new(cfg).unwrap();
+        for &vm in vms {
+            sim.request(vm).unwrap();
+        }
+        sim.drain().unwrap();
+        sim.report()
+    }
+
+    /// Each VM twice in a row, then VM 0 again. With one request in flight a
+    /// request runs when the next one arrives (or at the drain), so each is
+    /// checked for a full hit before its predecessor has run.
+    const TURNS: [VmId; 6] = [0, 0, 1, 1, 0, 0];
+
+    #[test]
+    fn two_vms_taking_turns_in_a_one_vm_budget() {
+        // VM 0 faults its 2 blocks in; VM 1 evicts VM 0 (2 written blocks)
+        // and faults its own 2 in (zero-filled); VM 0 evicts VM 1 (2 more
+        // written) and reads its 2 blocks back. Second visits hit.
+        let r = replay(config(2, "demand", "none"), &TURNS);
+        assert_eq!((r.requests, r.block_touches, r.faults), (6, 12, 6));
+        assert_eq!((r.blocks_in, r.blocks_out), (6, 4));
+        assert_eq!(r.swap_write_bytes, 4 * BLOCK);
+        assert_eq!(r.swap_read_bytes, 2 * BLOCK);
+        assert!((r.hit_ratio - 0.5).abs() < 1e-12);
+        assert_eq!(r.request_hit_ratio, 0.0);
+        // CPU-bound without a disk model: 6 x 100 us + 6 x 10 us.
+        assert_eq!(r.disk_seconds, 0.0);
+        assert!((r.cpu_seconds - 660e-6).abs() < 1e-12);
+        assert!((r.predicted_rps - 6.0 / 660e-6).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_request_whose_blocks_are_resident_is_a_full_hit() {
+        // VM 0's second request arrives after its first has run (VM 1's
+        // arrival ran it), before VM 1's has evicted it.
+        let r = replay(config(2, "demand", "none"), &[0, 1, 0]);
+        assert!((r.request_hit_ratio - 1.0 / 3.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn clean_blocks_are_dropped_without_a_write() {
+        let mut cfg = config(2, "demand", "none");
+        cfg.dirty = 0.0;
+        let r = replay(cfg, &TURNS);
+        // Never written, so never on swap: VM 0 comes back zero-filled.
+        assert_eq!(
+            (r.blocks_out, r.swap_write_bytes, r.swap_read_bytes),
+            (4, 0, 0)
+        );
+    }
+
+    #[test]
+    fn the_disk_model_is_charged_for_every_swap_request() {
+        let r = replay(config(2, "demand", "hdd"), &TURNS);
+        assert!(r.disk_seconds > 0.0);
+        // Each positioned request pays at least the track-to-track seek (1 ms on `hdd`).
+        assert!(r.disk_seconds >= 1e-3 * 4.0, "{}", r.disk_seconds);
+        assert!(r.predicted_rps < 6.0 / r.cpu_seconds, "the disk bounds it");
+    }
+
+    #[test]
+    fn the_warm_up_is_not_counted() {
+        let mut cfg = config(2, "demand", "none");
+        cfg.warmup = 2;
+        let r = replay(cfg, &TURNS);
+        // Counting starts when the second request arrives, after the first ran.
+        assert_eq!((r.warmup, r.requests, r.faults), (2, 4, 4));
+    }
+
+    #[test]
+    fn wsswap_brings_a_vm_back_as_its_recorded_set() {
+        // Three VMs, room for two: VM 2 pushes VM 0 out (its set is
+        // recorded); VM 0's return pushes VM 1 out and, under wsswap, brings
+        // both its blocks back with its first fault.
+        let visits = [0, 0, 1, 1, 2, 2, 0, 0];
+        let run = |policy: &str| {
+            let mut cfg = config(3, policy, "none");
+            cfg.budget_bytes = 4 * BLOCK;
+            replay(cfg, &visits)
+        };
+        let (ws, demand) = (run("wsswap,after=1"), run("demand"));
+        assert_eq!((ws.faults, ws.blocks_in, ws.blocks_out), (7, 8, 4));
+        assert_eq!(
+            (demand.faults, demand.blocks_in, demand.blocks_out),
+            (8, 8, 4)
+        );
+    }
+
+    #[test]
+    fn a_request_for_an_unknown_vm_is_refused() {
+        let mut sim = Simulator::new(config(2, "demand", "none")).unwrap();
+        assert!(sim.request(2).is_err());
+    }
+
+    #[test]
+    fn a_budget_below_one_request_is_refused() {
+        let mut cfg = config(2, "demand", "none");
+        cfg.budget_bytes = BLOCK;
+        assert!(matches!(
+            Simulator::new(cfg),
+            Err(PagerError::BudgetTooSmall { .. })
+        ));
+    }
+}

@@ -164,3 +164,89 @@ impl VmClock {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A clock of `n` VMs of 8 blocks, each with `resident[vm]` blocks
+    /// resident from block 0.
+    fn clock(resident: &[u32]) -> VmClock {
+        let mut c = VmClock::default();
+        for (vm, &count) in resident.iter().enumerate() {
+            c.add(vm as VmId, 8);
+            for b in 0..count {
+                c.insert(vm as VmId, b);
+            }
+        }
+        c
+    }
+
+    fn choose(c: &mut VmClock, need: u32, faulting: VmId) -> Vec<(VmId, BlockId)> {
+        let mut out = Vec::new();
+        c.choose(need, faulting, &mut out);
+        out
+    }
+
+    #[test]
+    fn an_unreferenced_vm_leaves_whole() {
+        let mut c = clock(&[3, 1, 0]);
+        assert_eq!(choose(&mut c, 1, 2), vec![(0, 0), (0, 1), (0, 2)]);
+    }
+
+    #[test]
+    fn a_referenced_vm_gets_a_second_chance() {
+        let mut c = clock(&[2, 1, 0]);
+        c.touch(0);
+        // The hand clears VM 0's bit and takes VM 1.
+        assert_eq!(choose(&mut c, 1, 2), vec![(1, 0)]);
+        // VM 1's blocks are still resident until evicted; once they are,
+        // the next sweep comes back to VM 0, now unreferenced.
+        c.remove_block(1, 0);
+        assert_eq!(choose(&mut c, 1, 2), vec![(0, 0), (0, 1)]);
+    }
+
+    #[test]
+    fn a_vm_touched_again_survives_every_sweep_while_another_can_go() {
+        let mut c = clock(&[2, 2, 0]);
+        for _ in 0..3 {
+            c.touch(0);
+            let out = choose(&mut c, 2, 2);
+            assert!(out.iter().all(|&(vm, _)| vm == 1), "{out:?}");
+        }
+    }
+
+    #[test]
+    fn the_faulting_vm_gives_its_own_blocks_last_and_round_robin() {
+        let mut c = clock(&[4]);
+        assert_eq!(choose(&mut c, 2, 0), vec![(0, 0), (0, 1)]);
+        // Blocks 0 and 1 stay resident until evicted: the own hand moves on.
+        assert_eq!(choose(&mut c, 2, 0), vec![(0, 2), (0, 3)]);
+        assert_eq!(choose(&mut c, 1, 0), vec![(0, 0)]);
+    }
+
+    #[test]
+    fn a_block_is_counted_once_and_removed_blocks_are_not_chosen() {
+        let mut c = clock(&[0, 0]);
+        c.insert(0, 5);
+        c.insert(0, 5);
+        c.insert(0, 7);
+        c.remove_block(0, 7);
+        c.remove_block(0, 7);
+        c.insert(0, 64); // beyond the VM: ignored
+        assert_eq!(choose(&mut c, 1, 1), vec![(0, 5)]);
+    }
+
+    #[test]
+    fn removing_a_vm_keeps_the_sweep_order_of_the_others() {
+        let mut c = clock(&[1, 1, 1, 1]);
+        c.remove(0);
+        // The last VM (3) moved into VM 0's slot: the sweep meets it first.
+        assert_eq!(choose(&mut c, 3, 9), vec![(3, 0), (1, 0), (2, 0)]);
+        c.remove(3);
+        c.remove(1);
+        assert_eq!(choose(&mut c, 1, 9), vec![(2, 0)]);
+        c.remove(2);
+        assert!(choose(&mut c, 1, 9).is_empty());
+    }
+}

@@ -55,3 +55,60 @@ impl Policy for Demand {
         self.clock.remove_block(vm, block);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn demand_with(resident: &[u32]) -> Demand {
+        let mut d = Demand::new();
+        for (vm, &count) in resident.iter().enumerate() {
+            d.on_vm_registered(vm as VmId, 8);
+            for b in 0..count {
+                d.on_installed(vm as VmId, b);
+            }
+        }
+        d
+    }
+
+    fn victims(d: &mut Demand, need: u32, faulting: VmId) -> Vec<(VmId, BlockId)> {
+        let mut out = Vec::new();
+        d.choose_victims(need, faulting, &mut out);
+        out
+    }
+
+    #[test]
+    fn rewrites_each_vm_in_place() {
+        let d = Demand::new();
+        assert_eq!((d.name(), d.layout()), ("demand", SwapLayout::PerVm));
+    }
+
+    #[test]
+    fn a_vm_that_served_or_faulted_is_kept_over_an_idle_one() {
+        let mut d = demand_with(&[1, 1, 1, 0]);
+        d.on_access(0);
+        let mut prefetch = Vec::new();
+        d.on_fault(1, 3, &mut prefetch);
+        assert!(
+            prefetch.is_empty(),
+            "demand fetches only the faulting block"
+        );
+        assert_eq!(victims(&mut d, 1, 3), vec![(2, 0)]);
+    }
+
+    #[test]
+    fn evicted_blocks_are_not_proposed_again() {
+        let mut d = demand_with(&[2, 0]);
+        assert_eq!(victims(&mut d, 1, 1), vec![(0, 0), (0, 1)]);
+        d.on_evicted(0, 0);
+        d.on_evicted(0, 1);
+        assert!(victims(&mut d, 1, 1).is_empty());
+    }
+
+    #[test]
+    fn an_unregistered_vm_is_forgotten() {
+        let mut d = demand_with(&[2, 0]);
+        d.on_vm_unregistered(0);
+        assert!(victims(&mut d, 1, 1).is_empty());
+    }
+}

@@ -92,6 +92,13 @@ pub trait Policy: Send {
     /// block the ledger took from a VM over its quota, in block order.
     fn on_evicted(&mut self, vm: VmId, block: BlockId);
 
+    /// Blocks of `vm` are about to be evicted because it is over its
+    /// per-VM quota: the `on_evicted` calls that follow are the VM making
+    /// room for itself, not a choice of `choose_victims`.
+    fn on_quota_eviction(&mut self, vm: VmId) {
+        let _ = vm;
+    }
+
     /// A failure the policy wants to report (plugins: a panic or a broken
     /// answer). Checked after every call; `Some` stops the run.
     fn failure(&mut self) -> Option<String> {

@@ -104,6 +104,10 @@ impl Policy for WsSwap {
         self.clock.choose(need, faulting_vm, victims);
     }
 
+    fn on_quota_eviction(&mut self, vm: VmId) {
+        self.making_room_for = Some(vm);
+    }
+
     fn on_evicted(&mut self, vm: VmId, block: BlockId) {
         self.clock.remove_block(vm, block);
         if self.making_room_for != Some(vm) {
@@ -118,5 +122,93 @@ impl Policy for WsSwap {
                 set.recorded.dedup();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// VM 0 with blocks 0..3 resident, VM 1 with none (the faulting one).
+    fn wsswap(after: u32) -> WsSwap {
+        let mut w = WsSwap::new(after);
+        w.on_vm_registered(0, 8);
+        w.on_vm_registered(1, 8);
+        for b in 0..3 {
+            w.on_installed(0, b);
+        }
+        w
+    }
+
+    /// Evicts what the policy chooses to make room for `faulting`.
+    fn evict_for(w: &mut WsSwap, faulting: VmId, need: u32) -> Vec<(VmId, BlockId)> {
+        let mut out = Vec::new();
+        w.choose_victims(need, faulting, &mut out);
+        for &(vm, b) in &out {
+            w.on_evicted(vm, b);
+        }
+        out
+    }
+
+    fn fault(w: &mut WsSwap, vm: VmId, block: BlockId) -> Vec<BlockId> {
+        let mut prefetch = Vec::new();
+        w.on_fault(vm, block, &mut prefetch);
+        prefetch
+    }
+
+    #[test]
+    fn writes_a_log() {
+        assert_eq!(wsswap(3).layout(), SwapLayout::Log);
+        assert_eq!(wsswap(3).name(), "wsswap");
+    }
+
+    #[test]
+    fn the_evicted_set_comes_back_at_the_after_th_fault() {
+        let mut w = wsswap(3);
+        assert_eq!(evict_for(&mut w, 1, 1), vec![(0, 0), (0, 1), (0, 2)]);
+        assert!(fault(&mut w, 0, 5).is_empty());
+        assert!(fault(&mut w, 0, 6).is_empty());
+        let mut back = fault(&mut w, 0, 0);
+        back.sort_unstable();
+        assert_eq!(back, vec![0, 1, 2]);
+        // The set was handed out once; the next fault prefetches nothing.
+        assert!(fault(&mut w, 0, 7).is_empty());
+    }
+
+    #[test]
+    fn after_one_prefetches_at_the_first_fault() {
+        let mut w = wsswap(1);
+        evict_for(&mut w, 1, 1);
+        assert_eq!(fault(&mut w, 0, 4).len(), 3);
+    }
+
+    #[test]
+    fn blocks_a_vm_gives_up_for_itself_are_not_recorded() {
+        let mut w = wsswap(1);
+        // Only VM 0 has blocks and it is the one faulting: it makes room for itself.
+        assert_eq!(evict_for(&mut w, 0, 2), vec![(0, 0), (0, 1)]);
+        assert!(fault(&mut w, 0, 4).is_empty());
+    }
+
+    #[test]
+    fn a_quota_eviction_is_the_vm_making_room_for_itself() {
+        let mut w = wsswap(1);
+        evict_for(&mut w, 1, 1); // VM 0 leaves whole: recorded
+        for b in 0..3 {
+            w.on_installed(0, b);
+        }
+        fault(&mut w, 0, 0); // swapped in: the recorded set is handed out
+        w.on_quota_eviction(0);
+        w.on_evicted(0, 2);
+        assert!(fault(&mut w, 0, 2).is_empty());
+    }
+
+    #[test]
+    fn a_new_registration_starts_with_no_recorded_set() {
+        let mut w = wsswap(1);
+        evict_for(&mut w, 1, 1);
+        w.on_vm_unregistered(0);
+        w.on_vm_registered(0, 8);
+        assert!(fault(&mut w, 0, 1).is_empty());
     }
 }
