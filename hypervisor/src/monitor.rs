@@ -129,6 +129,9 @@ pub struct Monitor {
     seen: Vec<Seen>,
     /// VMs whose tx ring still held records when their budget ran out.
     backlog: VecDeque<usize>,
+    /// VMs that spent their record rate, with when to look at them again.
+    throttled: Vec<(Instant, usize)>,
+    /// Per VM: in `backlog` or `throttled` (serviced from there, once).
     in_backlog: Vec<bool>,
     last_sweep: Instant,
 }
@@ -171,6 +174,7 @@ impl Monitor {
             inject_request: setup.inject_request,
             seen: Vec::new(),
             backlog: VecDeque::new(),
+            throttled: Vec::new(),
             in_backlog: Vec::new(),
             last_sweep: Instant::now(),
         };
@@ -209,6 +213,11 @@ impl Monitor {
                 (false, true) => Duration::from_millis(500),
                 (false, false) => Duration::from_millis(50),
             };
+            let timeout = self
+                .throttled
+                .iter()
+                .map(|(at, _)| at.saturating_duration_since(Instant::now()))
+                .fold(timeout, Duration::min);
             crate::framing::nonblocking(|| self.poll.poll(&mut events, Some(timeout)))
                 .map_err(|e| format!("event loop: {e}"))?;
             for event in events.iter() {
@@ -247,6 +256,7 @@ impl Monitor {
                 self.in_backlog[index] = false;
                 self.service_vm(index);
             }
+            self.service_throttled();
             if self.last_sweep.elapsed() >= PINNED_SWEEP {
                 self.last_sweep = Instant::now();
                 self.proxy
@@ -255,6 +265,19 @@ impl Monitor {
             self.parent.report_access(false);
             // What the socket did not take before (the parent was busy) goes now.
             let _ = self.parent.link.flush();
+        }
+    }
+
+    /// Services the throttled VMs whose time has come.
+    fn service_throttled(&mut self) {
+        let now = Instant::now();
+        let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.throttled)
+            .into_iter()
+            .partition(|(at, _)| *at <= now);
+        self.throttled = later;
+        for (_, index) in due {
+            self.in_backlog[index] = false;
+            self.service_vm(index);
         }
     }
 
@@ -331,6 +354,11 @@ impl Monitor {
             Ok(Drained::More) => {
                 if !std::mem::replace(&mut self.in_backlog[index], true) {
                     self.backlog.push_back(index);
+                }
+            }
+            Ok(Drained::Throttled(at)) => {
+                if !std::mem::replace(&mut self.in_backlog[index], true) {
+                    self.throttled.push((at, index));
                 }
             }
             Err(violation) => {

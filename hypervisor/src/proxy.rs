@@ -28,6 +28,14 @@ const READ_CHUNK: u32 = 64 << 10;
 /// Most tx-ring bytes taken from one VM per call of [`Proxy::drain_tx`]: a
 /// guest producing as fast as the host retires cannot hold the loop.
 const TX_BUDGET: u64 = abi::TX_RING_BYTES;
+/// Tx records one VM may publish per second, after a burst of
+/// [`TX_RECORD_BURST`]. A response is a record or two plus a CLOSE, so a VM
+/// serving even the whole host's in-core rate (~10,000 requests/s) stays far
+/// below it; a guest flooding empty records costs its cell this many
+/// retirements a second, not a core.
+pub const TX_RECORDS_PER_SEC: f64 = 100_000.0;
+/// Records a VM may publish at once before the rate applies.
+pub const TX_RECORD_BURST: f64 = 8192.0;
 /// How long a guest may keep a slot after the client's FIN before its host
 /// socket is closed (the slot stays the guest's until it sends CLOSE).
 pub const FIN_GRACE: Duration = Duration::from_secs(5);
@@ -42,6 +50,44 @@ pub enum Drained {
     All,
     /// The budget ran out: call again on the next turn.
     More,
+    /// The VM spent its record rate: call again at this time, not before.
+    Throttled(Instant),
+}
+
+/// A VM's allowance of tx records: a token bucket refilled at
+/// [`TX_RECORDS_PER_SEC`] up to [`TX_RECORD_BURST`].
+#[derive(Debug, Clone, Copy)]
+pub struct RecordBudget {
+    tokens: f64,
+    at: Instant,
+}
+
+impl RecordBudget {
+    /// A full bucket.
+    pub fn new(now: Instant) -> Self {
+        RecordBudget {
+            tokens: TX_RECORD_BURST,
+            at: now,
+        }
+    }
+
+    /// Takes one record's token; false when the bucket is empty.
+    fn take(&mut self, now: Instant) -> bool {
+        let refill = now.saturating_duration_since(self.at).as_secs_f64() * TX_RECORDS_PER_SEC;
+        self.tokens = (self.tokens + refill).min(TX_RECORD_BURST);
+        self.at = now;
+        if self.tokens < 1.0 {
+            return false;
+        }
+        self.tokens -= 1.0;
+        true
+    }
+
+    /// When the bucket holds a turn's worth of records again (1/64 of the burst).
+    fn ready_at(&self) -> Instant {
+        let missing = (TX_RECORD_BURST / 64.0 - self.tokens).max(0.0);
+        self.at + Duration::from_secs_f64(missing / TX_RECORDS_PER_SEC)
+    }
 }
 
 /// One client connection to a VM.
@@ -241,6 +287,7 @@ impl Proxy {
         registry: &Registry,
     ) -> Result<Drained, String> {
         let mut taken = 0u64;
+        let now = Instant::now();
         loop {
             let Some(vm) = vms.live(index) else {
                 return Ok(Drained::All);
@@ -251,6 +298,9 @@ impl Proxy {
             let Some(record) = vm.stream.tx_peek(&vm.sys).map_err(|e| e.to_string())? else {
                 return Ok(Drained::All);
             };
+            if !vm.tx_records.take(now) {
+                return Ok(Drained::Throttled(vm.tx_records.ready_at()));
+            }
             taken += abi::RECORD_HEADER as u64;
             match record {
                 TxRecord::Data { slot, offset, len } => {
@@ -390,5 +440,29 @@ pub fn kick(vms: &mut VmTable, index: usize) {
     let Some(vm) = vms.live(index) else { return };
     if vm.stream.take_kick(&vm.sys) {
         let _ = vm.irq.write(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_budget_allows_its_burst_then_its_rate() {
+        let t0 = Instant::now();
+        let mut budget = RecordBudget::new(t0);
+        let burst = TX_RECORD_BURST as usize;
+        assert_eq!((0..burst + 10).filter(|_| budget.take(t0)).count(), burst);
+        // Ready again once a turn's worth (1/64 of the burst) has refilled.
+        let turn = Duration::from_secs_f64(TX_RECORD_BURST / 64.0 / TX_RECORDS_PER_SEC);
+        let ready = budget.ready_at();
+        assert!(ready >= t0 + turn - Duration::from_micros(1) && ready <= t0 + turn);
+        // Ten milliseconds later: exactly the rate's worth of records more.
+        let later = t0 + Duration::from_millis(10);
+        let allowed = (0..burst).filter(|_| budget.take(later)).count();
+        assert_eq!(allowed, (TX_RECORDS_PER_SEC * 0.01) as usize);
+        // Idle for long: full again, never more than the burst.
+        let much_later = t0 + Duration::from_secs(60);
+        assert_eq!((0..2 * burst).filter(|_| budget.take(much_later)).count(), burst);
     }
 }

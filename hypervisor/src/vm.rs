@@ -154,6 +154,8 @@ pub struct MicroVm {
     pub ready: bool,
     /// Request bytes the host has put in its rx ring.
     pub rx_bytes: u64,
+    /// The guest's allowance of tx records (a rate, see `proxy`).
+    pub tx_records: crate::proxy::RecordBudget,
     /// System pages (rings, control page).
     pub sys: Mapping,
     /// Guest RAM.
@@ -337,6 +339,7 @@ pub fn build(
         accept_paused: false,
         ready: false,
         rx_bytes: 0,
+        tx_records: crate::proxy::RecordBudget::new(std::time::Instant::now()),
         sys,
         ram,
         kvm_stats,
