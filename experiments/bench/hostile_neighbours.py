@@ -10,7 +10,7 @@ latency. The acceptance (issue 14): every p99 within 2x of the baseline's,
 and VM 0 stopped or still running (throttled) as the behaviour calls for.
 
 Usage: experiments/bench/hostile_neighbours.py [--vms 1000] [--window 15] [--rounds 3]
-       [--only ring-flood,...]
+       [--only ring-flood,...] [--vm-resident-max SIZE]
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Row:
     errors: int
 
 
-def run(behaviour: str, vms: int, window: float, workdir: Path) -> Row:
+def run(behaviour: str, vms: int, window: float, workdir: Path, extra: list[str]) -> Row:
     api = workdir / f"{behaviour}.sock"
     argv = [
         str(RELEASE / "densevm"),
@@ -75,6 +75,7 @@ def run(behaviour: str, vms: int, window: float, workdir: Path) -> Row:
         # A budget for every neighbour's working set plus a quarter of VM 0's RAM.
         "--mem",
         f"{vms * 896 // 1024 + 64}M",
+        *extra,
     ]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, cwd=workdir)
     try:
@@ -128,7 +129,13 @@ def main() -> int:
     parser.add_argument("--window", type=float, default=15)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only", default=",".join(b for b in BEHAVIOURS if b != "none"))
+    parser.add_argument(
+        "--vm-resident-max",
+        default=None,
+        help="densevm's per-VM quota, for every row (the baseline too)",
+    )
     args = parser.parse_args()
+    extra = ["--vm-resident-max", args.vm_resident_max] if args.vm_resident_max else []
     hostile = [b for b in args.only.split(",") if b != "none"]
     unknown = [b for b in hostile if b not in BEHAVIOURS]
     if unknown:
@@ -144,7 +151,7 @@ def main() -> int:
             order = ["none", *hostile] if i % 2 == 0 else [*reversed(hostile), "none"]
             rounds.append({})
             for behaviour in order:
-                r = run(behaviour, args.vms, args.window, Path(tmp))
+                r = run(behaviour, args.vms, args.window, Path(tmp), extra)
                 rounds[-1][behaviour] = r
                 print(
                     f"  round {i + 1}: {r.behaviour}: {r.replies_per_s:.0f} replies/s, "
@@ -153,7 +160,9 @@ def main() -> int:
                 )
     print(
         f"\nneighbours of VM 0 at {args.vms} VMs ({args.window:.0f} s windows, "
-        f"{args.rounds} rounds; x base: median over rounds of p99 / that round's baseline p99)"
+        f"{args.rounds} rounds; x base: median over rounds of p99 / that round's baseline p99"
+        + (f"; --vm-resident-max {args.vm_resident_max}" if extra else "")
+        + ")"
     )
     print(f"{'behaviour':<14}{'VM 0':<10}{'replies/s':>10}{'p99 ms':>9}{'x base':>8}{'errors':>8}")
     worst = 0.0
