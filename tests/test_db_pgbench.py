@@ -6,14 +6,14 @@ counters for the same window (pg_stat_bgwriter + pg_stat_database on the
 guest's PostgreSQL 15, pg_stat_io from 16) and the trace's sectors must agree,
 within the gaps the trace is expected to show:
 
-- writes: the trace sees every data block PostgreSQL wrote (the window closes
-  with a checkpoint and the guest's ``sync``, so the kernel's delayed write-back
-  falls inside it), plus the WAL, whose partial last page is rewritten at every
-  commit, plus ext4's journal and metadata: at least PostgreSQL's figure, at
-  most a few times it;
-- reads: PostgreSQL counts blocks it asked the kernel for; the guest's page
-  cache serves many of them (the pgbench database is smaller than the guest's
-  memory), so the trace reads at most that much (plus readahead), usually less.
+- writes: the trace sees every data block PostgreSQL wrote (the window starts
+  after the guest's ``sync`` and closes with a checkpoint and ``sync``, so the
+  kernel's delayed write-back falls inside it) and the WAL, whose partly filled
+  last page is rewritten at every commit;
+- reads: PostgreSQL counts the blocks it asked the kernel for; the guest's page
+  cache serves some of them (the pgbench database, ~150 MiB at scale 10, is
+  larger than the 128 MiB guest but not than its memory and disk together),
+  and readahead reads more than was asked for.
 
 Needs root, libvirtd, QEMU (TCG where KVM cannot run the guest) and pgbench;
 it skips only without root, like test_db_guest.py, and fails when a tool
@@ -42,8 +42,12 @@ needs_root = pytest.mark.skipif(
 
 CLIENTS = 2
 DURATION_S = 30
+# A pgbench database of ~150 MiB in a 128 MiB guest: most of PostgreSQL's reads miss the guest's
+# page cache and reach the traced disk, so the read figures can be compared too.
+SCALE = 10
+MEMORY_MIB = 128
 
-# pgbench 15's closing report, as printed by the host's pgbench in this test's run.
+# pgbench 15's closing report (its format; the figures are made up).
 REPORT = """\
 pgbench (15.18 (Debian 15.18-0+deb12u1))
 transaction type: <builtin: TPC-B (sort of)>
@@ -69,7 +73,8 @@ def test_pgbench_report_is_parsed() -> None:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One traced pgbench run through the command line (a fixed 10 s warm-up to keep CI short)."""
+    """One traced pgbench run through the command line (a fixed 10 s warm-up keeps CI short; the
+    cross-check needs no steady state)."""
     for tool in ("libvirtd", "qemu-system-x86_64", "pgbench"):
         if shutil.which(tool) is None:
             pytest.fail(f"{tool} is not installed: run `make deps` first")
@@ -85,6 +90,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             str(DURATION_S),
             "--warmup",
             "10",
+            "--scale",
+            str(SCALE),
+            "--memory",
+            str(MEMORY_MIB),
             "--disk",
             "ssd",
             "--json",
@@ -103,9 +112,11 @@ def test_pgbench_transactions_match_postgresql_commits(run: dict[str, Any]) -> N
     tp, pg = run["throughput"], run["postgres"]["pg"]
     assert run["options"]["workload"] == "pgbench" and run["options"]["mix"] == "tpcb-like"
     assert tp["completed"] > 0 and tp["errors"] == 0
-    # Every transaction pgbench counted committed in the pgbench database; beyond them, only
-    # pgbench's own set-up queries (one per client at most) and the window's CHECKPOINT.
-    assert tp["completed"] <= pg["commits"] <= tp["completed"] + CLIENTS + 2
+    # Every transaction pgbench counted committed in the pgbench database. Beyond them (7 of
+    # 3,198 here): pgbench's start-up queries, and transactions that committed but that pgbench
+    # no longer counted when -T ran out.
+    extra = pg["commits"] - tp["completed"]
+    assert 0 <= extra <= max(10, 0.01 * tp["completed"]), (tp["completed"], pg["commits"])
 
 
 @needs_root
@@ -116,17 +127,12 @@ def test_trace_sectors_agree_with_postgresql_io_counters(run: dict[str, Any]) ->
     assert pg["checkpoints"] >= 1  # the window's closing checkpoint
     assert pg["write_sectors"] > 0 and pg["wal_sectors"] > 0
     assert m["sectors_written"] == agreement["trace_write_sectors"]
-    # Writes: everything PostgreSQL wrote (data and WAL) reached the traced disk, and the
-    # surplus (WAL page rewrites, the file system's journal) stays within 3x.
-    assert 1.0 <= agreement["write_ratio"] <= 3.0, agreement
-    # Reads: no more than PostgreSQL asked the kernel for, give or take readahead.
-    assert m["sectors_read"] <= 2 * pg["read_sectors"] + 2048, agreement
-    print(
-        f"\npgbench cross-check: {tp_line(run)}; trace/PostgreSQL written sectors "
-        f"{agreement['write_ratio']:.2f}, read sectors {agreement['read_ratio']}"
-    )
-
-
-def tp_line(run: dict[str, Any]) -> str:
-    tp = run["throughput"]
-    return f"{tp['completed']} transactions in {tp['duration_s']:.0f} s"
+    # Writes: the data blocks PostgreSQL wrote plus its WAL writes (each rewrites the partly
+    # filled page: one 8 KiB page per commit here) against the trace's written sectors: 0.96
+    # and 0.985 in the runs that set this band (the WAL estimate counts a page twice when a
+    # write ends on a page boundary; ext4's journal adds little: WAL files are preallocated).
+    assert 0.85 <= agreement["write_ratio"] <= 1.15, agreement
+    # Reads: the guest's page cache serves some of PostgreSQL's reads (fewer sectors in the
+    # trace), the kernel's readahead fetches more than the 8 KiB asked for (more): 1.37 here,
+    # mean trace read 22 sectors against PostgreSQL's 16-sector blocks.
+    assert 0.3 <= agreement["read_ratio"] <= 2.0, agreement

@@ -48,23 +48,37 @@ class PgWindow:
     commits: int
     read_sectors: int
     write_sectors: int  # relation blocks written (data files), not WAL
-    wal_sectors: int  # WAL generated (insert position moved); on disk at least this much
+    wal_sectors: int  # WAL generated (the insert position moved this far)
     wal_writes: int
     wal_syncs: int
+    wal_disk_sectors: int  # WAL written to disk: see wal_on_disk()
 
     @classmethod
     def between(cls, a: PgCounters, b: PgCounters) -> PgWindow:
         per_block = a.block_size // SECTOR
+        wal_sectors = (b.wal_bytes - a.wal_bytes) // SECTOR
+        wal_writes = b.wal_writes - a.wal_writes
         return cls(
             source=a.source,
             checkpoints=b.checkpoints - a.checkpoints,
             commits=b.commits - a.commits,
             read_sectors=(b.blocks_read - a.blocks_read) * per_block,
             write_sectors=(b.blocks_written - a.blocks_written) * per_block,
-            wal_sectors=(b.wal_bytes - a.wal_bytes) // SECTOR,
-            wal_writes=b.wal_writes - a.wal_writes,
+            wal_sectors=wal_sectors,
+            wal_writes=wal_writes,
             wal_syncs=b.wal_syncs - a.wal_syncs,
+            wal_disk_sectors=wal_on_disk(wal_sectors, wal_writes, per_block),
         )
+
+
+def wal_on_disk(generated_sectors: int, writes: int, per_block: int) -> int:
+    """WAL sectors a server writes for ``generated_sectors`` of WAL in ``writes`` write calls.
+
+    Each write starts at the page holding the last flushed position, so it rewrites that
+    partly filled page (at every commit, with ``synchronous_commit``) and then covers the
+    pages the new WAL spans: one page per write plus the WAL generated.
+    """
+    return writes * per_block + generated_sectors
 
 
 def _one(conn: Any, sql: str, **params: Any) -> list[Any]:
@@ -137,7 +151,8 @@ class IoAgreement:
     """The trace's sectors beside PostgreSQL's for the same window.
 
     ``write_ratio`` is the trace's written sectors over PostgreSQL's data-file
-    writes plus the WAL it generated; ``read_ratio`` the trace's read sectors over
+    writes plus its WAL writes (``PgWindow.wal_disk_sectors``); ``read_ratio`` the trace's
+    read sectors over
     the blocks PostgreSQL read from the kernel (some of which the guest's page
     cache served without a disk read).
     """
@@ -150,7 +165,7 @@ class IoAgreement:
 
     @classmethod
     def of(cls, trace_read: int, trace_written: int, pg: PgWindow) -> IoAgreement:
-        pg_written = pg.write_sectors + pg.wal_sectors
+        pg_written = pg.write_sectors + pg.wal_disk_sectors
         return cls(
             trace_read_sectors=trace_read,
             trace_write_sectors=trace_written,

@@ -100,7 +100,9 @@ def agreement_line(agreement: dict[str, Any]) -> str:
 
     return (
         f"PostgreSQL ({pg['source']}) in the window: read {pg['read_sectors']} sectors, wrote "
-        f"{pg['write_sectors']} data + {pg['wal_sectors']} WAL sectors, {pg['commits']} commits, "
+        f"{pg['write_sectors']} data + {pg['wal_disk_sectors']} WAL sectors "
+        f"({pg['wal_writes']} WAL writes of {pg['wal_sectors']} generated), "
+        f"{pg['commits']} commits, "
         f"{pg['checkpoints']} checkpoint(s); trace/PostgreSQL sectors: reads "
         f"{ratio(agreement['read_ratio'])}, writes {ratio(agreement['write_ratio'])}"
     )
