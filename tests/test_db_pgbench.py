@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "controller"))
 
 from scalebench.db import cli
 from scalebench.db.pgbench import parse
+from scalebench.db.pgstat import IoAgreement, PgCounters, PgWindow
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="needs root (libvirtd, debootstrap, chroot)"
@@ -69,6 +70,16 @@ def test_pgbench_report_is_parsed() -> None:
     result = parse(REPORT)
     assert (result.transactions, result.failed, result.duration_s) == (1234, 0, 30.0)
     assert result.latency_ms == pytest.approx(48.625) and result.tps == pytest.approx(41.130112)
+
+
+def test_counters_become_sectors_with_one_wal_page_rewritten_per_write() -> None:
+    a = PgCounters(150000, 8192, 3, 1000, 2000, 16 * 2**20, 10, 10, 500, "pg_stat_bgwriter")
+    b = PgCounters(150000, 8192, 4, 1100, 2300, 16 * 2**20 + 51200, 110, 110, 600, a.source)
+    w = PgWindow.between(a, b)
+    assert (w.checkpoints, w.commits, w.read_sectors, w.write_sectors) == (1, 100, 1600, 4800)
+    assert (w.wal_sectors, w.wal_writes, w.wal_disk_sectors) == (100, 100, 100 * 16 + 100)
+    agreement = IoAgreement.of(800, 6500, w)
+    assert agreement.read_ratio == 0.5 and agreement.write_ratio == 1.0
 
 
 @pytest.fixture(scope="module")

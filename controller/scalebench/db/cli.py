@@ -180,11 +180,11 @@ def _options(args: argparse.Namespace, workload: str, mix: str) -> Any:
 def _progress(window: Any, reason: str | None) -> None:
     """One line on stderr per warm-up window."""
     share = window.read_share
+    agree = "windows agree" if window.after_checkpoint else "windows agree, no checkpoint yet"
     print(
         f"warm-up {window.start_s:5.0f}-{window.end_s:4.0f} s: {window.per_second:.2f}/s"
         f"{f', read share {share:.2f}' if share is not None else ''}"
-        f"{', after a checkpoint' if window.after_checkpoint else ''}: "
-        f"{'windows agree' if reason is None else reason}",
+        f"{', after a checkpoint' if window.after_checkpoint else ''}: {reason or agree}",
         file=sys.stderr,
         flush=True,
     )
