@@ -34,6 +34,7 @@ from .report import (
     load_study,
     metrics_table,
     steady_line,
+    steady_verdict,
     throughput_line,
 )
 from .steady import DEFAULT_CAP_S, SteadyCriteria
@@ -207,7 +208,7 @@ def _print_run(doc: dict[str, Any]) -> None:
     print(throughput_line(doc))
     if doc["metrics"]:
         m = doc["metrics"]
-        print(metrics_table(f"{opts['workload']} {opts['mix']}", m))
+        print(metrics_table(f"{opts['workload']} {opts['mix']}", m, steady_verdict(doc)))
         print(
             f"reads {m['reads']}, writes {m['writes']}, flushes {m['flushes']}; read share by "
             "sectors "

@@ -43,9 +43,11 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def metrics_table(label: str, metrics: dict[str, Any]) -> str:
-    """The study's columns for one run."""
-    return _table(["run", *HEADERS], [[label, *(_fmt(metrics[c]) for c in STUDY_COLUMNS)]])
+def metrics_table(label: str, metrics: dict[str, Any], steady: str) -> str:
+    """The study's columns for one run, with its steady-state verdict (``steady_verdict``)."""
+    return _table(
+        ["run", "steady", *HEADERS], [[label, steady, *(_fmt(metrics[c]) for c in STUDY_COLUMNS)]]
+    )
 
 
 def throughput_line(result: dict[str, Any]) -> str:
