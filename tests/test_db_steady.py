@@ -35,7 +35,7 @@ def test_agreeing_windows_after_a_checkpoint_are_steady() -> None:
             "2 of 3 windows after a checkpoint",
         ),
         (
-            [window(3.0, 100, 100), window(5.0, 100, 100), window(5.0, 100, 100)],
+            [window(2.0, 100, 100), window(5.0, 100, 100), window(5.0, 100, 100)],
             "throughput varies",
         ),
         (
@@ -48,6 +48,28 @@ def test_agreeing_windows_after_a_checkpoint_are_steady() -> None:
 def test_windows_that_disagree_say_why(windows: list[Window], reason: str) -> None:
     got = assess(windows, CRITERIA, True)
     assert got is not None and got.startswith(reason)
+
+
+def test_throughput_tolerance_widens_to_the_counting_noise_of_small_windows() -> None:
+    """40 interactions per window: 2/sqrt(40) = 32% of counting noise is no trend; 400 per
+    window: the configured 15% applies."""
+    slow = [Window(0.0, 40.0, n, n / 40.0, 100, 0, True) for n in (30, 40, 50)]
+    assert assess(slow, CRITERIA, True) is None
+    fast = [Window(0.0, 40.0, n, n / 40.0, 100, 0, True) for n in (300, 400, 500)]
+    got = assess(fast, CRITERIA, True)
+    assert got is not None and got.startswith("throughput varies 25% > 15%")
+
+
+def test_a_window_lasts_until_it_holds_enough_interactions() -> None:
+    clock = Clock()
+    detector = SteadyDetector(CRITERIA, "fixed", clock, lambda s, e: (1, 1), lambda: 0, list)
+    for second in range(1, 31):
+        clock.t = float(second)
+        detector.poll(second)  # one interaction a second: 40 needed, 10 s are not enough
+    assert detector.windows == []
+    clock.t = 40.0
+    detector.poll(40)
+    assert [(w.end_s, w.completed) for w in detector.windows] == [(40.0, 40)]
 
 
 def test_untraced_windows_are_judged_on_throughput_alone() -> None:
@@ -142,6 +164,7 @@ def test_no_warmup_is_not_steady() -> None:
         (SteadyCriteria(cap_s=0), "--warmup-cap must be positive"),
         (SteadyCriteria(windows=1), "at least 2 windows"),
         (SteadyCriteria(window_s=0), "window must be positive"),
+        (SteadyCriteria(min_completed=0), "at least 1 interaction"),
     ],
 )
 def test_impossible_criteria_are_refused(criteria: SteadyCriteria, message: str) -> None:

@@ -1,13 +1,17 @@
 """Warm-up until steady state: throughput and read/write mix agree over windows, after a
 checkpoint.
 
-The warm-up is cut into windows of ``window_s`` seconds. Each window records the
-interactions completed in it (user-level throughput) and, from the trace, the
-sectors read and written (the mix). The workload is *steady* when
+The warm-up is cut into windows of at least ``window_s`` seconds and
+``min_completed`` completed interactions (a slow mix, such as TPC-W browsing
+under emulation at about one interaction a second, some of them 25 s long,
+gets longer windows). Each window records the interactions completed in it
+(user-level throughput) and, from the trace, the sectors read and written (the
+mix). The workload is *steady* when
 
 - the last ``windows`` windows all began after a checkpoint had completed,
 - each of their throughputs is within ``throughput_tolerance`` (relative) of
-  their mean, and
+  their mean, or within twice the counting noise of a window's completions
+  (2 / sqrt(mean completions per window)) when that is larger, and
 - each of their read shares by sectors is within ``read_share_tolerance``
   (absolute) of their mean.
 
@@ -28,7 +32,8 @@ DEFAULT_WINDOW_S = 15.0
 DEFAULT_WINDOWS = 3
 DEFAULT_THROUGHPUT_TOLERANCE = 0.15
 DEFAULT_READ_SHARE_TOLERANCE = 0.05
-DEFAULT_CAP_S = 300.0
+DEFAULT_MIN_COMPLETED = 40
+DEFAULT_CAP_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class SteadyCriteria:
     """When a warm-up counts as steady (the module doc string says how they combine)."""
 
     window_s: float = DEFAULT_WINDOW_S
+    min_completed: int = DEFAULT_MIN_COMPLETED  # interactions per window, at least
     windows: int = DEFAULT_WINDOWS
     throughput_tolerance: float = DEFAULT_THROUGHPUT_TOLERANCE  # relative to the windows' mean
     read_share_tolerance: float = DEFAULT_READ_SHARE_TOLERANCE  # absolute, read share by sectors
@@ -47,6 +53,10 @@ class SteadyCriteria:
             raise ValueError(f"the steady-state window must be positive, not {self.window_s}")
         if self.windows < 2:
             raise ValueError(f"steady state needs at least 2 windows, not {self.windows}")
+        if self.min_completed < 1:
+            raise ValueError(
+                f"a steady-state window needs at least 1 interaction, not {self.min_completed}"
+            )
         if self.cap_s <= 0:
             raise ValueError(f"--warmup-cap must be positive, not {self.cap_s}")
 
@@ -97,6 +107,14 @@ def _spread(values: list[float]) -> float:
     return max(abs(v - mean) for v in values)
 
 
+def throughput_tolerance(windows: list[Window], criteria: SteadyCriteria) -> float:
+    """The configured tolerance, or twice the relative counting noise of the windows'
+    completions when that is larger."""
+    mean_completed = sum(w.completed for w in windows) / len(windows)
+    noise = 2.0 / mean_completed**0.5 if mean_completed > 0 else 1.0
+    return max(criteria.throughput_tolerance, noise)
+
+
 def assess(windows: list[Window], criteria: SteadyCriteria, checkpoint_done: bool) -> str | None:
     """None when the last windows meet the criteria, else the first reason they do not.
 
@@ -115,9 +133,10 @@ def assess(windows: list[Window], criteria: SteadyCriteria, checkpoint_done: boo
     if mean_rate <= 0:
         return "no interactions completed"
     tp = _spread(rates) / mean_rate
-    if tp > criteria.throughput_tolerance:
+    tolerance = throughput_tolerance(last, criteria)
+    if tp > tolerance:
         return (
-            f"throughput varies {tp * 100:.0f}% > {criteria.throughput_tolerance * 100:.0f}% "
+            f"throughput varies {tp * 100:.0f}% > {tolerance * 100:.0f}% "
             f"({', '.join(f'{r:.2f}' for r in rates)}/s)"
         )
     shares = [w.read_share for w in last]
@@ -141,9 +160,10 @@ def evidence(windows: list[Window], criteria: SteadyCriteria, checkpoints: int) 
         if all(s is not None for s in shares)
         else "mix not traced"
     )
+    span = sum(w.end_s - w.start_s for w in last)
     return (
-        f"last {len(last)} windows of {criteria.window_s:g} s: {rates}/s "
-        f"(within {criteria.throughput_tolerance * 100:.0f}%), {mix} "
+        f"last {len(last)} windows ({span:.0f} s): {rates}/s "
+        f"(within {throughput_tolerance(last, criteria) * 100:.0f}%), {mix} "
         f"(within {criteria.read_share_tolerance:.2f}); {checkpoints} checkpoint(s) completed "
         "before them"
     )
@@ -190,7 +210,10 @@ class SteadyDetector:
 
     def poll(self, completed: int) -> bool:
         now = self._clock()
-        if now - self._window_start < self.criteria.window_s:
+        if (
+            now - self._window_start < self.criteria.window_s
+            or completed - self._completed_at_start < self.criteria.min_completed
+        ):
             return False
         checkpoint_done = self._checkpoint_seen_at is not None
         traced = self._sectors(self._window_start, now)
