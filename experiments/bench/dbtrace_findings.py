@@ -41,8 +41,11 @@ MIXES = (
 )
 
 
-def run_default(workload: str, mix: str, clients: int, duration: float, out: Path) -> dict:
-    """One default dbtrace run in a child process (its progress lines pass through)."""
+def run_default(
+    workload: str, mix: str, clients: int, duration: float, out: Path
+) -> dict[str, Any] | None:
+    """One default dbtrace run in a child process (its progress lines pass through); None when
+    it failed (its error is on stderr)."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable,
@@ -69,12 +72,9 @@ def run_default(workload: str, mix: str, clients: int, duration: float, out: Pat
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=False)
     (out / "stdout.txt").write_text(proc.stdout)
     if proc.returncode != 0:
-        raise SystemExit(f"dbtrace_findings: {workload} {mix} failed (exit {proc.returncode})")
+        print(f"dbtrace_findings: {workload} {mix} failed (exit {proc.returncode})", flush=True)
+        return None
     return json.loads((out / "result.json").read_text())
-
-
-def share(doc: dict[str, Any]) -> float:
-    return float(doc["metrics"]["read_share"])
 
 
 def verdict(doc: dict[str, Any]) -> str:
@@ -106,7 +106,8 @@ def main() -> int:
     if args.rounds < 1 or args.clients < 1:
         parser.error("--rounds and --clients must be at least 1")
     signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit("dbtrace_findings: terminated"))
-    runs: dict[tuple[str, str], list[dict[str, Any]]] = {m: [] for m in MIXES}
+    runs: dict[tuple[str, str], list[dict[str, Any] | None]] = {m: [] for m in MIXES}
+    failed: list[str] = []
     total = len(MIXES) * args.rounds
     print(
         f"{total} runs of {args.duration:g} s, {args.clients} clients, into {args.out}", flush=True
@@ -120,6 +121,9 @@ def main() -> int:
                 workload, mix, args.clients, args.duration, args.out / f"{workload}-{mix}-r{rnd}"
             )
             runs[(workload, mix)].append(doc)
+            if doc is None:
+                failed.append(f"{workload} {mix} round {rnd}")
+                continue
             m = doc["metrics"]
             print(
                 f"[{done}/{total}] {workload} {mix}: read share {m['read_share']:.3f}, "
@@ -128,47 +132,56 @@ def main() -> int:
                 f"{verdict(doc)}",
                 flush=True,
             )
-    (args.out / "results.json").write_text(
-        json.dumps([d for v in runs.values() for d in v], indent=2) + "\n"
-    )
+    done_runs = [d for v in runs.values() for d in v if d is not None]
+    (args.out / "results.json").write_text(json.dumps(done_runs, indent=2) + "\n")
 
-    def shares(w: str, m: str) -> list[float]:
-        return [share(d) for d in runs[(w, m)]]
+    def values(w: str, m: str, key: str) -> list[float | None]:
+        return [None if d is None else float(d["metrics"][key]) for d in runs[(w, m)]]
 
-    def fmt(values: list[float]) -> str:
-        return ", ".join(f"{v:.3f}" for v in values)
+    def fmt(values: list[float | None]) -> str:
+        return ", ".join("failed" if v is None else f"{v:.3f}" for v in values)
+
+    def holds(pairs: list[tuple[float | None, float | None]], test: Any) -> str:
+        """PASS when the test holds in every round where both runs completed."""
+        done = [(a, b) for a, b in pairs if a is not None and b is not None]
+        return "n/a" if not done else mark(all(test(a, b) for a, b in done))
 
     print("\nfindings (by sectors), each from every round:")
     for w in ("tpcw", "rubis"):
-        s = shares(w, "browsing")
-        print(f"  {w} browsing >= 95% reads: {fmt(s)}  {mark(all(x >= 0.95 for x in s))}")
-    std, hw = shares("tpcc", "standard"), shares("tpcc", "highwrite")
+        s = values(w, "browsing", "read_share")
+        print(
+            f"  {w} browsing >= 95% reads: {fmt(s)}  "
+            f"{holds([(x, x) for x in s], lambda a, _b: a >= 0.95)}"
+        )
+    std = values("tpcc", "standard", "read_share")
+    hw = values("tpcc", "highwrite", "read_share")
     print(
         f"  tpcc standard read share in 0.50-0.75: {fmt(std)}  "
-        f"{mark(all(0.50 <= x <= 0.75 for x in std))}"
+        f"{holds([(x, x) for x in std], lambda a, _b: 0.50 <= a <= 0.75)}"
     )
     print(
         f"  tpcc highwrite writes a larger share: {fmt(hw)} (read share)  "
-        f"{mark(all(h < s for h, s in zip(hw, std, strict=True)))}"
+        f"{holds(list(zip(hw, std, strict=True)), lambda h, s: h < s)}"
     )
-    b = [d["metrics"]["regions_per_1000"] for d in runs[("tpcw", "browsing")]]
-    o = [d["metrics"]["regions_per_1000"] for d in runs[("tpcw", "ordering")]]
+    b = values("tpcw", "browsing", "regions_per_1000")
+    o = values("tpcw", "ordering", "regions_per_1000")
     print(
         f"  tpcw footprint grows browsing -> ordering (MiB-regions/1k req): {fmt(b)} -> {fmt(o)}  "
-        f"{mark(all(y > x for x, y in zip(b, o, strict=True)))}"
+        f"{holds(list(zip(b, o, strict=True)), lambda x, y: y > x)}"
     )
     unsteady = [
         f"{d['options']['workload']} {d['options']['mix']}"
-        for v in runs.values()
-        for d in v
+        for d in done_runs
         if not d["steady"]["reached"]
     ]
     print(
-        f"  steady state reached in {total - len(unsteady)} of {total} runs"
+        f"  steady state reached in {len(done_runs) - len(unsteady)} of {len(done_runs)} runs"
         + (f"; not in: {', '.join(unsteady)}" if unsteady else "")
     )
+    if failed:
+        print(f"  failed runs: {', '.join(failed)}")
     print(f"results: {args.out / 'results.json'}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
