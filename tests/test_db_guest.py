@@ -87,12 +87,17 @@ def test_short_tpcc_run_traces_reads_and_writes_inside_the_disk(
 
     before = _base_state(image.rootfs)
     opts = RunOptions(
-        workload="tpcc", mix="standard", clients=2, duration_s=15, disk="flash8", out_dir=tmp_path
+        workload="tpcc",
+        mix="standard",
+        clients=2,
+        duration_s=15,
+        guest=GuestConfig(image=image, run_dir=tmp_path, disk="flash8"),
+        warmup_s=0.0,
     )
-    with DbGuest(GuestConfig(image=image, run_dir=tmp_path, disk="flash8"), libvirt_conn) as guest:
+    with DbGuest(opts.guest, libvirt_conn) as guest:
         name = guest.name
         assert name in _domain_names(libvirt_conn)
-        result = run_on_guest(guest, opts, tmp_path)
+        result = run_on_guest(guest, opts)
         # Recording switched off: the guest's commits (WAL writes and flushes) still reach the
         # disk, and none is recorded; switched on again, they are.
         tpcc = WORKLOADS["tpcc"]
@@ -105,6 +110,10 @@ def test_short_tpcc_run_traces_reads_and_writes_inside_the_disk(
         assert len(guest.server.records) > recorded
     assert name not in _domain_names(libvirt_conn)
     assert result.throughput.completed > 0
+    # No warm-up: measured from a cold start, and the result says so.
+    assert result.steady.mode == "none" and not result.steady.reached
+    # PostgreSQL's own counters for the same window, beside the trace's.
+    assert result.postgres is not None and result.postgres.pg.commits > 0
     assert set(result.throughput.by_interaction) <= {
         "new_order",
         "payment",
@@ -249,6 +258,16 @@ def test_image_build_failure_is_a_clear_error(tmp_path: Path) -> None:
             "--dilate must be at least 1",
         ),
         (["dbtrace", "--mix", "standard"], "--workload and --mix are required"),
+        (
+            ["dbtrace", "--workload", "tpcc", "--mix", "standard", "--warmup-cap", "0"],
+            "--warmup-cap must be positive",
+        ),
+        (["dbtrace", "--workload", "pgbench", "--scale", "0"], "--scale must be at least 1"),
+        (
+            ["dbtrace", "--workload", "pgbench", "--mix", "standard"],
+            "pgbench has no mix 'standard'",
+        ),
+        (["dbtrace", "--compare", "--workload", "pgbench"], "no study figures for pgbench"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(

@@ -42,9 +42,10 @@ def test_study_reference_has_twelve_rows() -> None:
 
 
 def test_metrics_table_has_the_study_columns() -> None:
-    text = metrics_table("tpcc standard", METRICS)
+    text = metrics_table("tpcc standard", METRICS, "NO (cap)")
     header, row = text.splitlines()
-    assert "sectors read" in header and "avg interarrival ms" in header
+    assert "steady" in header and "sectors read" in header and "avg interarrival ms" in header
+    assert row.split()[2:4] == ["NO", "(cap)"]
     assert row.split()[-7:] == ["8", "8", "8.00", "8.00", "0.00", "0.00", "4.00"]
 
 

@@ -27,7 +27,7 @@ Every run boots a fresh guest (copy-on-write overlay) under libvirt. The
 host's load average is printed at the start and the end: other work on the
 machine shifts the throughputs.
 
-    python3 experiments/bench/dbtrace_acceptance.py [--duration 45] [--warmup 15]
+    python3 experiments/bench/dbtrace_acceptance.py [--duration 45] [--warmup S]
         [--clients 8] [--heavy-clients 16] [--memory MIB] [--rounds 2]
         [--sections 1,2,3] [--dilate [F]] [--overhead-disk hdd15k] [--window 30] [--out DIR]
 """
@@ -40,7 +40,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,24 +50,15 @@ from scalebench.db.daemon import Libvirt  # noqa: E402
 from scalebench.db.diskmodel import ARRAY, RAID5  # noqa: E402
 from scalebench.db.guest import DbGuest, GuestConfig  # noqa: E402
 from scalebench.db.image import ensure_image  # noqa: E402
-from scalebench.db.report import compare_table, load_study  # noqa: E402
-from scalebench.db.run import WORKLOADS, RunOptions, RunResult, run_on_guest  # noqa: E402
+from scalebench.db.report import compare_table, load_study, steady_verdict  # noqa: E402
+from scalebench.db.run import WORKLOADS, RunOptions, RunResult, run_on_guest, warm_up  # noqa: E402
 from scalebench.db.workload import run_workload  # noqa: E402
 
 
 def run_one(conn, image, opts: RunOptions) -> RunResult:  # type: ignore[no-untyped-def]
     opts.out_dir.mkdir(parents=True, exist_ok=True)
-    config = GuestConfig(
-        image=image,
-        run_dir=opts.out_dir,
-        disk=opts.disk,
-        trace=opts.trace,
-        memory_mib=opts.memory_mib,
-        dilate=opts.dilate,
-        dilation=opts.dilation,
-    )
-    with DbGuest(config, conn) as guest:
-        result = run_on_guest(guest, opts, opts.out_dir)
+    with DbGuest(opts.guest, conn) as guest:
+        result = run_on_guest(guest, opts)
     tp = result.throughput
     m = result.metrics
     extra = (
@@ -76,10 +67,10 @@ def run_one(conn, image, opts: RunOptions) -> RunResult:  # type: ignore[no-unty
         if m
         else ""
     )
-    dilation = f" dilated x{result.dilation:4.1f}" if opts.dilate else ""
+    dilation = f" dilated x{result.dilation:4.1f}" if opts.guest.dilate else ""
     print(
-        f"  {opts.workload:5} {opts.mix:11} disk {opts.disk:6}{dilation} trace "
-        f"{'on ' if opts.trace else 'off'} "
+        f"  {opts.workload:5} {opts.mix:11} disk {opts.guest.disk:6}{dilation} trace "
+        f"{'on ' if opts.guest.trace else 'off'} steady {steady_verdict(result.to_json()):9} "
         f"c{opts.clients:<3} {tp.per_minute:8.1f} {tp.per_minute_label}{extra}",
         flush=True,
     )
@@ -98,11 +89,15 @@ def load_average() -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=45.0)
-    parser.add_argument("--warmup", type=float, default=15.0)
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        help="a fixed warm-up in seconds (default: until steady state, as dbtrace does)",
+    )
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--heavy-clients", type=int, default=16)
     parser.add_argument(
-        "--memory", type=int, default=RunOptions.memory_mib, help="guest memory in MiB"
+        "--memory", type=int, default=GuestConfig.memory_mib, help="guest memory in MiB"
     )
     parser.add_argument(
         "--rounds", type=int, default=2, help="interleaved repetitions in sections 1-3"
@@ -145,19 +140,20 @@ def main() -> int:
         mix="standard",
         clients=args.clients,
         duration_s=args.duration,
-        disk="hdd15k",
+        guest=GuestConfig(image=image, run_dir=args.out, disk="hdd15k", memory_mib=args.memory),
         warmup_s=args.warmup,
-        out_dir=args.out,
-        memory_mib=args.memory,
     )
 
-    def opts(workload: str, mix: str, **kw: object) -> RunOptions:
-        o = replace(base, workload=workload, mix=mix, **kw)  # type: ignore[arg-type]
+    def opts(
+        workload: str, mix: str, seed: int = 1, clients: int | None = None, **guest: object
+    ) -> RunOptions:
+        g = replace(base.guest, **guest)  # type: ignore[arg-type]
+        o = replace(base, workload=workload, mix=mix, seed=seed, clients=clients or base.clients)
         tag = (
-            f"{o.workload}-{o.mix}-{o.disk}{'-dilated' if o.dilate else ''}-c{o.clients}-"
-            f"{'trace' if o.trace else 'notrace'}-s{o.seed}"
+            f"{o.workload}-{o.mix}-{g.disk}{'-dilated' if g.dilate else ''}-c{o.clients}-"
+            f"{'trace' if g.trace else 'notrace'}-s{o.seed}"
         )
-        return replace(o, out_dir=args.out / tag)
+        return replace(o, guest=replace(g, run_dir=args.out / tag))
 
     sections = {int(x) for x in args.sections.split(",")}
     rounds = range(1, args.rounds + 1)
@@ -338,21 +334,11 @@ def tracing_windows(
     """Throughput (transactions/min) of consecutive windows on one guest, recording switched on and
     off between them: on, off / off, on / ..., so a drift during the section favours neither."""
     o.out_dir.mkdir(parents=True, exist_ok=True)
-    config = GuestConfig(
-        image=image, run_dir=o.out_dir, disk=o.disk, trace=True, memory_mib=o.memory_mib
-    )
     workload = WORKLOADS[o.workload]
     windows = []
-    with DbGuest(config, conn) as guest:
-        run_workload(
-            workload,
-            o.mix,
-            guest.port,
-            o.clients,
-            o.warmup_s,
-            seed=o.seed + 7,
-            check=guest.check_alive,
-        )
+    with DbGuest(o.guest, conn) as guest:
+        steady = warm_up(guest, o)
+        print(f"  {steady_verdict({'steady': asdict(steady)})} after the warm-up", flush=True)
         for rep in range(rounds):
             for i, on in enumerate((True, False) if rep % 2 == 0 else (False, True)):
                 guest.set_tracing(on)

@@ -1,15 +1,18 @@
 """``scalebench dbtrace``: a thin command line over scalebench.db.run.
 
-    scalebench dbtrace --workload tpcc|tpcw|rubis --mix NAME --clients N --duration S
+    scalebench dbtrace --workload tpcc|tpcw|rubis|pgbench --mix NAME --clients N --duration S
                        [--disk none|hdd15k|array:4,drive=hdd15k|raid5:4,drive=hdd15k|flash8]
-                       [--json PATH] [--out DIR] [--warmup S] [--no-trace] [--dilate [FACTOR]]
+                       [--json PATH] [--out DIR] [--warmup S | --warmup-cap S] [--scale N]
+                       [--no-trace] [--dilate [FACTOR]]
                        [--memory MIB] [--boot-timeout S]
     scalebench dbtrace --compare [--results JSON ...] [--study-load heavy|light]
                        [--clients N --duration S --disk MODEL]
 
 Without ``--results``, ``--compare`` runs the read- and write-intensive mix of
 every benchmark (or of ``--workload`` alone) and prints the table beside the
-study's. Bad input: one line on stderr, exit 2; a failed run: exit 1.
+study's. Without ``--warmup``, each run warms up until steady state (steady.py),
+at most ``--warmup-cap`` seconds, and says whether it got there. Bad input: one
+line on stderr, exit 2; a failed run: exit 1.
 """
 
 from __future__ import annotations
@@ -24,7 +27,18 @@ from typing import Any, NoReturn
 
 from .diskmodel import MODEL_NAMES
 from .errors import DbTraceError
-from .report import compare_table, load_study, metrics_table, throughput_line
+from .pgbench import DEFAULT_MIX as PGBENCH_MIX
+from .pgbench import DEFAULT_SCALE
+from .report import (
+    agreement_line,
+    compare_table,
+    load_study,
+    metrics_table,
+    steady_line,
+    steady_verdict,
+    throughput_line,
+)
+from .steady import DEFAULT_CAP_S, SteadyCriteria
 
 EXIT_BAD_INPUT, EXIT_FAILED = 2, 1
 
@@ -47,11 +61,22 @@ def add_parser(subparsers: Any) -> None:
         description="Run an e-commerce database guest under libvirt/QEMU, trace its virtual "
         "disk from the host and print the storage study's block metrics.",
     )
-    p.add_argument("--workload", choices=("tpcc", "tpcw", "rubis"), help="benchmark to run")
+    p.add_argument(
+        "--workload",
+        choices=("tpcc", "tpcw", "rubis", "pgbench"),
+        help="benchmark to run (pgbench: PostgreSQL's own client, the external reference)",
+    )
     p.add_argument(
         "--mix",
         help="tpcc: standard|highwrite; tpcw: browsing|shopping|ordering; "
-        "rubis: browsing|bidding|highbidding",
+        "rubis: browsing|bidding|highbidding; pgbench: tpcb-like (default)|simple-update|"
+        "select-only",
+    )
+    p.add_argument(
+        "--scale",
+        type=int,
+        default=DEFAULT_SCALE,
+        help=f"pgbench: the pgbench database's scale factor (default {DEFAULT_SCALE})",
     )
     p.add_argument("--clients", type=int, default=8, help="concurrent database clients (default 8)")
     p.add_argument("--duration", type=float, default=60.0, help="measured seconds (default 60)")
@@ -68,7 +93,16 @@ def add_parser(subparsers: Any) -> None:
         help="directory for the trace CSV and the LBA plot (default runs/dbtrace-*)",
     )
     p.add_argument(
-        "--warmup", type=float, default=0.0, help="unmeasured seconds of the same mix first"
+        "--warmup",
+        type=float,
+        help="a fixed warm-up of S unmeasured seconds (0: none) instead of warming up until "
+        "steady state",
+    )
+    p.add_argument(
+        "--warmup-cap",
+        type=float,
+        default=DEFAULT_CAP_S,
+        help=f"longest warm-up while waiting for steady state (default {DEFAULT_CAP_S:g} s)",
     )
     p.add_argument(
         "--no-trace", action="store_true", help="do not record the trace (throughput only)"
@@ -104,33 +138,57 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _options(args: argparse.Namespace, workload: str, mix: str) -> Any:
+    from .guest import GuestConfig
     from .run import RunOptions, default_out_dir, validate
 
+    steady = SteadyCriteria(cap_s=args.warmup_cap)
     try:
         validate(workload, mix, args.clients, args.duration, args.disk)
+        steady.validate()
     except ValueError as err:
         raise _Usage(str(err)) from err
-    if args.warmup < 0:
+    if args.warmup is not None and args.warmup < 0:
         raise _Usage(f"--warmup must not be negative, not {args.warmup}")
+    if args.scale < 1:
+        raise _Usage(f"--scale must be at least 1, not {args.scale}")
     if args.memory < 128:
         raise _Usage(f"--memory must be at least 128 MiB, not {args.memory}")
     if args.dilate is not None and 0 < args.dilate < 1:
         raise _Usage(f"--dilate must be at least 1, not {args.dilate}")
     if args.boot_timeout <= 0:
         raise _Usage(f"--boot-timeout must be positive, not {args.boot_timeout}")
+    guest = GuestConfig(
+        image=None,
+        run_dir=args.out or default_out_dir("dbtrace"),
+        disk=args.disk,
+        trace=not args.no_trace,
+        memory_mib=args.memory,
+        boot_timeout_s=args.boot_timeout,
+        dilate=args.dilate is not None,
+        dilation=args.dilate or None,
+    )
     return RunOptions(
         workload=workload,
         mix=mix,
         clients=args.clients,
         duration_s=args.duration,
-        disk=args.disk,
-        trace=not args.no_trace,
+        guest=guest,
         warmup_s=args.warmup,
-        memory_mib=args.memory,
-        boot_timeout_s=args.boot_timeout,
-        out_dir=args.out or default_out_dir("dbtrace"),
-        dilate=args.dilate is not None,
-        dilation=args.dilate or None,
+        steady=steady,
+        scale=args.scale,
+    )
+
+
+def _progress(window: Any, reason: str | None) -> None:
+    """One line on stderr per warm-up window."""
+    share = window.read_share
+    agree = "windows agree" if window.after_checkpoint else "windows agree, no checkpoint yet"
+    print(
+        f"warm-up {window.start_s:5.0f}-{window.end_s:4.0f} s: {window.per_second:.2f}/s"
+        f"{f', read share {share:.2f}' if share is not None else ''}"
+        f"{', after a checkpoint' if window.after_checkpoint else ''}: {reason or agree}",
+        file=sys.stderr,
+        flush=True,
     )
 
 
@@ -147,10 +205,11 @@ def _print_run(doc: dict[str, Any]) -> None:
             f"disk model time-dilated x{doc['dilation']:.1f} (guest CPU slowdown measured against "
             "native)"
         )
+    print(steady_line(doc))
     print(throughput_line(doc))
     if doc["metrics"]:
         m = doc["metrics"]
-        print(metrics_table(f"{opts['workload']} {opts['mix']}", m))
+        print(metrics_table(f"{opts['workload']} {opts['mix']}", m, steady_verdict(doc)))
         print(
             f"reads {m['reads']}, writes {m['writes']}, flushes {m['flushes']}; read share by "
             "sectors "
@@ -158,6 +217,8 @@ def _print_run(doc: dict[str, Any]) -> None:
             f"{m['blocks_per_1000']:.0f} 4K-blocks per 1,000 requests; mean latency read "
             f"{m['mean_read_latency_ms']:.2f} ms, write {m['mean_write_latency_ms']:.2f} ms"
         )
+        if doc.get("postgres"):
+            print(agreement_line(doc["postgres"]))
         print(f"trace: {doc['trace_csv']}\nLBA plot: {doc['lba_plot']}")
 
 
@@ -174,13 +235,18 @@ def _compare(args: argparse.Namespace) -> int:
     if args.results:
         docs = [d for path in args.results for d in load_results(path)]
     else:
+        if args.workload == "pgbench":
+            raise _Usage("--compare has no study figures for pgbench")
         names = [args.workload] if args.workload else list(WORKLOADS)
         plans = [(w, m) for w in names for m in (READ_INTENSIVE[w], WRITE_INTENSIVE[w])]
         options = [_options(args, w, m) for w, m in plans]
         results = []
         for opts in options:
-            opts = dataclasses.replace(opts, out_dir=opts.out_dir / f"{opts.workload}-{opts.mix}")
-            results.append(run_dbtrace(opts))
+            guest = dataclasses.replace(
+                opts.guest, run_dir=opts.out_dir / f"{opts.workload}-{opts.mix}"
+            )
+            opts = dataclasses.replace(opts, guest=guest)
+            results.append(run_dbtrace(opts, _progress))
             _print_run(results[-1].to_json())
         if args.json:
             save_json(results, args.json)
@@ -205,11 +271,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.compare:
             return _compare(args)
+        if args.workload == "pgbench" and not args.mix:
+            args.mix = PGBENCH_MIX
         if not args.workload or not args.mix:
             raise _Usage("--workload and --mix are required (or use --compare)")
         if args.results:
             raise _Usage("--results only goes with --compare")
-        result = run_dbtrace(_options(args, args.workload, args.mix))
+        result = run_dbtrace(_options(args, args.workload, args.mix), _progress)
         _print_run(result.to_json())
         if args.json:
             save_json(result, args.json)

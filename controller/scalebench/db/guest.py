@@ -17,10 +17,11 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from .domain import DomainSpec, pick_domain_type
 from .errors import DbTraceError
-from .image import GuestImage
+from .image import GuestImage, ensure_image
 from .nbd import TraceRecord
 from .tracer import TracedDisk
 
@@ -37,9 +38,12 @@ def free_port() -> int:
 
 @dataclass
 class GuestConfig:
-    """What one guest needs; ``trace=False`` with ``disk='none'`` bypasses our NBD server."""
+    """What one guest needs; ``trace=False`` with ``disk='none'`` bypasses our NBD server.
 
-    image: GuestImage
+    ``image`` None: the cached image (``image.ensure_image``), resolved when the guest starts.
+    """
+
+    image: GuestImage | None
     run_dir: Path
     disk: str = "hdd15k"
     trace: bool = True
@@ -73,6 +77,13 @@ class DbGuest:
     dilation: float = 1.0
 
     @property
+    def image(self) -> GuestImage:
+        """The image the guest booted (set once it starts)."""
+        if self.config.image is None:
+            raise DbTraceError("the guest has not started: no image yet")
+        return self.config.image
+
+    @property
     def console_log(self) -> Path:
         return self.config.run_dir / f"{self.name}.console.log"
 
@@ -104,6 +115,9 @@ class DbGuest:
         import libvirt
 
         cfg = self.config
+        if cfg.image is None:
+            cfg.image = ensure_image()
+        image = cfg.image
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         nbd_socket = qcow2 = None
@@ -111,7 +125,7 @@ class DbGuest:
             nbd_socket = cfg.run_dir / f"{self.name}.nbd.sock"
             self.server = TracedDisk(
                 nbd_socket,
-                Path(cfg.image.rootfs),
+                Path(image.rootfs),
                 self._overlay(),
                 cfg.disk,
                 record=cfg.trace,
@@ -129,7 +143,7 @@ class DbGuest:
                     "-F",
                     "raw",
                     "-b",
-                    cfg.image.rootfs,
+                    image.rootfs,
                     str(qcow2),
                 ],
                 capture_output=True,
@@ -142,8 +156,8 @@ class DbGuest:
             name=self.name,
             domain_type=cfg.domain_type,
             memory_mib=cfg.memory_mib,
-            kernel=Path(cfg.image.kernel),
-            initrd=Path(cfg.image.initrd),
+            kernel=Path(image.kernel),
+            initrd=Path(image.initrd),
             console_log=self.console_log,
             host_port=self.port,
             nbd_socket=nbd_socket,
@@ -207,16 +221,21 @@ class DbGuest:
         conn = connect(self.port, "postgres", timeout=120)
         try:
             conn.run("CHECKPOINT")
-            conn.run("COPY (SELECT 1) TO PROGRAM 'sync'")
+            self.sync(conn)
         finally:
             conn.close()
+
+    @staticmethod
+    def sync(conn: Any) -> None:
+        """The guest kernel's ``sync`` (through PostgreSQL, on connection ``conn``)."""
+        conn.run("COPY (SELECT 1) TO PROGRAM 'sync'")
 
     def measure_cpu_slowdown(self) -> float:
         """The guest's time for the image's CPU probe over the native time measured at build
         time."""
         from .sql import connect
 
-        image = self.config.image
+        image = self.image
         conn = connect(self.port, "postgres", timeout=120)
         try:
             guest_s = min(
@@ -248,6 +267,13 @@ class DbGuest:
         """The tracer's clock (seconds), to mark the measurement window."""
         return self.server.now() if self.server is not None else time.monotonic()
 
+    def sectors(self, start: float, end: float) -> tuple[int, int] | None:
+        """(sectors read, sectors written) within [start, end) on the tracer's clock; None when
+        nothing is recorded."""
+        if self.server is None or not self.config.trace:
+            return None
+        return self.server.sectors(start, end)
+
     def records(self, start: float, end: float) -> list[TraceRecord]:
         """Trace records that arrived within [start, end) on the tracer's clock."""
         if self.server is None:
@@ -256,7 +282,7 @@ class DbGuest:
 
     @property
     def disk_sectors(self) -> int:
-        return Path(self.config.image.rootfs).stat().st_size // 512
+        return Path(self.image.rootfs).stat().st_size // 512
 
     def stop(self) -> None:
         """Destroy the domain, stop the tracer, remove the overlay; safe to call twice."""

@@ -43,18 +43,70 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def metrics_table(label: str, metrics: dict[str, Any]) -> str:
-    """The study's columns for one run."""
-    return _table(["run", *HEADERS], [[label, *(_fmt(metrics[c]) for c in STUDY_COLUMNS)]])
+def metrics_table(label: str, metrics: dict[str, Any], steady: str) -> str:
+    """The study's columns for one run, with its steady-state verdict (``steady_verdict``)."""
+    return _table(
+        ["run", "steady", *HEADERS], [[label, steady, *(_fmt(metrics[c]) for c in STUDY_COLUMNS)]]
+    )
 
 
 def throughput_line(result: dict[str, Any]) -> str:
     tp = result["throughput"]
     rt = tp["response_ms"]
+    # pgbench reports only the mean latency.
+    percentiles = (
+        f" p50 {rt['p50_ms']:.1f} p90 {rt['p90_ms']:.1f} p99 {rt['p99_ms']:.1f}"
+        if rt["p99_ms"]
+        else ""
+    )
     return (
         f"throughput: {tp['per_minute']:.1f} {tp['per_minute_label']} ({tp['per_second']:.2f}/s), "
-        f"{tp['completed']} completed, {tp['errors']} errors; response ms mean {rt['mean_ms']:.1f} "
-        f"p50 {rt['p50_ms']:.1f} p90 {rt['p90_ms']:.1f} p99 {rt['p99_ms']:.1f}"
+        f"{tp['completed']} completed, {tp['errors']} errors; response ms mean {rt['mean_ms']:.1f}"
+        f"{percentiles}"
+    )
+
+
+def steady_verdict(result: dict[str, Any]) -> str:
+    """Short form for tables: ``yes 95s``, ``NO (cap)``, ``NO (fixed)``, ``NO (none)``; ``?`` for
+    results saved before steady state was recorded."""
+    steady = result.get("steady")
+    if not steady:
+        return "?"
+    if steady["reached"]:
+        return f"yes {steady['steady_after_s']:.0f}s"
+    return f"NO ({'cap' if steady['mode'] == 'detect' else steady['mode']})"
+
+
+def steady_line(result: dict[str, Any]) -> str:
+    """The run's steady-state verdict and its evidence, one line."""
+    steady = result.get("steady")
+    if not steady:
+        return "steady state: not recorded (a result saved before scalebench-dbtrace/2)"
+    if steady["mode"] == "none":
+        return f"steady state: NOT reached ({steady['evidence']})"
+    if steady["reached"]:
+        return (
+            f"steady state: reached after {steady['steady_after_s']:.0f} s of warm-up "
+            f"({steady['evidence']})"
+        )
+    how = "fixed warm-up" if steady["mode"] == "fixed" else "cap reached"
+    return f"steady state: NOT reached in {steady['warmup_s']:.0f} s ({how}; {steady['evidence']})"
+
+
+def agreement_line(agreement: dict[str, Any]) -> str:
+    """PostgreSQL's own I/O counters for the measured window beside the trace's sectors."""
+    pg = agreement["pg"]
+
+    def ratio(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.2f}"
+
+    return (
+        f"PostgreSQL ({pg['source']}) in the window: read {pg['read_sectors']} sectors, wrote "
+        f"{pg['write_sectors']} data + {pg['wal_disk_sectors']} WAL sectors "
+        f"({pg['wal_writes']} WAL writes of {pg['wal_sectors']} generated), "
+        f"{pg['commits']} commits, "
+        f"{pg['checkpoints']} checkpoint(s); trace/PostgreSQL sectors: reads "
+        f"{ratio(agreement['read_ratio'])}, writes {ratio(agreement['write_ratio'])}"
     )
 
 
@@ -67,12 +119,20 @@ def compare_table(
     rows = []
     for res in results:
         opts, metrics = res["options"], res.get("metrics")
-        if not metrics:
+        if not metrics or opts["workload"] not in READ_INTENSIVE:
             continue
         intensity = "read" if READ_INTENSIVE[opts["workload"]] == opts["mix"] else "write"
         bench = STUDY_NAMES[opts["workload"]]
-        rows.append([f"ours {bench} {opts['mix']}", *(_fmt(metrics[c]) for c in STUDY_COLUMNS)])
+        rows.append(
+            [
+                f"ours {bench} {opts['mix']}",
+                steady_verdict(res),
+                *(_fmt(metrics[c]) for c in STUDY_COLUMNS),
+            ]
+        )
         for ref in study:
             if ref["benchmark"] == bench and ref["intensity"] == intensity and ref["load"] == load:
-                rows.append([f"study {bench} {load} {intensity}", *(ref[c] for c in STUDY_COLUMNS)])
-    return _table(["run", *HEADERS], rows)
+                rows.append(
+                    [f"study {bench} {load} {intensity}", "", *(ref[c] for c in STUDY_COLUMNS)]
+                )
+    return _table(["run", "steady", *HEADERS], rows)

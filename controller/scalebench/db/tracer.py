@@ -4,8 +4,8 @@ The NBD server (nbd.py) answers every guest I/O; in the controller's process
 it would compete for the interpreter lock with the database clients and the
 guest would wait for its disk behind them. Here it runs in a child Python
 process (``python -m scalebench.db.tracer``: a fresh interpreter that imports
-nothing of the caller's main module) driven over a socket pair: records,
-status, disk-model changes, recording on or off, stop. The trace clock is
+nothing of the caller's main module) driven over a socket pair: records, sectors
+moved in a window, status, disk-model changes, recording on or off, stop. The trace clock is
 CLOCK_MONOTONIC in both processes, so the parent reads it directly.
 """
 
@@ -60,6 +60,13 @@ def _child(
             return
         if command == "records":
             conn.send(list(server.records))
+        elif command == "sectors":
+            start, end = float(args[0]), float(args[1])
+            moved = {"R": 0, "W": 0}
+            for r in server.records:
+                if start <= r.t < end and r.op in moved:
+                    moved[r.op] += r.sectors
+            conn.send((moved["R"], moved["W"]))
         elif command == "status":
             conn.send((server.alive(), server.error))
         elif command == "dilate":
@@ -151,6 +158,11 @@ class TracedDisk:
         if self._final is not None:
             return self._final
         return list(self._ask("records"))
+
+    def sectors(self, start: float, end: float) -> tuple[int, int]:
+        """(sectors read, sectors written) by requests recorded within [start, end)."""
+        read, written = self._ask("sectors", start, end)
+        return int(read), int(written)
 
     def alive(self) -> bool:
         if self._final is not None or self._proc.poll() is not None:

@@ -112,13 +112,16 @@ def run_workload(
     check: Callable[[], None] | None = None,
     on_start: Callable[[], None] | None = None,
     stop: threading.Event | None = None,
+    progress: Callable[[int], bool] | None = None,
 ) -> WorkloadResult:
     """Run ``clients`` closed-loop clients for ``duration_s`` seconds against 127.0.0.1:``port``.
 
     ``check`` is called about once a second from the driving thread (it raises
     when the guest or the tracer has died); ``on_start`` when the measured
     interval begins (all clients connected and set up); setting ``stop`` ends
-    the run early (``duration_s`` may then be infinite).
+    the run early (``duration_s`` may then be infinite). ``progress`` is called
+    about once a second from the driving thread with the interactions completed
+    so far; when it returns True, the run ends there.
     """
     stop = stop or threading.Event()
     if mix_name not in workload.mixes:
@@ -185,6 +188,10 @@ def run_workload(
         while any(t.is_alive() for t in threads):
             if check is not None:
                 check()
+            if progress is not None and progress(
+                sum(len(v) for r in results for v in list(r.samples.values()))
+            ):
+                stop_at[0] = min(stop_at[0], time.monotonic())
             for t in threads:
                 t.join(timeout=1.0 / max(1, len(threads)))
     finally:
