@@ -363,14 +363,30 @@ def cmd_sweep(argv: list[str]) -> int:
 
 
 def cmd_report(argv: list[str]) -> int:
-    from .report import render
+    from .report import render, render_history
 
     p = Parser(
-        prog="scalebench report", description="Render DIR/report.html for a sweep directory."
+        prog="scalebench report",
+        description="Render DIR/report.html for a sweep directory, or, with --history FILE, "
+        "the nightly history's page (OUT/index.html).",
     )
-    p.add_argument("dir")
+    p.add_argument("dir", nargs="?")
+    p.add_argument("--history", default=None, metavar="FILE", help="a nightly history (SQLite)")
+    p.add_argument(
+        "--out", default=None, metavar="OUT", help="with --history: where (default FILE-report/)"
+    )
     args = p.parse_args(argv)
-    if not Path(args.dir).is_dir():
+    if args.history:
+        history = Path(args.history)
+        if args.dir or not history.is_file():
+            raise ConfigError(f"--history {history}: not a file (and takes no DIR)")
+        out = Path(args.out) if args.out else history.with_name(f"{history.stem}-report")
+        try:
+            print(render_history(history, out))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return 0
+    if not args.dir or not Path(args.dir).is_dir():
         raise ConfigError(f"{args.dir} is not a directory")
     print(render(Path(args.dir)))
     return 0

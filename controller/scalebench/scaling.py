@@ -152,17 +152,21 @@ class Session:
             err = self.proc.stderr.read().strip()
             self.proc.wait()
             raise RuntimeError(f"densevm failed: {err}")
-        self.ready: dict = json.loads(line)
-        time.sleep(settle_s)
-        drop = before - mem_available()
-        self.boot = Boot(
-            vms,
-            float(self.ready["boot_seconds"]),
-            drop,
-            int(self.totals()["ram_resident_bytes"]),
-            str(self.ready.get("platform", "")),
-            int(self.ready.get("cells", 1)),
-        )
+        try:
+            self.ready: dict = json.loads(line)
+            time.sleep(settle_s)
+            drop = before - mem_available()
+            self.boot = Boot(
+                vms,
+                float(self.ready["boot_seconds"]),
+                drop,
+                int(self.stats(per_vm=True)["totals"]["ram_resident_bytes"]),
+                str(self.ready.get("platform", "")),
+                int(self.ready.get("cells", 1)),
+            )
+        except BaseException:
+            self.stop()
+            raise
 
     def __enter__(self) -> Session:
         return self
@@ -184,6 +188,7 @@ class Session:
         return control(self.api, {"cmd": "stats", "vms": per_vm}, timeout_s=120)
 
     def totals(self) -> dict:
+        """The cheap totals (no per-VM list, no mincore counts)."""
         return self.stats()["totals"]
 
     def load(self, seconds: float, alpha: float, concurrency: int = 64) -> dict:
