@@ -92,7 +92,6 @@ def render_history(history_file: Path, directory: Path) -> Path:
     change points) and the runs' table; return its path."""
     from .changepoint import change_points, estimate
     from .history import COUNTED, History
-    from .plots import history_plot
 
     store = History(history_file)
     runs = store.runs()
@@ -149,3 +148,36 @@ def render_history(history_file: Path, directory: Path) -> Path:
     out = directory / "index.html"
     out.write_text(page)
     return out
+
+
+def history_plot(
+    metric: str,
+    runs: list[tuple[int, list[float], float, float, float, bool]],
+    boundaries: list[float],
+    path: Path,
+) -> None:
+    """A nightly metric's series: every sample, each run's median with its confidence band, runs
+    judged too noisy in grey, and change points as vertical lines. `runs` holds (run id, samples,
+    median, CI low, CI high, noisy); `boundaries` are x positions between runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    xs = list(range(len(runs)))
+    for x, (_, samples, _, _, _, noisy) in zip(xs, runs, strict=True):
+        ax.scatter(
+            [x] * len(samples), samples, s=8, color="grey" if noisy else "tab:blue", alpha=0.4
+        )
+    ax.fill_between(xs, [r[3] for r in runs], [r[4] for r in runs], alpha=0.2, label="95% CI")
+    ax.plot(xs, [r[2] for r in runs], marker="o", color="tab:blue", label="median")
+    for i, b in enumerate(boundaries):
+        ax.axvline(b, color="tab:red", linestyle="--", label="change point" if i == 0 else None)
+    ax.set_xticks(xs, [str(r[0]) for r in runs], fontsize=7)
+    ax.set_xlabel("run")
+    ax.set_title(metric)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
