@@ -25,6 +25,7 @@ PERMUTATIONS = 100
 PLACEMENT = 2
 NOISE_FACTOR = 1.5
 MIN_RUNS = 4  # earlier runs needed before a change can be told from noise
+TOO_SHORT = "history too short"
 SEED = 19  # E-Divisive's permutation test and the bootstrap are seeded: same data, same verdict
 
 
@@ -108,7 +109,7 @@ def run_noise(medians: list[float]) -> float:
 def assess(metric: str, runs: list[list[float]], higher_is_better: bool) -> Finding:
     """Is the newest run of `runs` a regression of `metric`?"""
     if len(runs) <= MIN_RUNS:
-        return Finding(metric, False, f"history too short ({len(runs) - 1} earlier run(s))")
+        return Finding(metric, False, f"{TOO_SHORT} ({len(runs) - 1} earlier run(s))")
     series = [v for run in runs for v in run]
     newest_start = len(series) - len(runs[-1])
     cps = change_points(series)

@@ -22,7 +22,15 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from .changepoint import NOISE_FACTOR, Estimate, Finding, estimate, ratio_estimate, run_noise
+from .changepoint import (
+    NOISE_FACTOR,
+    TOO_SHORT,
+    Estimate,
+    Finding,
+    estimate,
+    ratio_estimate,
+    run_noise,
+)
 from .changepoint import assess as assess_history
 from .config import REPO_ROOT, ConfigError
 from .history import History, Run, default_path
@@ -318,6 +326,15 @@ def judge(
     return outcomes
 
 
+def decide(outcomes: list[Outcome], busy: str | None) -> tuple[str, int]:
+    """The run's verdict and exit status: a regression on a busy host is "noisy" (3)."""
+    if any(o.finding.regression for o in outcomes):
+        return ("noisy", EXIT_NOISY) if busy else ("regression", EXIT_REGRESSION)
+    if all(o.finding.reason.startswith(TOO_SHORT) for o in outcomes):
+        return "baseline", EXIT_CLEAN
+    return "clean", EXIT_CLEAN
+
+
 def nightly(opts: Options, candidate_dir: Path, reporter: Reporter) -> int:
     """Run the nightly check; EXIT_CLEAN, EXIT_REGRESSION or EXIT_NOISY."""
     spec = load_spec(opts.metrics_file)
@@ -355,15 +372,8 @@ def nightly(opts: Options, candidate_dir: Path, reporter: Reporter) -> int:
         remeasured = suspects
     host.finish()
     busy = host.busy()
+    verdict, code = decide(outcomes, busy)
     regressions = [o for o in outcomes if o.finding.regression]
-    if regressions and busy:
-        verdict, code = "noisy", EXIT_NOISY
-    elif regressions:
-        verdict, code = "regression", EXIT_REGRESSION
-    elif all(o.finding.reason.startswith("history too short") for o in outcomes):
-        verdict, code = "baseline", EXIT_CLEAN
-    else:
-        verdict, code = "clean", EXIT_CLEAN
     run = Run(
         started.isoformat(timespec="seconds"),
         datetime.now(UTC).isoformat(timespec="seconds"),
