@@ -151,6 +151,7 @@ def test_bad_metrics_files_are_refused(tmp_path, text, message):
 
 TINY = """
 rounds = 1
+addr_base = "127.91.0.0"  # not the real nightly's
 metrics = [
   { name = "tiny_rps", probe = "tiny", field = "replies_per_s", better = "higher", quick = true },
 ]
@@ -192,6 +193,14 @@ def test_nightly_records_history_and_flags_a_collapse(tmp_path):
     doc = json.loads((tmp_path / "r0" / "nightly.json").read_text())
     assert doc["verdict"] == "baseline" and len(doc["samples"]["tiny_rps"]) == 3
     assert {"load_start", "steal_fraction", "cpu_mhz"} <= doc["host"].keys()
+    # A/B against the same binaries, interleaved: a comparison, not a history verdict.
+    proc = nightly_cli(
+        tmp_path,
+        *("--compare-bin", str(RELEASE_DIR), "--history", str(tmp_path / "ab.sqlite")),
+        *("--out", str(tmp_path / "ab")),
+    )
+    assert proc.returncode in (EXIT_CLEAN, EXIT_REGRESSION, EXIT_NOISY), proc.stderr
+    assert "vs comparison build" in proc.stdout and "build B" in proc.stderr
     # An earlier history ten times faster than this build: the newest run is a collapse.
     store = History(history)
     for seed in range(6):

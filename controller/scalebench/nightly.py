@@ -84,9 +84,10 @@ class Spec:
     rounds: int
     probes: dict[str, Probe]
     metrics: list[Metric]
+    addr_base: str = ADDR_BASE
 
     def quick(self) -> Spec:
-        return Spec(self.rounds, self.probes, [m for m in self.metrics if m.quick])
+        return Spec(self.rounds, self.probes, [m for m in self.metrics if m.quick], self.addr_base)
 
     def probes_of(self, names: list[str]) -> list[Probe]:
         """The probes the metrics `names` read (ratios: both of theirs), in file order."""
@@ -136,13 +137,13 @@ def load_spec(path: Path) -> Spec:
     rounds = doc.get("rounds", 3)
     if not isinstance(rounds, int) or rounds < 1 or not metrics:
         raise ConfigError(f"{path}: needs rounds >= 1 and at least one metric")
-    return Spec(rounds, probes, metrics)
+    return Spec(rounds, probes, metrics, str(doc.get("addr_base", ADDR_BASE)))
 
 
-def run_probe(build: Build, probe: Probe, workdir: Path) -> dict[str, list[float]]:
+def run_probe(build: Build, probe: Probe, workdir: Path, addr_base: str) -> dict[str, list[float]]:
     """One boot of `probe`: every field's values (boot fields once, window fields per window)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    with Session(build, workdir, probe.vms, ADDR_BASE, *probe.serve_args()) as session:
+    with Session(build, workdir, probe.vms, addr_base, *probe.serve_args()) as session:
         values: dict[str, list[float]] = {
             "boot_seconds": [session.boot.boot_seconds],
             "host_bytes_per_vm": [session.boot.host_bytes_per_vm],
@@ -175,7 +176,7 @@ def measure(
             for b in order:
                 label = "" if len(builds) == 1 else f" build {'AB'[b]}"
                 reporter.note(f"round {r + 1}/{rounds}: {probe.name}{label}")
-                values = run_probe(builds[b], probe, workdir / f"{probe.name}-{b}")
+                values = run_probe(builds[b], probe, workdir / f"{probe.name}-{b}", spec.addr_base)
                 for name, vs in values.items():
                     raw[b].setdefault(probe.name, {}).setdefault(name, []).extend(vs)
     out: list[dict[str, list[float]]] = []
