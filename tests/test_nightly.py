@@ -164,9 +164,9 @@ window_s = 0.5
 """
 
 
-def nightly_cli(tmp: Path, *args: str) -> subprocess.CompletedProcess:
+def nightly_cli(tmp: Path, *args: str, metrics_text: str = TINY) -> subprocess.CompletedProcess:
     metrics = tmp / "tiny.toml"
-    metrics.write_text(TINY)
+    metrics.write_text(metrics_text)
     return subprocess.run(
         [sys.executable, "-m", "scalebench.cli", "nightly", "--metrics", str(metrics), *args],
         capture_output=True,
@@ -181,6 +181,14 @@ def nightly_cli(tmp: Path, *args: str) -> subprocess.CompletedProcess:
 def test_bad_input_exits_2(tmp_path):
     proc = nightly_cli(tmp_path, "--rounds", "0")
     assert proc.returncode == 2 and proc.stderr.startswith("scalebench: error: --rounds")
+
+
+def test_a_probe_that_cannot_run_exits_1_naming_it(tmp_path):
+    release_binary("densevm")
+    bad = TINY.replace('mem = "16M"', 'mem = "lots"')
+    proc = nightly_cli(tmp_path, "--history", str(tmp_path / "h.sqlite"), metrics_text=bad)
+    assert proc.returncode == 1
+    assert "scalebench: nightly: probe tiny failed: densevm failed: " in proc.stderr
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")

@@ -434,7 +434,7 @@ def cmd_compare(argv: list[str]) -> int:
 def cmd_nightly(argv: list[str]) -> int:
     from .binaries import bin_dir
     from .history import default_path
-    from .nightly import METRICS, Options, nightly
+    from .nightly import METRICS, Options, ProbeError, nightly
     from .procs import install_signal_handlers
     from .progress import ConsoleReporter
     from .runner import Binaries
@@ -493,7 +493,11 @@ def cmd_nightly(argv: list[str]) -> int:
         out_dir=Path(args.out) if args.out else None,
         rounds=args.rounds,
     )
-    return nightly(opts, bin_dir(), ConsoleReporter())
+    try:
+        return nightly(opts, bin_dir(), ConsoleReporter())
+    except ProbeError as e:
+        sys.stderr.write(f"scalebench: nightly: {e}\n")
+        return 1
 
 
 def cmd_dbtrace(argv: list[str]) -> int:

@@ -45,6 +45,10 @@ STEAL_LIMIT = 0.10  # steal time above this share of CPU time: the host is too b
 EXIT_CLEAN, EXIT_REGRESSION, EXIT_NOISY = 0, 1, 3
 
 
+class ProbeError(RuntimeError):
+    """A probe could not be measured (densevm or zipfperf failed)."""
+
+
 @dataclass(frozen=True)
 class Probe:
     name: str
@@ -176,7 +180,12 @@ def measure(
             for b in order:
                 label = "" if len(builds) == 1 else f" build {'AB'[b]}"
                 reporter.note(f"round {r + 1}/{rounds}: {probe.name}{label}")
-                values = run_probe(builds[b], probe, workdir / f"{probe.name}-{b}", spec.addr_base)
+                try:
+                    values = run_probe(
+                        builds[b], probe, workdir / f"{probe.name}-{b}", spec.addr_base
+                    )
+                except (RuntimeError, OSError, subprocess.SubprocessError, KeyError) as e:
+                    raise ProbeError(f"probe {probe.name}{label} failed: {e}") from None
                 for name, vs in values.items():
                     raw[b].setdefault(probe.name, {}).setdefault(name, []).extend(vs)
     out: list[dict[str, list[float]]] = []
