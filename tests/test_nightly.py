@@ -195,20 +195,17 @@ def test_a_probe_that_cannot_run_exits_1_naming_it(tmp_path):
 def test_nightly_records_history_and_flags_a_collapse(tmp_path):
     release_binary("densevm")
     history = tmp_path / "h.sqlite"
-    proc = nightly_cli(tmp_path, "--history", str(history), "--out", str(tmp_path / "r0"))
-    assert proc.returncode == EXIT_CLEAN, proc.stderr
-    assert "history too short" in proc.stdout
-    doc = json.loads((tmp_path / "r0" / "nightly.json").read_text())
-    assert doc["verdict"] == "baseline" and len(doc["samples"]["tiny_rps"]) == 3
-    assert {"load_start", "steal_fraction", "cpu_mhz"} <= doc["host"].keys()
-    # A/B against the same binaries, interleaved: a comparison, not a history verdict.
+    # A/B against the same binaries, interleaved: judged by the comparison, recorded in history.
     proc = nightly_cli(
         tmp_path,
-        *("--compare-bin", str(RELEASE_DIR), "--history", str(tmp_path / "ab.sqlite")),
-        *("--out", str(tmp_path / "ab")),
+        *("--compare-bin", str(RELEASE_DIR), "--history", str(history)),
+        *("--out", str(tmp_path / "r0")),
     )
     assert proc.returncode in (EXIT_CLEAN, EXIT_REGRESSION, EXIT_NOISY), proc.stderr
     assert "vs comparison build" in proc.stdout and "build B" in proc.stderr
+    doc = json.loads((tmp_path / "r0" / "nightly.json").read_text())
+    assert len(doc["samples"]["tiny_rps"]) == len(doc["comparison"]["tiny_rps"]) == 3
+    assert {"load_start", "steal_fraction", "cpu_mhz"} <= doc["host"].keys()
     # An earlier history ten times faster than this build: the newest run is a collapse.
     store = History(history)
     for seed in range(6):
@@ -226,6 +223,7 @@ def test_nightly_records_history_and_flags_a_collapse(tmp_path):
     else:
         assert "host too noisy" in proc.stdout and doc["host"]["busy"]
     assert len(History(history).runs()) == 8
+    assert History(history).runs()[-1].host["remeasured"] == ["tiny_rps"]
 
 
 def test_history_report_images_load_in_headless_chromium(tmp_path):
