@@ -114,10 +114,19 @@ def test_verdicts_and_exit_codes():
 
 
 def test_host_noise_names_a_busy_host():
-    host = HostNoise(2, [7.5, 6.0, 5.0])
-    assert "load average 7.5 on 2 CPUs" in (host.busy() or "")
-    assert HostNoise(2, [1.5, 1.0, 1.0]).busy() is None
+    host = HostNoise(2, [7.5, 6.0, 5.0], others_fraction=0.7)
+    assert "other tenants used 70% of the host's CPU time" in (host.busy() or "")
+    assert HostNoise(2, [7.5, 6.0, 5.0], others_fraction=0.2).busy() is None
     assert "steal" in (HostNoise(2, [0.1, 0.1, 0.1], steal_fraction=0.3).busy() or "")
+
+
+def test_host_noise_measures_a_span():
+    host = HostNoise.start()
+    sum(i * i for i in range(200_000))  # some CPU of our own
+    host.finish()
+    record = host.record()
+    assert 0.0 <= record["others_fraction"] <= 1.0 and 0.0 <= record["steal_fraction"] <= 1.0
+    assert len(record["load_end"]) == 3 and "stat_start" not in record
 
 
 def test_the_repository_metrics_file_is_valid():
@@ -205,7 +214,7 @@ def test_nightly_records_history_and_flags_a_collapse(tmp_path):
     assert "vs comparison build" in proc.stdout and "build B" in proc.stderr
     doc = json.loads((tmp_path / "r0" / "nightly.json").read_text())
     assert len(doc["samples"]["tiny_rps"]) == len(doc["comparison"]["tiny_rps"]) == 3
-    assert {"load_start", "steal_fraction", "cpu_mhz"} <= doc["host"].keys()
+    assert {"load_start", "steal_fraction", "others_fraction", "cpu_mhz"} <= doc["host"].keys()
     # An earlier history ten times faster than this build: the newest run is a collapse.
     store = History(history)
     for seed in range(6):
