@@ -6,7 +6,8 @@ A metric's history is a list of runs, each a list of trial values (oldest first)
 on the trial values laid end to end; a regression is a change point that lands on the newest
 run (within PLACEMENT trials of its start: the estimator places a step to within a trial or
 two), whose change is in the metric's bad direction, larger than NOISE_FACTOR times the metric's
-own run-to-run noise (the spread of the earlier runs' medians since the previous change point),
+own run-to-run noise (the spread of the earlier runs' medians since the previous change point, or
+of all earlier runs when fewer than MIN_RUNS follow it),
 and whose newest-run confidence interval excludes the earlier median.
 """
 
@@ -124,10 +125,11 @@ def assess(metric: str, runs: list[list[float]], higher_is_better: bool) -> Find
     earlier = [r for r, s in zip(runs[:-1], starts, strict=True) if s >= prior]
     if len(earlier) < 2:
         earlier = runs[-3:-1]
-    earlier_medians = [statistics.median(r) for r in earlier]
     base = statistics.median(v for r in earlier for v in r)
+    # Noise from too few runs reads near zero: then every earlier run counts (conservative).
+    noise_runs = earlier if len(earlier) >= MIN_RUNS else runs[:-1]
     change = newest.median / base - 1
-    noise = run_noise(earlier_medians)
+    noise = run_noise([statistics.median(r) for r in noise_runs])
     worse = change < 0 if higher_is_better else change > 0
     outside = not newest.ci_low <= base <= newest.ci_high
     regression = worse and abs(change) > NOISE_FACTOR * noise and outside
