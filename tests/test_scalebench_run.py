@@ -411,35 +411,6 @@ def test_touch_reports_vms_that_do_not_answer():
     srv.close()
 
 
-def test_nightly_updates_then_matches_its_baseline(fakes):
-    from scalebench.config import ConfigError
-    from scalebench.nightly import nightly
-    from scalebench.progress import Reporter
-
-    experiment = fakes / "nightly.toml"
-    experiment.write_text(
-        'name = "n"\n[base]\nduration = 1\nwarmup = 0\ntouch = false\ncpu_us = 50\n'
-        'addr_base = "127.43.0.0"\n[grid]\nvms = [2, 4]\n'
-    )
-    baseline = fakes / "baseline.json"
-    with pytest.raises(ConfigError, match="no baseline"):
-        nightly(fakes / "n0", False, 7.0, Reporter(), experiment, baseline, 1)
-    assert nightly(fakes / "n1", True, 7.0, Reporter(), experiment, baseline, 2) == 0
-    assert set(json.loads(baseline.read_text())["points"]) == {"vms=2", "vms=4"}
-    assert (
-        json.loads(baseline.read_text())["repeats"] == 2
-        and (fakes / "n1" / "run2" / "sweep.json").exists()
-    )
-    # The FAKE zipfperf reports the same throughput every time: an unchanged rerun.
-    assert nightly(fakes / "n2", False, 7.0, Reporter(), experiment, baseline, 1) == 0
-    doc = json.loads(baseline.read_text())
-    doc["points"]["vms=4"]["throughput_rps"] *= (
-        1.2  # the new run is now 17% slower than this baseline
-    )
-    baseline.write_text(json.dumps(doc))
-    assert nightly(fakes / "n3", False, 7.0, Reporter(), experiment, baseline, 1) == 1
-
-
 def test_touch_order_leaves_an_lru_steady_state():
     from scalebench.model import che_hit_ratio, zipf_popularity
     from scalebench.touch import lru_order
@@ -452,37 +423,6 @@ def test_touch_order_leaves_an_lru_steady_state():
     share = float(zipf_popularity(n, alpha)[resident].sum())
     assert share == pytest.approx(che_hit_ratio(n, k, alpha), abs=0.04)
     assert 0 in resident  # the most popular VM
-
-
-def test_nightly_names_a_busy_host(monkeypatch):
-    from scalebench import nightly
-
-    monkeypatch.setattr(nightly.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(nightly.os, "getloadavg", lambda: (7.5, 6.0, 5.0))
-    assert "load average 7.5 on 2 CPUs" in nightly.busy_host()
-    monkeypatch.setattr(nightly.os, "getloadavg", lambda: (1.5, 6.0, 5.0))
-    assert nightly.busy_host() is None
-
-
-def test_nightly_takes_each_points_best_run():
-    from scalebench.nightly import best_of
-
-    runs = [
-        {"points": {"a": {"status": "ok", "throughput_rps": 90.0}, "b": {"status": "failed"}}},
-        {
-            "points": {
-                "a": {"status": "ok", "throughput_rps": 100.0},
-                "b": {"status": "ok", "throughput_rps": 5.0},
-            }
-        },
-        {"points": {"a": {"status": "failed"}, "b": {"status": "ok", "throughput_rps": 4.0}}},
-    ]
-    best = best_of(runs)
-    assert (
-        best["points"]["a"]["throughput_rps"] == 100.0
-        and best["points"]["b"]["throughput_rps"] == 5.0
-    )
-    assert best["repeats"] == 3
 
 
 def test_resident_mass():

@@ -363,14 +363,30 @@ def cmd_sweep(argv: list[str]) -> int:
 
 
 def cmd_report(argv: list[str]) -> int:
-    from .report import render
+    from .report import render, render_history
 
     p = Parser(
-        prog="scalebench report", description="Render DIR/report.html for a sweep directory."
+        prog="scalebench report",
+        description="Render DIR/report.html for a sweep directory, or, with --history FILE, "
+        "the nightly history's page (OUT/index.html).",
     )
-    p.add_argument("dir")
+    p.add_argument("dir", nargs="?")
+    p.add_argument("--history", default=None, metavar="FILE", help="a nightly history (SQLite)")
+    p.add_argument(
+        "--out", default=None, metavar="OUT", help="with --history: where (default FILE-report/)"
+    )
     args = p.parse_args(argv)
-    if not Path(args.dir).is_dir():
+    if args.history:
+        history = Path(args.history)
+        if args.dir or not history.is_file():
+            raise ConfigError(f"--history {history}: not a file (and takes no DIR)")
+        out = Path(args.out) if args.out else history.with_name(f"{history.stem}-report")
+        try:
+            print(render_history(history, out))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return 0
+    if not args.dir or not Path(args.dir).is_dir():
         raise ConfigError(f"{args.dir} is not a directory")
     print(render(Path(args.dir)))
     return 0
@@ -416,31 +432,72 @@ def cmd_compare(argv: list[str]) -> int:
 
 
 def cmd_nightly(argv: list[str]) -> int:
-    from .compare import DEFAULT_TOLERANCE_PCT
-    from .nightly import nightly
+    from .binaries import bin_dir
+    from .history import default_path
+    from .nightly import METRICS, Options, ProbeError, nightly
     from .procs import install_signal_handlers
     from .progress import ConsoleReporter
     from .runner import Binaries
 
     p = Parser(
         prog="scalebench nightly",
-        description="Small fixed sweep (best of 3 runs per point) "
-        "compared with the stored baseline.",
+        description="Scaling regression check: repeated interleaved trials, medians with "
+        "bootstrap CIs, history in SQLite, change points (E-Divisive). Exit 0 clean, "
+        "1 regression, 3 host too noisy.",
+    )
+    p.add_argument("--quick", action="store_true", help="only the metrics marked quick (< 5 min)")
+    p.add_argument(
+        "--history", default=None, metavar="FILE", help=f"SQLite history (default {default_path()})"
     )
     p.add_argument(
-        "--update-baseline", action="store_true", help="store this run as the new baseline"
+        "--compare-bin",
+        default=None,
+        metavar="DIR",
+        help="A/B: also measure the densevm and zipfperf in DIR, interleaved, and compare",
     )
-    p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE_PCT, metavar="PCT")
+    p.add_argument(
+        "--inject-request-us",
+        type=int,
+        default=0,
+        metavar="N",
+        help="pass densevm --inject-request-us N (a known in-core slowdown; only to check this "
+        "check)",
+    )
+    p.add_argument(
+        "--inject-fault-us",
+        type=int,
+        default=0,
+        metavar="N",
+        help="pass densevm --inject-fault-us N (a known per-fault slowdown; only to check this "
+        "check)",
+    )
+    p.add_argument("--metrics", default=str(METRICS), metavar="FILE", help="probes and metrics")
+    p.add_argument("--rounds", type=int, default=None, help="rounds (default: the metrics file's)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.inject_request_us < 0 or args.inject_fault_us < 0:
+        raise ConfigError("--inject-request-us and --inject-fault-us must be >= 0")
+    if args.rounds is not None and args.rounds < 1:
+        raise ConfigError("--rounds must be >= 1")
+    if args.compare_bin and not Path(args.compare_bin).is_dir():
+        raise ConfigError(f"--compare-bin {args.compare_bin} is not a directory")
     Binaries.find()
     install_signal_handlers()
-    return nightly(
-        Path(args.out) if args.out else None,
-        args.update_baseline,
-        args.tolerance,
-        ConsoleReporter(),
+    opts = Options(
+        quick=args.quick,
+        history=Path(args.history) if args.history else None,
+        compare_bin=Path(args.compare_bin) if args.compare_bin else None,
+        inject_request_us=args.inject_request_us,
+        inject_fault_us=args.inject_fault_us,
+        metrics_file=Path(args.metrics),
+        out_dir=Path(args.out) if args.out else None,
+        rounds=args.rounds,
     )
+    try:
+        return nightly(opts, bin_dir(), ConsoleReporter())
+    except ProbeError as e:
+        sys.stderr.write(f"scalebench: nightly: {e}\n")
+        return 1
 
 
 def cmd_dbtrace(argv: list[str]) -> int:

@@ -1,92 +1,445 @@
-"""`scalebench nightly`: a small fixed sweep compared with a stored baseline.
+"""`scalebench nightly`: scaling regressions found in a history of noisy measurements.
 
-The sweep is experiments/nightly.toml (a few VMs, short phases), run REPEATS
-times; each point counts with its best run, because load from other tenants of
-a shared host only ever slows a run down (identical single runs here differed
-by up to 40%). The baseline is experiments/baselines/nightly.json, written by
-`scalebench nightly --update-baseline` on a build known to be good.
+The probes and metrics are experiments/nightly/metrics.toml. Every probe runs once per round,
+rounds interleaved (and, with a comparison build, the two builds alternate which goes first).
+Each metric's samples give its median and bootstrap confidence interval; the run is appended to
+the history (SQLite, history.py) and E-Divisive looks for a change point on the newest run
+(changepoint.py). A suspected regression is measured once more (its probes only) and reported
+only if the re-measurement confirms it. Exit status: 0 clean, 1 regression, 3 the host was too
+busy to tell (a suspected regression measured on a busy host), 2 bad input.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import statistics
+import subprocess
+import time
+import tomllib
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from . import compare, runner
-from .config import REPO_ROOT, ConfigError, check_addresses_free
+from .changepoint import (
+    NOISE_FACTOR,
+    TOO_SHORT,
+    Estimate,
+    Finding,
+    estimate,
+    ratio_estimate,
+    run_noise,
+)
+from .changepoint import assess as assess_history
+from .config import REPO_ROOT, ConfigError
+from .history import History, Run, default_path
 from .progress import Reporter
-from .sweep import load_experiment, run_sweep
+from .scaling import TICKS, Build, Session
 
-EXPERIMENT = REPO_ROOT / "experiments" / "nightly.toml"
-BASELINE = REPO_ROOT / "experiments" / "baselines" / "nightly.json"
-REPEATS = 3
-
-
-def busy_host() -> str | None:
-    """Why throughput measured now would not be comparable, or None: a load average above the
-    number of CPUs means other work takes CPU time from the runs (both best-of-3 nightly runs
-    made under other sweeps measured ~20% slow)."""
-    load, cpus = os.getloadavg()[0], os.cpu_count() or 1
-    if load > cpus:
-        return (
-            f"the host is busy (load average {load:.1f} on {cpus} CPUs): throughput will read low "
-            f"and a baseline written now would be too"
-        )
-    return None
+METRICS = REPO_ROOT / "experiments" / "nightly" / "metrics.toml"
+ADDR_BASE = "127.90.0.0"  # away from the default, which interactive runs and other tests use
+WINDOW_FIELDS = ("replies_per_s", "faults_per_s", "faults_per_cpu_s", "kernel_us_per_fault")
+BOOT_FIELDS = ("boot_seconds", "host_bytes_per_vm")
+STEAL_LIMIT = 0.10  # steal time above this share of CPU time: the host is too busy
+OTHERS_LIMIT = 0.5  # other tenants using more than this share of the host's CPU time: too busy
+EXIT_CLEAN, EXIT_REGRESSION, EXIT_NOISY = 0, 1, 3
 
 
-def best_of(docs: list[dict]) -> dict:
-    """One sweep document whose points are each point's highest-throughput successful run."""
-
-    def score(point: dict) -> tuple[bool, float]:
-        return point.get("status") == "ok", point.get("throughput_rps") or 0.0
-
-    points = {
-        key: max((d["points"][key] for d in docs if key in d["points"]), key=score)
-        for key in docs[0]["points"]
-    }
-    return {**docs[0], "points": points, "repeats": len(docs)}
+class ProbeError(RuntimeError):
+    """A probe could not be measured (densevm or zipfperf failed)."""
 
 
-def nightly(
-    out_dir: Path | None,
-    update_baseline: bool,
-    tolerance_pct: float,
+@dataclass(frozen=True)
+class Probe:
+    name: str
+    vms: int
+    mem: str
+    alpha: float = 1.0
+    concurrency: int = 64
+    warmup_s: float = 0.0
+    windows: int = 0
+    window_s: float = 0.0
+    disk: str = "none"
+    block: str = "32k"
+    cell_vms: int | None = None
+
+    def serve_args(self) -> tuple[str, ...]:
+        args = ("--mem", self.mem, "--block", self.block, "--disk", self.disk)
+        args += ("--boot-timeout", "600")
+        return args + (("--cell-vms", str(self.cell_vms)) if self.cell_vms else ())
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    better: str  # "higher" or "lower"
+    quick: bool = False
+    probe: str | None = None
+    field: str | None = None
+    ratio: tuple[str, str] | None = None
+
+    @property
+    def higher_is_better(self) -> bool:
+        return self.better == "higher"
+
+
+@dataclass(frozen=True)
+class Spec:
+    rounds: int
+    probes: dict[str, Probe]
+    metrics: list[Metric]
+    addr_base: str = ADDR_BASE
+
+    def quick(self) -> Spec:
+        return Spec(self.rounds, self.probes, [m for m in self.metrics if m.quick], self.addr_base)
+
+    def probes_of(self, names: list[str]) -> list[Probe]:
+        """The probes the metrics `names` read (ratios: both of theirs), in file order."""
+        by_name = {m.name: m for m in self.metrics}
+        wanted: set[str] = set()
+        todo = list(names)
+        while todo:
+            m = by_name[todo.pop()]
+            if m.ratio:
+                todo.extend(m.ratio)
+            elif m.probe:
+                wanted.add(m.probe)
+        return [p for name, p in self.probes.items() if name in wanted]
+
+
+def load_spec(path: Path) -> Spec:
+    """experiments/nightly/metrics.toml, checked; ConfigError naming the first problem."""
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"cannot read metrics file {path}: {e}") from None
+    try:
+        probes = {name: Probe(name, **p) for name, p in doc.get("probe", {}).items()}
+        metrics = [
+            Metric(**{**m, "ratio": tuple(m["ratio"]) if "ratio" in m else None})
+            for m in doc.get("metrics", [])
+        ]
+    except TypeError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    names: set[str] = set()
+    for m in metrics:
+        where = f"{path}: metric {m.name}"
+        if m.name in names:
+            raise ConfigError(f"{where} is defined twice")
+        if m.better not in ("higher", "lower"):
+            raise ConfigError(f"{where}: better must be 'higher' or 'lower'")
+        if m.ratio:
+            if len(m.ratio) != 2 or not set(m.ratio) <= names:
+                raise ConfigError(f"{where}: ratio must name two metrics defined above it")
+        elif m.probe not in probes:
+            raise ConfigError(f"{where}: unknown probe {m.probe!r}")
+        elif m.field not in WINDOW_FIELDS + BOOT_FIELDS:
+            raise ConfigError(f"{where}: unknown field {m.field!r}")
+        elif m.field in WINDOW_FIELDS and probes[m.probe].windows < 1:
+            raise ConfigError(f"{where}: probe {m.probe} has no load windows")
+        names.add(m.name)
+    rounds = doc.get("rounds", 3)
+    if not isinstance(rounds, int) or rounds < 1 or not metrics:
+        raise ConfigError(f"{path}: needs rounds >= 1 and at least one metric")
+    return Spec(rounds, probes, metrics, str(doc.get("addr_base", ADDR_BASE)))
+
+
+def run_probe(build: Build, probe: Probe, workdir: Path, addr_base: str) -> dict[str, list[float]]:
+    """One boot of `probe`: every field's values (boot fields once, window fields per window)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    with Session(build, workdir, probe.vms, addr_base, *probe.serve_args()) as session:
+        values: dict[str, list[float]] = {
+            "boot_seconds": [session.boot.boot_seconds],
+            "host_bytes_per_vm": [session.boot.host_bytes_per_vm],
+        }
+        if probe.warmup_s > 0:
+            session.load(probe.warmup_s, probe.alpha, probe.concurrency)
+        for _ in range(probe.windows):
+            w = session.window(probe.window_s, probe.alpha, probe.concurrency)
+            for name in WINDOW_FIELDS:
+                values.setdefault(name, []).append(float(getattr(w, name)))
+    return values
+
+
+def measure(
+    spec: Spec,
+    metrics: list[str],
+    builds: list[Build],
+    rounds: int,
+    workdir: Path,
     reporter: Reporter,
-    experiment: Path = EXPERIMENT,
-    baseline: Path = BASELINE,
-    repeats: int = REPEATS,
-) -> int:
-    """Run the nightly sweep; 0 when it matches the baseline (or the baseline was updated), 1
-    otherwise."""
-    exp = load_experiment(experiment)
-    check_addresses_free(max((cfg for _, cfg in exp.points()), key=lambda cfg: cfg.vms))
-    if not update_baseline and not baseline.exists():
-        raise ConfigError(
-            f"no baseline at {baseline}: run `scalebench nightly --update-baseline` on a good build"
+) -> list[dict[str, list[float]]]:
+    """Samples of `metrics` for each build: every probe once per round, builds alternating."""
+    probes = spec.probes_of(metrics)
+    raw: list[dict[str, dict[str, list[float]]]] = [{} for _ in builds]
+    for r in range(rounds):
+        order = list(range(len(builds)))
+        if r % 2:
+            order.reverse()
+        for probe in probes:
+            for b in order:
+                label = "" if len(builds) == 1 else f" build {'AB'[b]}"
+                reporter.note(f"round {r + 1}/{rounds}: {probe.name}{label}")
+                try:
+                    values = run_probe(
+                        builds[b], probe, workdir / f"{probe.name}-{b}", spec.addr_base
+                    )
+                except (RuntimeError, OSError, subprocess.SubprocessError, KeyError) as e:
+                    raise ProbeError(f"probe {probe.name}{label} failed: {e}") from None
+                for name, vs in values.items():
+                    raw[b].setdefault(probe.name, {}).setdefault(name, []).extend(vs)
+    out: list[dict[str, list[float]]] = []
+    for per_probe in raw:
+        samples: dict[str, list[float]] = {}
+        for m in spec.metrics:  # in file order: a ratio's parts come before it
+            if m.ratio and set(m.ratio) <= samples.keys():
+                num, den = samples[m.ratio[0]], samples[m.ratio[1]]
+                samples[m.name] = [a / b for a, b in zip(num, den, strict=False) if b]
+            elif m.probe in per_probe and m.field:
+                samples[m.name] = per_probe[m.probe][m.field]
+        out.append({k: v for k, v in samples.items() if k in metrics})
+    return out
+
+
+@dataclass
+class HostNoise:
+    """The host's noise indicators over a nightly run. Other tenants' share is the host's busy
+    CPU time less this process's and its children's (densevm and its cells, zipfperf), over the
+    host's CPU time: the load average cannot tell them apart (a nightly's own load alone is above
+    the 2 CPUs of the development host)."""
+
+    cpus: int
+    load_start: list[float]
+    load_end: list[float] = field(default_factory=list)
+    steal_fraction: float = 0.0
+    others_fraction: float = 0.0
+    cpu_mhz: float | None = None
+    stat_start: tuple[int, int, int] = (0, 0, 0)
+    own_start: float = 0.0
+
+    @classmethod
+    def start(cls) -> HostNoise:
+        return cls(
+            os.cpu_count() or 1,
+            list(os.getloadavg()),
+            stat_start=cpu_jiffies(),
+            own_start=own_cpu(),
         )
-    busy = busy_host()
-    if busy:
-        reporter.note(f"[yellow]warning:[/] {busy}")
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
-    out_dir = out_dir or Path.cwd() / "runs" / f"nightly-{stamp}"
-    docs = [
-        run_sweep(exp, out_dir / f"run{i + 1}", lambda cfg: runner.run(cfg, reporter), reporter)
-        for i in range(repeats)
-    ]
-    doc = {**best_of(docs), "host_load": list(os.getloadavg()), "busy_host": busy}
-    (out_dir / "nightly.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    failed = [k for k, p in doc["points"].items() if p.get("status") != "ok"]
-    if update_baseline:
-        if failed:
-            reporter.note(f"not updating the baseline: point(s) failed: {', '.join(failed)}")
-            return 1
-        baseline.parent.mkdir(parents=True, exist_ok=True)
-        baseline.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-        reporter.note(f"baseline written to {baseline}")
-        return 0
-    rows = compare.compare(compare.load(baseline), doc, tolerance_pct)
-    compare.print_table(rows, tolerance_pct)
-    return 1 if compare.regressed(rows) else 0
+
+    def finish(self) -> None:
+        self.load_end = list(os.getloadavg())
+        steal, busy, total = cpu_jiffies()
+        d_total = (total - self.stat_start[2]) / TICKS
+        if d_total > 0:
+            self.steal_fraction = (steal - self.stat_start[0]) / TICKS / d_total
+            others = (busy - self.stat_start[1]) / TICKS - (own_cpu() - self.own_start)
+            self.others_fraction = max(others, 0.0) / d_total
+        self.cpu_mhz = cpu_mhz()
+
+    def busy(self) -> str | None:
+        """Why measurements now are not comparable, or None."""
+        if self.others_fraction > OTHERS_LIMIT:
+            return f"other tenants used {self.others_fraction:.0%} of the host's CPU time"
+        if self.steal_fraction > STEAL_LIMIT:
+            return f"steal time {self.steal_fraction:.0%} of CPU time during the run"
+        return None
+
+    def record(self) -> dict:
+        d = asdict(self)
+        del d["stat_start"], d["own_start"]
+        return {**d, "busy": self.busy()}
+
+
+def cpu_jiffies() -> tuple[int, int, int]:
+    """(steal, busy, total) jiffies of all CPUs, /proc/stat (busy: neither idle nor iowait)."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    total = sum(f)
+    return f[7], total - f[3] - f[4], total
+
+
+def own_cpu() -> float:
+    """CPU seconds of this process and its finished children (densevm with its cells, zipfperf)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def cpu_mhz() -> float | None:
+    """Mean current CPU clock: cpufreq when readable, else /proc/cpuinfo; None if neither."""
+    freqs = sorted(Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cpufreq/scaling_cur_freq"))
+    try:
+        if freqs:
+            return statistics.mean(int(f.read_text()) / 1000 for f in freqs)
+        mhz = re.findall(r"^cpu MHz\s*:\s*([\d.]+)", Path("/proc/cpuinfo").read_text(), re.M)
+        return statistics.mean(float(x) for x in mhz) if mhz else None
+    except OSError:
+        return None
+
+
+@dataclass
+class Outcome:
+    """One metric's verdict in this run."""
+
+    metric: str
+    estimate: Estimate
+    finding: Finding
+    ab: Estimate | None = None  # candidate / comparison build, A/B mode
+
+    def line(self) -> str:
+        e, f = self.estimate, self.finding
+        text = f"{self.metric}: median {e.median:,.4g} [{e.ci_low:,.4g}, {e.ci_high:,.4g}] n={e.n}"
+        if self.ab:
+            text += (
+                f"; vs comparison build {self.ab.median - 1:+.1%} "
+                f"[{self.ab.ci_low - 1:+.1%}, {self.ab.ci_high - 1:+.1%}]"
+            )
+        elif f.change is not None:
+            text += f"; {f.change:+.1%} vs earlier median {f.earlier_median:,.4g}"
+        if f.noise is not None:
+            text += f", noise {f.noise:.1%}"
+        return f"{text}: {'REGRESSION' if f.regression else f.reason}"
+
+
+def assess_ab(
+    metric: Metric, new: list[float], old: list[float], history: list[list[float]]
+) -> tuple[Finding, Estimate]:
+    """A/B verdict: the ratio's CI lies wholly on the bad side and beyond the metric's noise."""
+    ratio = ratio_estimate(new, old)
+    noise = run_noise([statistics.median(r) for r in history]) if len(history) >= 3 else 0.0
+    change = ratio.median - 1
+    worse = ratio.ci_high < 1 if metric.higher_is_better else ratio.ci_low > 1
+    regression = worse and abs(change) > NOISE_FACTOR * noise
+    reason = "A/B: no difference beyond the confidence interval and noise"
+    if regression:
+        reason = "A/B: worse than the comparison build beyond its CI and noise"
+    return Finding(metric.name, regression, reason, change, estimate(new), None, noise), ratio
+
+
+@dataclass
+class Options:
+    quick: bool = False
+    history: Path | None = None
+    compare_bin: Path | None = None
+    inject_request_us: int = 0
+    inject_fault_us: int = 0
+    metrics_file: Path = METRICS
+    out_dir: Path | None = None
+    rounds: int | None = None
+
+
+def build_label(bin_dir: Path, extra: tuple[str, ...]) -> str:
+    rev = subprocess.run(
+        ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    return " ".join([rev or "unknown", str(bin_dir), *extra])
+
+
+def judge(
+    spec: Spec,
+    names: list[str],
+    samples: list[dict[str, list[float]]],
+    history: History,
+) -> list[Outcome]:
+    by_name = {m.name: m for m in spec.metrics}
+    outcomes = []
+    for name in names:
+        metric, new = by_name[name], samples[0][name]
+        past = history.series(name)
+        if len(samples) > 1:
+            finding, ab = assess_ab(metric, new, samples[1][name], past)
+            outcomes.append(Outcome(name, estimate(new), finding, ab))
+        else:
+            finding = assess_history(name, [*past, new], metric.higher_is_better)
+            outcomes.append(Outcome(name, estimate(new), finding))
+    return outcomes
+
+
+def decide(outcomes: list[Outcome], busy: str | None) -> tuple[str, int]:
+    """The run's verdict and exit status: a regression on a busy host is "noisy" (3)."""
+    if any(o.finding.regression for o in outcomes):
+        return ("noisy", EXIT_NOISY) if busy else ("regression", EXIT_REGRESSION)
+    if all(o.finding.reason.startswith(TOO_SHORT) for o in outcomes):
+        return "baseline", EXIT_CLEAN
+    return "clean", EXIT_CLEAN
+
+
+def nightly(opts: Options, candidate_dir: Path, reporter: Reporter) -> int:
+    """Run the nightly check; EXIT_CLEAN, EXIT_REGRESSION or EXIT_NOISY."""
+    spec = load_spec(opts.metrics_file)
+    if opts.quick:
+        spec = spec.quick()
+    rounds = opts.rounds or spec.rounds
+    extra: tuple[str, ...] = ()
+    if opts.inject_request_us:
+        extra += ("--inject-request-us", str(opts.inject_request_us))
+    if opts.inject_fault_us:
+        extra += ("--inject-fault-us", str(opts.inject_fault_us))
+    try:
+        builds = [Build.in_dir(candidate_dir, extra)]
+        if opts.compare_bin:
+            builds.append(Build.in_dir(opts.compare_bin))
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    history = History(opts.history or default_path())
+    started = datetime.now(UTC)
+    out_dir = opts.out_dir or Path.cwd() / "runs" / f"nightly-{started:%Y%m%dT%H%M%S}"
+    names = [m.name for m in spec.metrics]
+    host = HostNoise.start()
+    t0 = time.monotonic()
+    samples = measure(spec, names, builds, rounds, out_dir / "work", reporter)
+    outcomes = judge(spec, names, samples, history)
+    suspects = [o.metric for o in outcomes if o.finding.regression]
+    remeasured: list[str] = []
+    if suspects:
+        reporter.note(f"suspected regression of {', '.join(suspects)}: measuring once more")
+        again = measure(spec, suspects, builds, rounds, out_dir / "work-again", reporter)
+        for b, per_build in enumerate(again):
+            samples[b].update(per_build)
+        again_outcomes = {o.metric: o for o in judge(spec, suspects, samples, history)}
+        outcomes = [again_outcomes.get(o.metric, o) for o in outcomes]
+        remeasured = suspects
+    host.finish()
+    busy = host.busy()
+    verdict, code = decide(outcomes, busy)
+    regressions = [o for o in outcomes if o.finding.regression]
+    run = Run(
+        started.isoformat(timespec="seconds"),
+        datetime.now(UTC).isoformat(timespec="seconds"),
+        "quick" if opts.quick else "full",
+        build_label(candidate_dir, extra),
+        {**host.record(), "wall_s": time.monotonic() - t0, "remeasured": remeasured},
+        verdict,
+        samples[0],
+    )
+    history.append(run)
+    history.close()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "schema": "scalebench.nightly/1",
+        **asdict(run),
+        "history": str(opts.history or default_path()),
+        "outcomes": [asdict(o) for o in outcomes],
+        "comparison": samples[1] if len(samples) > 1 else None,
+    }
+    (out_dir / "nightly.json").write_text(json.dumps(doc, indent=2) + "\n")
+    for o in outcomes:
+        print(o.line())
+    wall = time.monotonic() - t0
+    if code == EXIT_NOISY:
+        print(f"nightly: host too noisy to judge ({busy}); not a regression [{wall:.0f} s]")
+    elif code == EXIT_REGRESSION:
+        print(
+            "nightly: REGRESSION in "
+            + "; ".join(
+                f"{o.metric} {o.finding.change:+.1%} (CI of the median "
+                f"[{o.estimate.ci_low:,.4g}, {o.estimate.ci_high:,.4g}])"
+                for o in regressions
+            )
+            + f" [{wall:.0f} s]"
+        )
+    else:
+        print(f"nightly: {verdict} [{wall:.0f} s]; results in {out_dir}")
+    return code

@@ -85,3 +85,99 @@ def render(directory: Path) -> Path:
     out = directory / "report.html"
     out.write_text(page)
     return out
+
+
+def render_history(history_file: Path, directory: Path) -> Path:
+    """Write DIR/index.html: every nightly metric's series (samples, median, confidence band,
+    change points) and the runs' table; return its path."""
+    from .changepoint import change_points, estimate
+    from .history import COUNTED, History
+
+    store = History(history_file)
+    runs = store.runs()
+    store.close()
+    directory.mkdir(parents=True, exist_ok=True)
+    metrics = list(dict.fromkeys(m for r in runs for m in r.samples))
+    parts = [
+        f"<h1>Nightly history: {html.escape(str(history_file))}</h1>",
+        '<p id="imgstatus">checking images...</p>',
+        "<p>Dots: samples (grey: runs too noisy to judge, left out of detection); line: medians;"
+        " band: 95% bootstrap CI; dashed: change points found by E-Divisive.</p>",
+    ]
+    for metric in metrics:
+        series = [(r, r.samples[metric]) for r in runs if metric in r.samples]
+        counted = [s for r, s in series if r.verdict in COUNTED]
+        cps = change_points([v for s in counted for v in s])
+        counted_x = [x for x, (r, _) in enumerate(series) if r.verdict in COUNTED]
+        first = [sum(len(s) for s in counted[:k]) for k in range(len(counted))]
+        boundaries = []
+        for cp in cps:  # a change at a run's first sample sits between runs, else on the run
+            k = max(i for i, f in enumerate(first) if f <= cp)
+            boundaries.append(counted_x[k] - 0.5 if cp == first[k] else counted_x[k])
+        rows = []
+        for r, s in series:
+            e = estimate(s)
+            rows.append((r.id or 0, s, e.median, e.ci_low, e.ci_high, r.verdict not in COUNTED))
+        png = f"{metric}.png"
+        history_plot(metric, rows, boundaries, directory / png)
+        parts.append(f'<h2>{html.escape(metric)}</h2><img src="{png}" alt="{html.escape(metric)}">')
+    head = "".join(f"<th>{c}</th>" for c in ("run", "started", "mode", "build", "verdict", "host"))
+    body = "".join(
+        "<tr>"
+        + "".join(
+            f"<td>{html.escape(str(c))}</td>"
+            for c in (
+                r.id,
+                r.started_at,
+                r.mode,
+                r.build,
+                r.verdict,
+                f"load {r.host.get('load_start', ['?'])[0]}, "
+                f"steal {r.host.get('steal_fraction', 0):.1%}",
+            )
+        )
+        + "</tr>"
+        for r in runs
+    )
+    parts.append(f'<h2>Runs</h2><div class="scroll"><table><tr>{head}</tr>{body}</table></div>')
+    page = (
+        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Nightly history</title>"
+        f"<style>{_STYLE}</style></head><body>{''.join(parts)}<script>{_CHECK_IMAGES}</script>"
+        "</body></html>"
+    )
+    out = directory / "index.html"
+    out.write_text(page)
+    return out
+
+
+def history_plot(
+    metric: str,
+    runs: list[tuple[int, list[float], float, float, float, bool]],
+    boundaries: list[float],
+    path: Path,
+) -> None:
+    """A nightly metric's series: every sample, each run's median with its confidence band, runs
+    judged too noisy in grey, and change points as vertical lines. `runs` holds (run id, samples,
+    median, CI low, CI high, noisy); `boundaries` are x positions between runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    xs = list(range(len(runs)))
+    for x, (_, samples, _, _, _, noisy) in zip(xs, runs, strict=True):
+        ax.scatter(
+            [x] * len(samples), samples, s=8, color="grey" if noisy else "tab:blue", alpha=0.4
+        )
+    ax.fill_between(xs, [r[3] for r in runs], [r[4] for r in runs], alpha=0.2, label="95% CI")
+    ax.plot(xs, [r[2] for r in runs], marker="o", color="tab:blue", label="median")
+    for i, b in enumerate(boundaries):
+        ax.axvline(b, color="tab:red", linestyle="--", label="change point" if i == 0 else None)
+    ax.set_xticks(xs, [str(r[0]) for r in runs], fontsize=7)
+    ax.set_xlabel("run")
+    ax.set_title(metric)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

@@ -19,22 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "controller"))
-from scalebench.densevm import control  # noqa: E402
+from scalebench.scaling import WS_BYTES, Build, Session  # noqa: E402
 
-DENSEVM = ROOT / "target" / "release" / "densevm"
-ZIPFPERF = ROOT / "target" / "release" / "zipfperf"
-TICKS = os.sysconf("SC_CLK_TCK")
-WS_BYTES = 896 << 10
-GUEST_MEM = 4 << 20
+BUILD = Build(ROOT / "target" / "release" / "densevm", ROOT / "target" / "release" / "zipfperf")
 
 
 @dataclass
@@ -52,114 +46,31 @@ class Point:
     load_before: float
 
 
-def tree_cpu(pid: int) -> tuple[float, float]:
-    """(user, kernel) seconds of `pid` and its children, while they run."""
-    user = kernel = 0.0
-    pids = [pid]
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            pids.extend(int(c) for c in f.read().split())
-    for p in pids:
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
-            continue
-        user += int(fields[11]) / TICKS
-        kernel += int(fields[12]) / TICKS
-    return user, kernel
-
-
-def zipfperf(vms: int, addr_base: str, seconds: float, alpha: float) -> dict:
-    out = subprocess.run(
-        [
-            str(ZIPFPERF),
-            "--targets",
-            str(vms),
-            "--addr-base",
-            addr_base,
-            "--port",
-            "8080",
-            "--alpha",
-            str(alpha),
-            "--concurrency",
-            "64",
-            "--num-calls",
-            "1",
-            "--duration",
-            str(seconds),
-            "--json",
-            "-",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(out.stdout)
-
-
 def measure(vms: int, cell_vms: int, window: float, workdir: Path, addr_base: str) -> Point:
-    budget = vms * WS_BYTES // 4
-    api = workdir / f"densevm-{vms}.sock"
     load_before = os.getloadavg()[0]
-    proc = subprocess.Popen(
-        [
-            str(DENSEVM),
-            "serve",
-            "--vms",
-            str(vms),
-            "--cell-vms",
-            str(cell_vms),
-            "--addr-base",
-            addr_base,
-            "--api",
-            str(api),
-            "--mem",
-            str(budget),
-            "--block",
-            "32k",
-            "--disk",
-            "none",
-            "--boot-timeout",
-            "600",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=workdir,
-    )
-    try:
-        line = proc.stdout.readline()
-        if not line:
-            raise SystemExit(f"densevm failed: {proc.stderr.read().strip()}")
-        ready = json.loads(line)
+    budget = vms * WS_BYTES // 4
+    with Session(
+        BUILD,
+        workdir,
+        vms,
+        addr_base,
+        *("--cell-vms", str(cell_vms), "--mem", str(budget), "--block", "32k"),
+        *("--disk", "none", "--boot-timeout", "600"),
+    ) as session:
         # Prime: every VM's working set goes through the pager once.
-        zipfperf(vms, addr_base, max(10.0, vms / 400), 0.0)
-        before = control(api, {"cmd": "stats", "vms": False})["totals"]
-        cpu_before = tree_cpu(proc.pid)
-        started = time.monotonic()
-        load = zipfperf(vms, addr_base, window, 0.0)
-        elapsed = time.monotonic() - started
-        cpu_after = tree_cpu(proc.pid)
-        after = control(api, {"cmd": "stats", "vms": False})["totals"]
-    finally:
-        proc.terminate()
-        proc.wait(120)
-    faults = after["faults"] - before["faults"]
-    user = cpu_after[0] - cpu_before[0]
-    kernel = cpu_after[1] - cpu_before[1]
-    per = 1e6 / max(faults, 1)
+        session.load(max(10.0, vms / 400), 0.0)
+        w = session.window(window, 0.0)
     return Point(
         vms,
         cell_vms,
-        ready.get("cells", 1),
-        ready["boot_seconds"],
-        faults,
-        faults / elapsed,
-        (user + kernel) * per,
-        kernel * per,
-        user * per,
-        load["replies"]["rate"],
+        session.boot.cells,
+        session.boot.boot_seconds,
+        w.faults,
+        w.faults_per_s,
+        w.kernel_us_per_fault + w.user_us_per_fault,
+        w.kernel_us_per_fault,
+        w.user_us_per_fault,
+        w.replies_per_s,
         load_before,
     )
 

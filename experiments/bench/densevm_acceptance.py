@@ -30,55 +30,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "controller"))
-from scalebench.densevm import control  # noqa: E402
+from scalebench.scaling import Build, Session  # noqa: E402
 from scalebench.webobject import SMALL  # noqa: E402
 
-DENSEVM = ROOT / "target" / "release" / "densevm"
-
-
-def mem_available() -> int:
-    text = Path("/proc/meminfo").read_text()
-    return int(re.search(r"MemAvailable:\s+(\d+) kB", text).group(1)) * 1024
+BUILD = Build(ROOT / "target" / "release" / "densevm", ROOT / "target" / "release" / "zipfperf")
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class Densevm:
-    def __init__(self, workdir: Path, vms: int, addr_base: str, *extra: str):
-        self.api = workdir / f"densevm-{addr_base}.sock"
-        self.proc = subprocess.Popen(
-            [
-                str(DENSEVM),
-                "serve",
-                "--vms",
-                str(vms),
-                "--addr-base",
-                addr_base,
-                "--api",
-                str(self.api),
-                *extra,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        line = self.proc.stdout.readline()
-        if not line:
-            raise SystemExit(f"densevm failed: {self.proc.stderr.read().strip()}")
-        self.ready = json.loads(line)
-
-    def stats(self) -> dict:
-        return control(self.api, {"cmd": "stats"}, timeout_s=120)
-
-    def stop(self) -> float:
-        started = time.monotonic()
-        self.proc.terminate()
-        self.proc.wait(300)
-        return time.monotonic() - started
 
 
 def http_get(addr: str, port: int) -> bytes:
@@ -98,28 +59,22 @@ def vm_addr(base: str, i: int) -> str:
 
 
 def boot_and_memory(workdir: Path, vms: int) -> dict:
-    time.sleep(1)
-    before = mem_available()
-    dv = Densevm(workdir, vms, "127.1.0.0")
-    time.sleep(2)
-    after = mem_available()
-    totals = dv.stats()["totals"]
-    guest_resident = totals["ram_resident_bytes"]
-    per_vm = (before - after - guest_resident) / vms
+    dv = Session(BUILD, workdir, vms, "127.1.0.0")
+    boot = dv.boot
     with ThreadPoolExecutor(64) as pool:
         bodies = list(pool.map(lambda i: http_get(vm_addr("127.1.0.0", i), 8080), range(vms)))
     exact = sum(body == SMALL for body in bodies)
     shutdown = dv.stop()
     return {
         "vms": vms,
-        "boot_seconds": dv.ready["boot_seconds"],
-        "vms_per_second": vms / dv.ready["boot_seconds"],
+        "boot_seconds": boot.boot_seconds,
+        "vms_per_second": vms / boot.boot_seconds,
         "exact_answers": exact,
-        "memavailable_drop_bytes": before - after,
-        "guest_ram_resident_bytes": guest_resident,
-        "host_bytes_per_idle_vm": per_vm,
+        "memavailable_drop_bytes": boot.memavailable_drop_bytes,
+        "guest_ram_resident_bytes": boot.guest_ram_resident_bytes,
+        "host_bytes_per_idle_vm": boot.host_bytes_per_vm,
         "shutdown_seconds": shutdown,
-        "platform": dv.ready["platform"],
+        "platform": boot.platform,
     }
 
 
@@ -131,10 +86,10 @@ def wrk(url: str, seconds: int) -> float:
 
 
 def native_execution(workdir: Path) -> dict:
-    dv = Densevm(workdir, 1, "127.1.0.0", "--vcpu-stats")
-    before = dv.stats()["vms"][0]
+    dv = Session(BUILD, workdir, 1, "127.1.0.0", "--vcpu-stats")
+    before = dv.stats(per_vm=True)["vms"][0]
     wrk("http://127.1.0.0:8080/", 5)
-    after = dv.stats()["vms"][0]
+    after = dv.stats(per_vm=True)["vms"][0]
     dv.stop()
     requests = after["requests"] - before["requests"]
     delta = {
@@ -157,7 +112,7 @@ http {{ access_log off; keepalive_requests 10000000;
   server {{ listen 127.0.0.1:{port}; root {www}; }} }}
 """)
     nginx = subprocess.Popen(["nginx", "-c", str(conf)], stderr=subprocess.DEVNULL)
-    dv = Densevm(workdir, 1, "127.1.0.0")
+    dv = Session(BUILD, workdir, 1, "127.1.0.0")
     try:
         time.sleep(0.5)
         nginx_rps, vm_rps = [], []

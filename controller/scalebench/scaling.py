@@ -1,0 +1,237 @@
+"""Measurements of how densevm's costs grow with the VM count, shared by `scalebench nightly` and
+the benches (experiments/bench/cells_scaling.py, densevm_acceptance.py).
+
+A `Session` is one densevm process booted with N VMs; `Session.window` drives zipfperf load
+over them for a while and reads, over exactly that window, the replies per second, the faults
+the pager served and the CPU time of densevm's whole process tree (parent and cells). `boot`
+records boot time and the host memory each idle VM costs (kernel + monitor, the guests' own
+resident RAM excluded).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from .densevm import control
+
+TICKS = os.sysconf("SC_CLK_TCK")
+WS_BYTES = 896 << 10  # the webguest's default per-request working set
+
+
+def mem_available() -> int:
+    """MemAvailable of /proc/meminfo, bytes."""
+    text = Path("/proc/meminfo").read_text()
+    m = re.search(r"MemAvailable:\s+(\d+) kB", text)
+    if m is None:
+        raise RuntimeError("/proc/meminfo has no MemAvailable")
+    return int(m.group(1)) * 1024
+
+
+def tree_cpu(pid: int) -> tuple[float, float]:
+    """(user, kernel) CPU seconds of `pid` and its children, while they run."""
+    user = kernel = 0.0
+    pids = [pid]
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            pids.extend(int(c) for c in f.read().split())
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        user += int(fields[11]) / TICKS
+        kernel += int(fields[12]) / TICKS
+    return user, kernel
+
+
+@dataclass(frozen=True)
+class Build:
+    """The binaries one measurement runs, and densevm flags added to every serve (the
+    documented slowdowns `--inject-request-us` / `--inject-fault-us` of the nightly check)."""
+
+    densevm: Path
+    zipfperf: Path
+    extra: tuple[str, ...] = ()
+
+    @classmethod
+    def in_dir(cls, directory: Path, extra: tuple[str, ...] = ()) -> Build:
+        build = cls(directory / "densevm", directory / "zipfperf", extra)
+        for path in (build.densevm, build.zipfperf):
+            if not os.access(path, os.X_OK):
+                raise FileNotFoundError(f"{path} is missing or not executable")
+        return build
+
+
+@dataclass(frozen=True)
+class Window:
+    """One load window of a session."""
+
+    seconds: float
+    replies_per_s: float
+    faults: int
+    user_s: float
+    kernel_s: float
+
+    @property
+    def faults_per_s(self) -> float:
+        return self.faults / self.seconds
+
+    @property
+    def faults_per_cpu_s(self) -> float:
+        """Faults served per CPU-second of densevm's process tree: the scaling figure."""
+        return self.faults / max(self.user_s + self.kernel_s, 1e-9)
+
+    @property
+    def kernel_us_per_fault(self) -> float:
+        return self.kernel_s * 1e6 / max(self.faults, 1)
+
+    @property
+    def user_us_per_fault(self) -> float:
+        return self.user_s * 1e6 / max(self.faults, 1)
+
+
+@dataclass(frozen=True)
+class Boot:
+    vms: int
+    boot_seconds: float
+    memavailable_drop_bytes: int
+    guest_ram_resident_bytes: int
+    platform: str
+    cells: int
+
+    @property
+    def host_bytes_per_vm(self) -> float:
+        """Kernel + monitor memory per booted idle VM."""
+        return (self.memavailable_drop_bytes - self.guest_ram_resident_bytes) / self.vms
+
+
+class Session:
+    """One densevm serving `vms` VMs at addr_base; a context manager that stops it on exit.
+
+    `args` are further serve flags (--mem, --block, --disk, --cell-vms, ...)."""
+
+    def __init__(
+        self, build: Build, workdir: Path, vms: int, addr_base: str, *args: str, port: int = 8080
+    ) -> None:
+        self.build, self.vms, self.addr_base, self.port = build, vms, addr_base, port
+        self.api = workdir / f"densevm-{addr_base}.sock"
+        settle_s = 1.0
+        time.sleep(settle_s)
+        before = mem_available()
+        self.proc = subprocess.Popen(
+            [
+                str(build.densevm),
+                "serve",
+                "--vms",
+                str(vms),
+                "--addr-base",
+                addr_base,
+                "--port",
+                str(port),
+                "--api",
+                str(self.api),
+                *args,
+                *build.extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=workdir,
+        )
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            err = self.proc.stderr.read().strip()
+            self.proc.wait()
+            raise RuntimeError(f"densevm failed: {err}")
+        try:
+            self.ready: dict = json.loads(line)
+            time.sleep(settle_s)
+            drop = before - mem_available()
+            self.boot = Boot(
+                vms,
+                float(self.ready["boot_seconds"]),
+                drop,
+                int(self.stats(per_vm=True)["totals"]["ram_resident_bytes"]),
+                str(self.ready.get("platform", "")),
+                int(self.ready.get("cells", 1)),
+            )
+        except BaseException:
+            self.stop()
+            raise
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(
+        self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def stop(self) -> float:
+        """Stop densevm; seconds the shutdown took."""
+        started = time.monotonic()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(300)
+        return time.monotonic() - started
+
+    def stats(self, per_vm: bool = False) -> dict:
+        return control(self.api, {"cmd": "stats", "vms": per_vm}, timeout_s=120)
+
+    def totals(self) -> dict:
+        """The cheap totals (no per-VM list, no mincore counts)."""
+        return self.stats()["totals"]
+
+    def load(self, seconds: float, alpha: float, concurrency: int = 64) -> dict:
+        """zipfperf's JSON result for `seconds` of load, a new connection per request."""
+        out = subprocess.run(
+            [
+                str(self.build.zipfperf),
+                "--targets",
+                str(self.vms),
+                "--addr-base",
+                self.addr_base,
+                "--port",
+                str(self.port),
+                "--alpha",
+                str(alpha),
+                "--concurrency",
+                str(concurrency),
+                "--num-calls",
+                "1",
+                "--duration",
+                str(seconds),
+                "--json",
+                "-",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return json.loads(out.stdout)
+
+    def window(self, seconds: float, alpha: float, concurrency: int = 64) -> Window:
+        """Load for `seconds`, measured: replies/s, faults and densevm's CPU in the window."""
+        before = self.totals()["faults"]
+        cpu_before = tree_cpu(self.proc.pid)
+        started = time.monotonic()
+        result = self.load(seconds, alpha, concurrency)
+        elapsed = time.monotonic() - started
+        cpu_after = tree_cpu(self.proc.pid)
+        after = self.totals()["faults"]
+        return Window(
+            elapsed,
+            float(result["replies"]["rate"]),
+            int(after - before),
+            cpu_after[0] - cpu_before[0],
+            cpu_after[1] - cpu_before[1],
+        )

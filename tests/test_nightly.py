@@ -1,0 +1,264 @@
+"""scalebench nightly: change-point detection on synthetic series, the history store, verdicts
+and exit codes, and the history report in headless Chromium."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import RELEASE_DIR, release_binary
+from scalebench.changepoint import Finding, assess, estimate
+from scalebench.config import ConfigError
+from scalebench.history import History, Run
+from scalebench.nightly import (
+    EXIT_CLEAN,
+    EXIT_NOISY,
+    EXIT_REGRESSION,
+    METRICS,
+    HostNoise,
+    Outcome,
+    decide,
+    load_spec,
+)
+from test_scalebench_report import images_state
+
+RUNS, TRIALS = 10, 9
+
+
+def noisy_runs(seed: int, runs: int, level: float = 100.0) -> list[list[float]]:
+    """`runs` runs of TRIALS samples around `level` with 5% noise."""
+    rng = np.random.default_rng(seed)
+    return [list(rng.normal(level, 0.05 * level, TRIALS)) for _ in range(runs)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_10pct_step_under_5pct_noise_is_found(seed):
+    history = noisy_runs(seed, RUNS) + noisy_runs(seed + 100, 1, level=90.0)
+    finding = assess("rps", history, higher_is_better=True)
+    assert finding.regression, finding
+    assert finding.change is not None and -0.15 < finding.change < -0.05
+    assert finding.newest is not None and finding.newest.ci_high < 100
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_pure_noise_is_not_flagged(seed):
+    assert not assess("rps", noisy_runs(seed, RUNS + 1), higher_is_better=True).regression
+
+
+def test_a_step_in_the_good_direction_is_not_a_regression():
+    history = noisy_runs(1, RUNS) + noisy_runs(101, 1, level=110.0)
+    assert not assess("rps", history, higher_is_better=True).regression
+    assert assess("latency", history, higher_is_better=False).regression
+
+
+def test_a_short_history_is_not_judged():
+    finding = assess("rps", noisy_runs(1, 2) + noisy_runs(101, 1, level=50.0), True)
+    assert not finding.regression and "history too short" in finding.reason
+
+
+def test_estimate_is_the_median_inside_its_interval():
+    e = estimate([10.0, 11.0, 9.0, 10.5, 9.5])
+    assert e.median == 10.0 and e.ci_low <= 10.0 <= e.ci_high and e.n == 5
+    assert estimate([3.0]).ci_low == estimate([3.0]).ci_high == 3.0
+
+
+def make_run(verdict: str, samples: dict[str, list[float]]) -> Run:
+    return Run(
+        "2026-11-24T00:00:00+00:00",
+        "2026-11-24T00:05:00+00:00",
+        "quick",
+        "abc123",
+        {"load_start": [0.5, 0.4, 0.3], "steal_fraction": 0.01},
+        verdict,
+        samples,
+    )
+
+
+def test_history_round_trip(tmp_path):
+    path = tmp_path / "h.sqlite"
+    store = History(path)
+    first = store.append(make_run("baseline", {"a": [1.0, 2.0, 3.0], "b": [5.0]}))
+    store.append(make_run("noisy", {"a": [100.0]}))
+    store.append(make_run("clean", {"a": [4.0, 5.0]}))
+    store.close()
+    store = History(path)
+    runs = store.runs()
+    assert [r.verdict for r in runs] == ["baseline", "noisy", "clean"]
+    assert runs[0].id == first and runs[0].samples == {"a": [1.0, 2.0, 3.0], "b": [5.0]}
+    assert runs[0].host["load_start"] == [0.5, 0.4, 0.3] and runs[0].mode == "quick"
+    assert store.series("a") == [[1.0, 2.0, 3.0], [4.0, 5.0]]  # the noisy run is left out
+    store.close()
+
+
+def test_a_file_that_is_not_a_history_is_refused(tmp_path):
+    bad = tmp_path / "h.sqlite"
+    bad.write_text("not a database " * 100)
+    with pytest.raises(ValueError, match="not a nightly history"):
+        History(bad)
+
+
+def outcome(regression: bool, reason: str = "x") -> Outcome:
+    return Outcome("m", estimate([1.0, 2.0]), Finding("m", regression, reason))
+
+
+def test_verdicts_and_exit_codes():
+    assert decide([outcome(False), outcome(True)], None) == ("regression", EXIT_REGRESSION)
+    assert decide([outcome(True)], "load average 9.0 on 2 CPUs") == ("noisy", EXIT_NOISY)
+    assert decide([outcome(False)], "load average 9.0 on 2 CPUs") == ("clean", EXIT_CLEAN)
+    assert decide([outcome(False, "history too short (0)")], None) == ("baseline", EXIT_CLEAN)
+
+
+def test_host_noise_names_a_busy_host():
+    host = HostNoise(2, [7.5, 6.0, 5.0], others_fraction=0.7)
+    assert "other tenants used 70% of the host's CPU time" in (host.busy() or "")
+    assert HostNoise(2, [7.5, 6.0, 5.0], others_fraction=0.2).busy() is None
+    assert "steal" in (HostNoise(2, [0.1, 0.1, 0.1], steal_fraction=0.3).busy() or "")
+
+
+def test_host_noise_measures_a_span():
+    host = HostNoise.start()
+    sum(i * i for i in range(200_000))  # some CPU of our own
+    host.finish()
+    record = host.record()
+    assert 0.0 <= record["others_fraction"] <= 1.0 and 0.0 <= record["steal_fraction"] <= 1.0
+    assert len(record["load_end"]) == 3 and "stat_start" not in record
+
+
+def test_the_repository_metrics_file_is_valid():
+    spec = load_spec(METRICS)
+    names = {m.name for m in spec.metrics}
+    assert {"incore16_rps", "ooc64_rps", "fault_scaling_4000_over_250"} <= names
+    assert {p.name for p in spec.probes_of([m.name for m in spec.quick().metrics])} == {
+        "incore16",
+        "ooc64",
+    }
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('metrics = [{name = "a", probe = "p", field = "boot_seconds", better = "up"}]', "better"),
+        (
+            'metrics = [{name = "a", probe = "nope", field = "boot_seconds", better = "higher"}]',
+            "probe",
+        ),
+        ('metrics = [{name = "a", ratio = ["x", "y"], better = "higher"}]', "ratio"),
+        ("rounds = 0", "rounds"),
+    ],
+)
+def test_bad_metrics_files_are_refused(tmp_path, text, message):
+    path = tmp_path / "m.toml"
+    path.write_text(f'{text}\n[probe.p]\nvms = 2\nmem = "16M"\n')
+    with pytest.raises(ConfigError, match=message):
+        load_spec(path)
+
+
+TINY = """
+rounds = 1
+addr_base = "127.91.0.0"  # not the real nightly's
+metrics = [
+  { name = "tiny_rps", probe = "tiny", field = "replies_per_s", better = "higher", quick = true },
+]
+[probe.tiny]
+vms = 2
+mem = "16M"
+concurrency = 4
+windows = 3
+window_s = 0.5
+"""
+
+
+def nightly_cli(tmp: Path, *args: str, metrics_text: str = TINY) -> subprocess.CompletedProcess:
+    metrics = tmp / "tiny.toml"
+    metrics.write_text(metrics_text)
+    return subprocess.run(
+        [sys.executable, "-m", "scalebench.cli", "nightly", "--metrics", str(metrics), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=tmp,
+        env={**os.environ, "SCALEBENCH_BIN_DIR": str(RELEASE_DIR)},
+    )
+
+
+def test_bad_input_exits_2(tmp_path):
+    proc = nightly_cli(tmp_path, "--rounds", "0")
+    assert proc.returncode == 2 and proc.stderr.startswith("scalebench: error: --rounds")
+
+
+def test_a_probe_that_cannot_run_exits_1_naming_it(tmp_path):
+    release_binary("densevm")
+    bad = TINY.replace('mem = "16M"', 'mem = "lots"')
+    proc = nightly_cli(tmp_path, "--history", str(tmp_path / "h.sqlite"), metrics_text=bad)
+    assert proc.returncode == 1
+    assert "scalebench: nightly: probe tiny failed: densevm failed: " in proc.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")
+def test_nightly_records_history_and_flags_a_collapse(tmp_path):
+    release_binary("densevm")
+    history = tmp_path / "h.sqlite"
+    # A/B against the same binaries, interleaved: judged by the comparison, recorded in history.
+    proc = nightly_cli(
+        tmp_path,
+        *("--compare-bin", str(RELEASE_DIR), "--history", str(history)),
+        *("--out", str(tmp_path / "r0")),
+    )
+    assert proc.returncode in (EXIT_CLEAN, EXIT_REGRESSION, EXIT_NOISY), proc.stderr
+    assert "vs comparison build" in proc.stdout and "build B" in proc.stderr
+    doc = json.loads((tmp_path / "r0" / "nightly.json").read_text())
+    assert len(doc["samples"]["tiny_rps"]) == len(doc["comparison"]["tiny_rps"]) == 3
+    assert {"load_start", "steal_fraction", "others_fraction", "cpu_mhz"} <= doc["host"].keys()
+    # An earlier history ten times faster than this build: the newest run is a collapse.
+    store = History(history)
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        level = 10 * max(doc["samples"]["tiny_rps"])
+        store.append(make_run("clean", {"tiny_rps": list(rng.normal(level, 0.02 * level, 3))}))
+    store.close()
+    proc = nightly_cli(tmp_path, "--history", str(history), "--out", str(tmp_path / "r1"))
+    assert proc.returncode in (EXIT_REGRESSION, EXIT_NOISY), proc.stdout + proc.stderr
+    assert "measuring once more" in proc.stderr
+    doc = json.loads((tmp_path / "r1" / "nightly.json").read_text())
+    assert doc["host"]["remeasured"] == ["tiny_rps"]
+    if proc.returncode == EXIT_REGRESSION:
+        assert "REGRESSION in tiny_rps -9" in proc.stdout
+    else:
+        assert "host too noisy" in proc.stdout and doc["host"]["busy"]
+    assert len(History(history).runs()) == 8
+    assert History(history).runs()[-1].host["remeasured"] == ["tiny_rps"]
+
+
+def test_history_report_images_load_in_headless_chromium(tmp_path):
+    history = tmp_path / "h.sqlite"
+    store = History(history)
+    for i, run in enumerate(noisy_runs(3, 8) + noisy_runs(4, 3, level=90.0)):
+        store.append(make_run("noisy" if i == 2 else "clean", {"a": run, "b": run[:3]}))
+    store.close()
+    out = tmp_path / "report"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scalebench.cli",
+            "report",
+            "--history",
+            str(history),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    page = out / "index.html"
+    assert 'src="a.png"' in page.read_text() and 'src="b.png"' in page.read_text()
+    assert images_state(page, tmp_path / "profile") == "ok:2"
