@@ -3,6 +3,7 @@ against the Rust demand, and how a broken policy is stopped."""
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 from collections.abc import Iterable
@@ -12,6 +13,7 @@ import pagesim
 import pytest
 from conftest import release_binary
 from scalebench.policydev.pypolicy import Demand, Fifo, Policy
+from test_policydev import scalebench
 
 TRACES = Path(__file__).resolve().parent.parent / "experiments" / "traces"
 SYNTHETIC = {"vms": 300, "alpha": 1.0, "requests": 20_000, "mem": "96M"}
@@ -174,3 +176,40 @@ class BadLayout(Fifo):
 def test_a_bad_setting_is_a_value_error(policy: object, options: dict[str, object], message: str):
     with pytest.raises(ValueError, match=message):
         pagesim.simulate(policy, **options)
+
+
+MINE = """
+from scalebench.policydev.pypolicy import Demand
+
+
+class Mine(Demand):
+    name = "mine"
+"""
+
+
+def test_policy_compare_runs_a_python_policy_beside_the_rust_ones(tmp_path):
+    (tmp_path / "mine.py").write_text(MINE)
+    proc = scalebench(
+        *("policy", "compare", "--policies", "py:./mine.py:Mine,wsswap", "--blocks", "32k"),
+        *("--alpha", "1.0", "--vms", "300", "--requests", "8000", "--mem", "64M", "--out", "o"),
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    with open(tmp_path / "o" / "compare.csv") as f:
+        rows = {r["policy"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"demand", "wsswap", "Mine"}
+    assert abs(float(rows["Mine"]["hit_ratio"]) - float(rows["demand"]["hit_ratio"])) <= 0.005
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--policies", "py:nosuchmodule:X"], "ModuleNotFoundError"),
+        (["--policies", "py:scalebench.policydev.pypolicy:Demand", "--real"], "Rust version"),
+    ],
+)
+def test_policy_compare_refuses_a_bad_or_real_python_policy(tmp_path, args, fragment):
+    proc = scalebench("policy", "compare", *args, cwd=tmp_path)
+    assert proc.returncode == 2, proc
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], proc.stderr

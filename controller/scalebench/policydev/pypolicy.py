@@ -18,9 +18,11 @@ the Rust version (paging-policy/README.md, "Porting to Rust").
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from itertools import islice
+from pathlib import Path
 from typing import Literal, TypeVar
 
 Method = TypeVar("Method", bound=Callable[..., object])
@@ -196,11 +198,34 @@ class Demand(Policy):
         return [(vm, b) for b in chosen]
 
 
-def load(spec: str) -> Policy:
-    """The policy a `py:module:Class` spec names (as `policy compare --policies` takes it),
-    instantiated without arguments."""
+PREFIX = "py:"
+
+
+def absolute(spec: str) -> str:
+    """`spec` (`py:MODULE:CLASS`) with a .py file's path made absolute."""
     _, module, cls = spec.split(":", 2)
-    policy = getattr(importlib.import_module(module), cls)()
+    if module.endswith(".py"):
+        module = str(Path(module).expanduser().resolve())
+    return f"{PREFIX}{module}:{cls}"
+
+
+def load(spec: str) -> Policy:
+    """A new instance of the policy `spec` names: `py:MODULE:CLASS`, MODULE an importable
+    module or a path to a .py file, CLASS a `Policy` subclass taking no arguments (the
+    spelling of `scalebench policy compare --policies`)."""
+    parts = spec.split(":")
+    if len(parts) != 3 or parts[0] + ":" != PREFIX or not all(parts[1:]):
+        raise ValueError(f"{spec}: expected py:MODULE:CLASS")
+    _, module, cls = parts
+    if module.endswith(".py"):
+        where = importlib.util.spec_from_file_location(Path(module).stem, module)
+        if where is None or where.loader is None:
+            raise ValueError(f"{spec}: cannot load {module}")
+        loaded = importlib.util.module_from_spec(where)
+        where.loader.exec_module(loaded)
+    else:
+        loaded = importlib.import_module(module)
+    policy = getattr(loaded, cls)()
     if not isinstance(policy, Policy):
-        raise TypeError(f"{spec}: {module}.{cls} is not a scalebench.policydev.pypolicy.Policy")
+        raise TypeError(f"{spec}: {cls} is not a scalebench.policydev.pypolicy.Policy")
     return policy
