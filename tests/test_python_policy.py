@@ -213,3 +213,13 @@ def test_policy_compare_refuses_a_bad_or_real_python_policy(tmp_path, args, frag
     assert proc.returncode == 2, proc
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0], proc.stderr
+
+
+class RaisingAtRegistration(Fifo):
+    def on_vm_registered(self, vm: int, blocks: int) -> None:
+        raise KeyError(vm)
+
+
+def test_an_exception_while_the_vms_register_stops_the_run_too():
+    with pytest.raises(pagesim.SimulationError, match="on_vm_registered raised KeyError: 0"):
+        pagesim.simulate(RaisingAtRegistration(), **SYNTHETIC)

@@ -10,8 +10,8 @@
 //!
 //! `simulate` takes pagesim's options as keywords (`guest_mem="4M"` is
 //! `--guest-mem 4M`) with pagesim's defaults, and returns the dictionary
-//! `pagesim --json` prints. A Python policy is driven through
-//! [`PyPolicy`], which implements [`Policy`] by calling its methods.
+//! `pagesim --json` prints. A Python policy is driven through `PyPolicy`,
+//! which implements [`Policy`] by calling its methods.
 
 use paging_policy::error::PagerError;
 use paging_policy::policy::{BlockId, Policy, SwapLayout, VmId};
@@ -264,7 +264,12 @@ fn run(argv: Vec<String>, policy: Option<Box<dyn Policy>>) -> Result<serde_json:
                 .to_string(),
         )
     })?;
-    let replay = Replay::new(&args, policy).map_err(|e| SimError::Config(e.to_string()))?;
+    // A policy failing while the VMs register stops a run; anything else
+    // before the first request is configuration.
+    let replay = Replay::new(&args, policy).map_err(|e| match e {
+        PagerError::PolicyFailed { .. } => SimError::Run(e),
+        _ => SimError::Config(e.to_string()),
+    })?;
     Ok(replay.run().map_err(SimError::Run)?.to_json())
 }
 
