@@ -7,7 +7,7 @@ CARGO ?= cargo
 RELEASE := target/release
 STAMP := build/.stamps
 
-.PHONY: all run test lint deps build rust guest clean
+.PHONY: all run test lint deps build rust guest pyext clean
 
 all: build
 
@@ -30,13 +30,18 @@ $(STAMP)/python: pyproject.toml $(STAMP)/apt | $(STAMP)
 	$(PYTHON) -m pip install -q -e '.[test,cluster]'
 	@touch $@
 
-build: rust guest
+build: rust guest pyext
 
 rust:
 	$(CARGO) build --release --workspace --bins --quiet
 
 guest:
 	$(MAKE) -s -C guest-images/webguest OUT=$(CURDIR)/$(RELEASE)
+
+# The `pagesim` Python extension (pagesim-py/, PyO3 via maturin from the test extra),
+# installed into $(PYTHON)'s environment: Python paging policies on the simulator.
+pyext: $(STAMP)/python
+	$(PYTHON) -m pip install -q --no-build-isolation --no-deps ./pagesim-py
 
 run: deps build
 	$(PYTHON) -m scalebench

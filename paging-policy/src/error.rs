@@ -136,6 +136,9 @@ pub enum PagerError {
         /// The underlying error.
         source: io::Error,
     },
+    /// A pagesim option is out of range or inconsistent with another.
+    #[error("{0}")]
+    BadSimOption(String),
     /// A VM registration was refused.
     #[error("VM {vm}: {reason}")]
     BadVm {

@@ -4,7 +4,9 @@
 //!   memory budget, evicting by a [`policy::Policy`] to a swap device, with
 //!   an optional [`disk`] model.
 //! * [`sim`]: the trace-driven simulator behind the `pagesim` binary; it
-//!   drives the same ledger and policies without real memory.
+//!   drives the same ledger and policies without real memory. [`replay`]
+//!   holds pagesim's options and replay loop (shared with the Python
+//!   extension, `pagesim-py`).
 //!
 //! Modules, one concern each: [`uffd`] (userfaultfd), [`guest_memory`]
 //! (memfd-backed guest RAM handed to the pager), [`ledger`] (budget and
@@ -21,6 +23,7 @@ pub mod guest_memory;
 pub mod ledger;
 pub mod pager;
 pub mod policy;
+pub mod replay;
 pub mod sim;
 pub mod space;
 pub mod stats;

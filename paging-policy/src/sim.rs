@@ -27,7 +27,7 @@ use crate::config::{check_block, check_vm_quota};
 use crate::disk::{DiskModel, DiskSpec};
 use crate::error::PagerError;
 use crate::ledger::{Admission, Ledger, PlanBlock, Wakes};
-use crate::policy::{build_policy, PolicySpec, SwapLayout, VmId};
+use crate::policy::{build_policy, Policy, PolicySpec, SwapLayout, VmId};
 use crate::space::SwapSpace;
 
 /// Simulation settings.
@@ -134,8 +134,22 @@ pub struct Simulator {
 }
 
 impl Simulator {
-    /// Builds a simulator and registers all VMs.
+    /// Builds a simulator running the policy `cfg.policy` names and
+    /// registers all VMs.
     pub fn new(cfg: SimConfig) -> Result<Simulator, PagerError> {
+        check_block(cfg.block_bytes)?;
+        let policy = build_policy(
+            &cfg.policy,
+            cfg.block_bytes,
+            cfg.budget_bytes / cfg.block_bytes,
+        )?;
+        Simulator::with_policy(cfg, policy)
+    }
+
+    /// Builds a simulator running `policy` (an object built outside
+    /// [`PolicySpec`], e.g. a Python policy; `cfg.policy` is not used) and
+    /// registers all VMs.
+    pub fn with_policy(cfg: SimConfig, policy: Box<dyn Policy>) -> Result<Simulator, PagerError> {
         check_block(cfg.block_bytes)?;
         let bs = cfg.block_bytes;
         if !cfg.vm_ram_bytes.is_multiple_of(bs) {
@@ -181,7 +195,6 @@ impl Simulator {
                         < cfg.dirty * 4294967296.0
             })
             .collect();
-        let policy = build_policy(&cfg.policy, bs, cfg.budget_bytes / bs)?;
         let layout = policy.layout();
         let capacity = cfg.swap_bytes.unwrap_or_else(|| {
             let per_vm = cfg.vms.max(1) as u64 * cfg.vm_ram_bytes;

@@ -26,7 +26,11 @@ def policy_parser(parser_class) -> argparse.ArgumentParser:
     new.add_argument("name", help="crate and policy name (lowercase, digits, _)")
     new.add_argument("--dir", default=".", help="parent directory (default: the current one)")
     cmp = sub.add_parser("compare", help="pagesim over policies x blocks x alphas (or traces)")
-    cmp.add_argument("--policies", default="demand,wsswap", help="demand, wsswap, PATH.so, ...")
+    cmp.add_argument(
+        "--policies",
+        default="demand,wsswap",
+        help="demand, wsswap, PATH.so, py:MODULE:CLASS (a Python policy), ...",
+    )
     cmp.add_argument("--blocks", default="4k,32k,128k", help="block sizes (default 4k,32k,128k)")
     cmp.add_argument("--alpha", default=None, help="Zipf alphas of synthetic runs (default 1.0)")
     cmp.add_argument(
@@ -150,10 +154,16 @@ def _compare(args: argparse.Namespace) -> int:
 def _check_real(args: argparse.Namespace, spec, out: Path) -> None:
     """--real's settings, checked before the grid runs: a real run that could not start
     should not cost the simulations first."""
-    from . import grid, real
+    from . import grid, pypolicy, real
 
     if args.real_points < 1 or args.real_duration <= 0:
         raise ConfigError("--real-points must be >= 1 and --real-duration > 0")
+    python = [p for p in spec.policies if p.startswith(pypolicy.PREFIX)]
+    if python:
+        raise ConfigError(
+            f"--real: {', '.join(python)} runs only in the simulator; densevm needs the Rust "
+            "version of a policy (paging-policy/README.md, porting a Python policy)"
+        )
     synthetic = [w for w in spec.workloads if w.alpha is not None and w.trace is None]
     if not synthetic:
         raise ConfigError("--real reruns synthetic points: give --alpha, not only --trace")

@@ -5,6 +5,10 @@ policy) or a trace file (its metadata's alpha labels it). Every point is one pag
 process; points run on a pool of os.cpu_count() workers. The table gives the hit ratio,
 the swap traffic, pagesim's predicted throughput and the gain over `demand` at the same
 block and workload (demand is always run: it is the baseline).
+
+A `py:MODULE:CLASS` policy (MODULE importable, or a path to a .py file) is a Python
+policy (`scalebench.policydev.pypolicy`): its points run in this process through the
+`pagesim` extension, one at a time (they hold the interpreter), beside the others.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pathlib import Path
 
 from ..config import ConfigError, binary
 from ..units import parse_size
-from . import traces
+from . import pypolicy, traces
 
 BASELINE = "demand"
 BUILT_IN = ("demand", "wsswap")
@@ -76,8 +80,10 @@ class PointResult:
 
 
 def policy_label(policy: str) -> str:
-    """A short name for tables and plots: built-ins as is, plugins by their file stem, and
-    arguments in parentheses (`wsswap(after=8)`)."""
+    """A short name for tables and plots: built-ins as is, plugins by their file stem, Python
+    policies by their class name, and arguments in parentheses (`wsswap(after=8)`)."""
+    if policy.startswith(pypolicy.PREFIX):
+        return policy.rsplit(":", 1)[-1]
     head, *args = policy.split(",")
     name = head if head in BUILT_IN else Path(head).stem.removeprefix("lib")
     return f"{name}({','.join(args)})" if args else name
@@ -88,7 +94,8 @@ def parse_policies(text: str) -> tuple[str, ...]:
 
     Items are separated by commas; a `key=value` item belongs to the policy before it, as
     its argument (`wsswap,after=8`, `./libmine.so,window=100`): the same spelling as
-    densevm's and pagesim's `--policy`.
+    densevm's and pagesim's `--policy`. A `py:MODULE:CLASS` item is a Python policy, loaded
+    here once to check it (a .py path made absolute).
     """
     items: list[list[str]] = []
     for token in filter(None, (t.strip() for t in text.split(","))):
@@ -100,7 +107,13 @@ def parse_policies(text: str) -> tuple[str, ...]:
             items.append([token])
     out: list[str] = []
     for head, *args in items:
-        if head not in BUILT_IN:
+        if head.startswith(pypolicy.PREFIX):
+            head = pypolicy.absolute(head)
+            try:
+                pypolicy.load(head)
+            except Exception as e:  # any failure of the user's module
+                raise ConfigError(f"--policies: {head}: {type(e).__name__}: {e}") from e
+        elif head not in BUILT_IN:
             path = Path(head).expanduser()
             if not path.is_file():
                 raise ConfigError(f"--policies: {head} is neither demand, wsswap nor a plugin file")
@@ -149,32 +162,36 @@ def parse_workloads(alphas: str | None, trace_files: list[str]) -> tuple[Workloa
     return tuple(Workload(a) for a in values)
 
 
-def pagesim_argv(pagesim: Path, spec: GridSpec, policy: str, block: str, w: Workload) -> list[str]:
-    argv = [str(pagesim), "--json", "--policy", policy, "--block", block]
-    argv += ["--mem", spec.mem, "--disk", spec.disk, "--warmup", str(spec.warmup)]
+def pagesim_options(spec: GridSpec, block: str, w: Workload) -> dict[str, str]:
+    """pagesim's options for one point (without the policy), as `--name value` pairs."""
+    options = {"block": block, "mem": spec.mem, "disk": spec.disk, "warmup": str(spec.warmup)}
     if w.trace:
-        return [*argv, "--trace", str(w.trace)]
-    return [
-        *argv,
-        *("--vms", str(spec.vms), "--alpha", repr(w.alpha), "--requests", str(spec.requests)),
-        *("--seed", str(spec.seed)),
-    ]
+        return {**options, "trace": str(w.trace)}
+    return {
+        **options,
+        **{"vms": str(spec.vms), "alpha": repr(w.alpha), "requests": str(spec.requests)},
+        "seed": str(spec.seed),
+    }
 
 
 def run_point(pagesim: Path, spec: GridSpec, policy: str, block: str, w: Workload) -> PointResult:
     point = PointResult(policy_label(policy), block, w.alpha, w.label)
-    proc = subprocess.run(
-        pagesim_argv(pagesim, spec, policy, block, w),
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
-    if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines()
-        point.error = lines[-1] if lines else f"pagesim exited with status {proc.returncode}"
-        return point
-    r = json.loads(proc.stdout)
+    options = pagesim_options(spec, block, w)
+    if policy.startswith(pypolicy.PREFIX):
+        try:
+            r = simulate_python(pypolicy.load(policy), options)
+        except (ValueError, RuntimeError) as e:
+            point.error = str(e)
+            return point
+    else:
+        argv = [str(pagesim), "--json", "--policy", policy]
+        argv += [a for name, value in options.items() for a in (f"--{name}", value)]
+        proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=3600)
+        if proc.returncode != 0:
+            lines = proc.stderr.strip().splitlines()
+            point.error = lines[-1] if lines else f"pagesim exited with status {proc.returncode}"
+            return point
+        r = json.loads(proc.stdout)
     point.hit_ratio = r["hit_ratio"]
     point.request_hit_ratio = r["request_hit_ratio"]
     point.swap_read_mib = r["swap_read_bytes"] / 2**20
@@ -182,6 +199,13 @@ def run_point(pagesim: Path, spec: GridSpec, policy: str, block: str, w: Workloa
     point.predicted_rps = r["predicted_rps"]
     point.sim_seconds = r["sim_seconds"]
     return point
+
+
+def simulate_python(policy: pypolicy.Policy, options: dict[str, str]) -> dict:
+    """pagesim's report for a Python policy, through the `pagesim` extension."""
+    import pagesim
+
+    return pagesim.simulate(policy, **options)
 
 
 def run_grid(spec: GridSpec, on_done=lambda point: None) -> list[PointResult]:
