@@ -463,6 +463,9 @@ mod tests {
         assert_eq!(allowed, (TX_RECORDS_PER_SEC * 0.01) as usize);
         // Idle for long: full again, never more than the burst.
         let much_later = t0 + Duration::from_secs(60);
-        assert_eq!((0..2 * burst).filter(|_| budget.take(much_later)).count(), burst);
+        assert_eq!(
+            (0..2 * burst).filter(|_| budget.take(much_later)).count(),
+            burst
+        );
     }
 }
