@@ -4,8 +4,8 @@ and exit codes, and the history report in headless Chromium."""
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
