@@ -75,6 +75,39 @@ def neighbours_serve(m: Monitor) -> None:
         assert get(m.addr(vm)).body == SMALL, f"neighbour {vm}"
 
 
+SCHED_IDLE = 5
+
+
+def vcpu_sched_policy(m: Monitor, vm: int) -> int:
+    """The kernel's scheduling policy of VM `vm`'s vCPU thread (in a cell,
+    a child of the monitor process)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rpartition(")")[2].split()[1])
+            if m.proc.pid not in (ppid, int(proc.name)):
+                continue
+            for task in (proc / "task").iterdir():
+                if (task / "comm").read_text().strip() == f"vcpu{vm}":
+                    return int((task / "stat").read_text().rpartition(")")[2].split()[38])
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    raise AssertionError(f"no vCPU thread of VM {vm} under process {m.proc.pid}")
+
+
+def wait_for_background(m: Monitor, vm: int, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not vm_entry_stats(m, vm)["vcpu_background"]:
+        assert time.monotonic() < deadline, f"VM {vm}'s vCPU never went to the background"
+        time.sleep(0.1)
+    assert vcpu_sched_policy(m, vm) == SCHED_IDLE
+
+
+def vm_entry_stats(m: Monitor, vm: int) -> dict:
+    return next(v for v in m.control({"cmd": "stats"})["vms"] if v["id"] == vm)
+
+
 def stop_quickly(m: Monitor) -> None:
     started = time.monotonic()
     m.proc.send_signal(signal.SIGTERM)
@@ -89,6 +122,8 @@ def test_a_ring_flood_is_throttled_and_its_neighbours_keep_serving(tmp_path):
         neighbours_serve(m)
         assert m.control({"cmd": "stats"})["ok"]
         assert vm_entry(m, HOSTILE_VM)["state"] == "running", "flooding is legal, only bounded"
+        # Flooding serves nothing: the flooder's CPU is what nobody else wants.
+        wait_for_background(m, HOSTILE_VM)
     finally:
         stop_quickly(m)
 
@@ -214,6 +249,11 @@ def test_a_spinning_guest_leaves_neighbours_serving(tmp_path):
         neighbours_serve(m)
         with pytest.raises(OSError):
             HttpClient(m.addr(HOSTILE_VM), timeout=2).response()
+        wait_for_background(m, HOSTILE_VM)
+        # Neighbours that served just now, with little CPU each, stay in the foreground.
+        totals = m.control({"cmd": "stats"})["totals"]
+        assert totals["vcpus_background"] == 1 and totals["vcpu_demotions"] == 1
+        assert vcpu_sched_policy(m, 1) != SCHED_IDLE
     finally:
         stop_quickly(m)
 

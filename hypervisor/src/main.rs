@@ -6,6 +6,7 @@ mod api;
 mod boot;
 mod cell;
 mod cells;
+mod cpu_governor;
 mod describe;
 mod devices;
 mod framing;

@@ -7,13 +7,14 @@
 //! it notifies guests through their irqfds, only when a guest is idle.
 
 use crate::abi;
+use crate::cpu_governor::CpuGovernor;
 use crate::framing::{FrameError, LineStream};
 use crate::pager_link::PagerLink;
 use crate::protocol::{FromCell, ToCell, MAX_LINK_LINE};
 use crate::proxy::{self, Drained, Proxy, MIN_REQUEST_BYTES};
 use crate::stats;
 use crate::vm::{self, BuildContext, MicroVm, DOORBELL_GROUP};
-use crate::vmtable::{DeadVm, VmState, VmTable};
+use crate::vmtable::{DeadVm, VmEntry, VmState, VmTable};
 use mio::net::UnixStream;
 use mio::{Events, Interest, Poll, Token, Waker};
 use serde_json::{json, Value};
@@ -134,6 +135,7 @@ pub struct Monitor {
     /// Per VM: in `backlog` or `throttled` (serviced from there, once).
     in_backlog: Vec<bool>,
     last_sweep: Instant,
+    governor: CpuGovernor,
 }
 
 /// What the monitor last took from a VM's request counter.
@@ -177,6 +179,7 @@ impl Monitor {
             throttled: Vec::new(),
             in_backlog: Vec::new(),
             last_sweep: Instant::now(),
+            governor: CpuGovernor::new(),
         };
         for vm in setup.vms {
             monitor.adopt(vm)?;
@@ -216,7 +219,9 @@ impl Monitor {
             let timeout = self
                 .throttled
                 .iter()
-                .map(|(at, _)| at.saturating_duration_since(Instant::now()))
+                .map(|(at, _)| *at)
+                .chain([self.governor.due()])
+                .map(|at| at.saturating_duration_since(Instant::now()))
                 .fold(timeout, Duration::min);
             crate::framing::nonblocking(|| self.poll.poll(&mut events, Some(timeout)))
                 .map_err(|e| format!("event loop: {e}"))?;
@@ -257,6 +262,7 @@ impl Monitor {
                 self.service_vm(index);
             }
             self.service_throttled();
+            self.govern_cpu();
             if self.last_sweep.elapsed() >= PINNED_SWEEP {
                 self.last_sweep = Instant::now();
                 self.proxy
@@ -279,6 +285,16 @@ impl Monitor {
             self.in_backlog[index] = false;
             self.service_vm(index);
         }
+    }
+
+    /// Moves vCPUs that burn CPU without serving to the background, and back.
+    fn govern_cpu(&mut self) {
+        let (entries, seen) = (self.vms.entries(), &self.seen);
+        self.governor
+            .tick(entries.len(), |index| match &entries[index] {
+                VmEntry::Live(vm) => Some((&**vm, seen[index].requests)),
+                VmEntry::Dead(_) => None,
+            });
     }
 
     /// Reports the boot once every VM is up or down; at the timeout, the
@@ -457,7 +473,7 @@ impl Monitor {
         match request {
             ToCell::Go | ToCell::Shutdown => json!({ "error": "not expected now" }),
             ToCell::Stats { per_vm } => {
-                stats::collect(self.vms.entries(), self.proxy.len(), per_vm)
+                stats::collect(self.vms.entries(), self.proxy.len(), &self.governor, per_vm)
             }
             ToCell::List => {
                 json!({ "ok": true, "vms": self.vms.entries().iter().map(stats::vm_summary).collect::<Vec<_>>() })

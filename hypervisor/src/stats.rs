@@ -1,5 +1,6 @@
 //! Statistics replies: per VM and totals.
 
+use crate::cpu_governor::CpuGovernor;
 use crate::vmtable::{VmEntry, VmState};
 use serde_json::{json, Value};
 
@@ -23,14 +24,17 @@ pub fn vm_summary(entry: &VmEntry) -> Value {
 
 /// The `stats` reply: the totals, and with `per_vm` every VM and the kernel's
 /// count of resident memory (mincore over every VM's mappings).
-pub fn collect(vms: &[VmEntry], connections: usize, per_vm: bool) -> Value {
+pub fn collect(vms: &[VmEntry], connections: usize, governor: &CpuGovernor, per_vm: bool) -> Value {
     let mut list = Vec::with_capacity(if per_vm { vms.len() } else { 0 });
     let (mut requests, mut errors, mut tx_bytes, mut wakeups) = (0u64, 0u64, 0u64, 0u64);
     let (mut selfcheck_pages, mut selfcheck_errors) = (0u64, 0u64);
     let (mut running, mut stopped, mut crashed, mut booting) = (0, 0, 0, 0);
     let mut ram_resident = 0u64;
     let mut sys_resident = 0u64;
-    for entry in vms {
+    let mut background = 0u64;
+    for (index, entry) in vms.iter().enumerate() {
+        let in_background = governor.is_background(index) && matches!(entry, VmEntry::Live(_));
+        background += u64::from(in_background);
         let state = entry.state();
         match state {
             VmState::Running => running += 1,
@@ -75,6 +79,7 @@ pub fn collect(vms: &[VmEntry], connections: usize, per_vm: bool) -> Value {
         value["tx_bytes"] = json!(ctrl.tx_bytes);
         value["wakeups"] = json!(ctrl.wakeups);
         value["selfcheck_errors"] = json!(ctrl.selfcheck_errors);
+        value["vcpu_background"] = json!(in_background);
         list.push(value);
     }
     let mut reply = json!({
@@ -92,6 +97,8 @@ pub fn collect(vms: &[VmEntry], connections: usize, per_vm: bool) -> Value {
             "wakeups": wakeups,
             "selfcheck_pages": selfcheck_pages,
             "selfcheck_errors": selfcheck_errors,
+            "vcpus_background": background,
+            "vcpu_demotions": governor.demotions(),
         },
     });
     if per_vm {

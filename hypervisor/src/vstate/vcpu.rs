@@ -9,6 +9,7 @@ use kvm_ioctls::{VcpuExit, VcpuFd};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex, Once};
+use std::time::Duration;
 
 const CR0_PE: u64 = 1 << 0;
 const CR0_ET: u64 = 1 << 4;
@@ -280,6 +281,45 @@ impl VcpuHandle {
     /// The state shared with the thread.
     pub fn shared(&self) -> &Arc<VcpuShared> {
         &self.shared
+    }
+
+    /// CPU time the thread has used so far (guest and host side), if it
+    /// still exists.
+    pub fn cpu_time(&self) -> Option<Duration> {
+        let thread = self.thread?;
+        let mut clock: libc::clockid_t = 0;
+        // SAFETY: the thread has not been joined, so its pthread_t is valid.
+        if unsafe { libc::pthread_getcpuclockid(thread, &mut clock) } != 0 {
+            return None;
+        }
+        let mut now = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `now` is a valid timespec to write to.
+        if unsafe { libc::clock_gettime(clock, &mut now) } != 0 {
+            return None;
+        }
+        Some(Duration::new(now.tv_sec as u64, now.tv_nsec as u32))
+    }
+
+    /// Runs the thread as SCHED_IDLE (`true`: it gets only CPU time nobody
+    /// else wants, and any waking thread preempts it) or as a normal thread.
+    pub fn set_background(&self, background: bool) -> std::io::Result<()> {
+        let Some(thread) = self.thread else {
+            return Ok(());
+        };
+        let policy = if background {
+            libc::SCHED_IDLE
+        } else {
+            libc::SCHED_OTHER
+        };
+        let param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: the thread has not been joined, so its pthread_t is valid.
+        match unsafe { libc::pthread_setschedparam(thread, policy, &param) } {
+            0 => Ok(()),
+            rc => Err(std::io::Error::from_raw_os_error(rc)),
+        }
     }
 
     /// Asks the vCPU to leave KVM_RUN, without waiting.

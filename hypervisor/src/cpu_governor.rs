@@ -1,0 +1,151 @@
+//! Keeps a guest that burns CPU without serving from taking it from the
+//! others: its vCPU thread is moved to SCHED_IDLE, where it runs only on CPU
+//! time no other thread wants, and any waking neighbour preempts it at once.
+//!
+//! A web guest spends its CPU on requests, tens of microseconds each. A
+//! guest that spins, floods its ring or rewrites its memory in a loop uses
+//! whole cores and serves nothing. Every [`PERIOD`] each live vCPU's thread
+//! CPU time is read (one clock read per VM) and set against the requests the
+//! VM served; a thread is demoted when it used more than [`DEMOTE_SHARE`] of
+//! a core at more than [`HOG_CPU_PER_REQUEST`] per request, and restored when
+//! either falls back (below [`RESTORE_SHARE`] for the share). A demoted guest
+//! keeps running: on an idle host it loses nothing.
+
+use crate::vm::MicroVm;
+use std::time::{Duration, Instant};
+
+/// How often the vCPUs' CPU use is looked at.
+pub const PERIOD: Duration = Duration::from_millis(250);
+/// Share of a core above which a vCPU that serves little is demoted.
+const DEMOTE_SHARE: f64 = 0.5;
+/// Share of a core below which a demoted vCPU is restored.
+const RESTORE_SHARE: f64 = 0.25;
+/// CPU per served request above which a busy vCPU counts as not serving
+/// (a web guest needs tens of microseconds).
+const HOG_CPU_PER_REQUEST: Duration = Duration::from_millis(1);
+
+/// What the governor last saw of one VM.
+#[derive(Debug, Default, Clone, Copy)]
+struct Sample {
+    cpu: Duration,
+    requests: u64,
+    background: bool,
+}
+
+/// Whether a vCPU should run in the background, from what it did in the
+/// last period: `share` of a core, `cpu` used for `requests` served.
+fn hogging(background: bool, share: f64, cpu: Duration, requests: u64) -> bool {
+    let threshold = if background {
+        RESTORE_SHARE
+    } else {
+        DEMOTE_SHARE
+    };
+    share > threshold && cpu > HOG_CPU_PER_REQUEST * requests.min(u32::MAX as u64) as u32
+}
+
+/// Per-cell governor over its VMs' vCPU threads.
+pub struct CpuGovernor {
+    last: Instant,
+    samples: Vec<Sample>,
+    demotions: u64,
+}
+
+impl CpuGovernor {
+    /// A governor that has seen nothing yet.
+    pub fn new() -> Self {
+        CpuGovernor {
+            last: Instant::now(),
+            samples: Vec::new(),
+            demotions: 0,
+        }
+    }
+
+    /// When the next look is due.
+    pub fn due(&self) -> Instant {
+        self.last + PERIOD
+    }
+
+    /// Times a vCPU was moved to the background so far.
+    pub fn demotions(&self) -> u64 {
+        self.demotions
+    }
+
+    /// Whether VM `index` runs in the background now.
+    pub fn is_background(&self, index: usize) -> bool {
+        self.samples.get(index).is_some_and(|s| s.background)
+    }
+
+    /// Looks at every VM if a period has passed. `vm(index)` gives the live
+    /// VM at `index` and the requests it has served in all.
+    pub fn tick<'a>(
+        &mut self,
+        count: usize,
+        mut vm: impl FnMut(usize) -> Option<(&'a MicroVm, u64)>,
+    ) {
+        let now = Instant::now();
+        let elapsed = now.duration_since(self.last);
+        if elapsed < PERIOD {
+            return;
+        }
+        self.last = now;
+        self.samples.resize(count, Sample::default());
+        for (index, sample) in self.samples.iter_mut().enumerate() {
+            let Some((live, requests)) = vm(index) else {
+                continue;
+            };
+            let Some(cpu) = live.vcpu.cpu_time() else {
+                continue;
+            };
+            let used = cpu.saturating_sub(sample.cpu);
+            let served = requests.saturating_sub(sample.requests);
+            let first_look = sample.cpu.is_zero();
+            sample.cpu = cpu;
+            sample.requests = requests;
+            if first_look {
+                continue;
+            }
+            let share = used.as_secs_f64() / elapsed.as_secs_f64();
+            let background = hogging(sample.background, share, used, served);
+            if background != sample.background && live.vcpu.set_background(background).is_ok() {
+                sample.background = background;
+                if background {
+                    self.demotions += 1;
+                    eprintln!(
+                        "densevm: VM {} used {:.0}% of a core serving {} requests; its vCPU now runs in the background",
+                        live.id,
+                        share * 100.0,
+                        served
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn a_spinning_vcpu_is_demoted_and_a_serving_one_is_not() {
+        assert!(hogging(false, 1.0, 250 * MS, 0));
+        // 2,500 requests in 250 ms of CPU: 100 us each, a busy web guest.
+        assert!(!hogging(false, 1.0, 250 * MS, 2_500));
+        assert!(
+            !hogging(false, 0.3, 75 * MS, 0),
+            "a modest share is left alone"
+        );
+    }
+
+    #[test]
+    fn a_demoted_vcpu_comes_back_when_it_calms_down_or_serves() {
+        assert!(
+            hogging(true, 0.3, 75 * MS, 0),
+            "between the thresholds it stays"
+        );
+        assert!(!hogging(true, 0.2, 50 * MS, 0));
+        assert!(!hogging(true, 1.0, 250 * MS, 1_000));
+    }
+}
