@@ -50,11 +50,13 @@ enum Command {
     Cell,
 }
 
-/// Keeps the allocator from changing memory protections.
+/// Keeps a cell's allocator from changing memory protections.
 ///
-/// glibc grows a thread's malloc arena with mprotect; once thousands of VMs
-/// have MMU notifiers on this process, every mprotect visits all of them.
-/// One brk-grown arena that is never trimmed avoids that.
+/// glibc grows a thread's malloc arena with mprotect; once a cell's VMs have
+/// MMU notifiers on its process, every mprotect visits all of them. One
+/// brk-grown arena that is never trimmed avoids that. The parent holds no
+/// VMs: it keeps glibc's defaults, so memory a burst of control clients took
+/// goes back to the system.
 fn tame_allocator() {
     // SAFETY: mallopt only tunes the allocator; called before other threads exist.
     unsafe {
@@ -64,7 +66,6 @@ fn tame_allocator() {
 }
 
 fn main() {
-    tame_allocator();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
@@ -84,7 +85,10 @@ fn main() {
     let code = match cli.command {
         Command::Serve(args) => serve::run(*args),
         Command::Describe(args) => describe::run(*args),
-        Command::Cell => cell::run(),
+        Command::Cell => {
+            tame_allocator();
+            cell::run()
+        }
     };
     std::process::exit(code);
 }
