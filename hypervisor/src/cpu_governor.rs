@@ -7,9 +7,12 @@
 //! whole cores and serves nothing. Every [`PERIOD`] each live vCPU's thread
 //! CPU time is read (one clock read per VM) and set against the requests the
 //! VM served; a thread is demoted when it used more than [`DEMOTE_SHARE`] of
-//! a core at more than [`HOG_CPU_PER_REQUEST`] per request, and restored when
-//! either falls back (below [`RESTORE_SHARE`] for the share). A demoted guest
-//! keeps running: on an idle host it loses nothing.
+//! a core at more than [`HOG_CPU_PER_REQUEST`] per request. A demoted thread
+//! is judged by the time it was runnable (on a CPU or waiting for one, from
+//! the kernel's schedstat): a spinner starved by busy neighbours uses little
+//! CPU but still wants all of it, and must not be restored for that. It is
+//! restored when what it wants falls below [`RESTORE_SHARE`] or it serves. A
+//! demoted guest keeps running: on an idle host it loses nothing.
 
 use crate::vm::MicroVm;
 use std::time::{Duration, Instant};
@@ -29,11 +32,14 @@ const HOG_CPU_PER_REQUEST: Duration = Duration::from_millis(1);
 struct Sample {
     cpu: Duration,
     requests: u64,
+    /// Runnable time at the last look, while in the background.
+    runnable: Option<Duration>,
     background: bool,
 }
 
 /// Whether a vCPU should run in the background, from what it did in the
-/// last period: `share` of a core, `cpu` used for `requests` served.
+/// last period: `share` of a core, `cpu` used (or wanted, in the
+/// background) for `requests` served.
 fn hogging(background: bool, share: f64, cpu: Duration, requests: u64) -> bool {
     let threshold = if background {
         RESTORE_SHARE
@@ -96,7 +102,7 @@ impl CpuGovernor {
             let Some(cpu) = live.vcpu.cpu_time() else {
                 continue;
             };
-            let used = cpu.saturating_sub(sample.cpu);
+            let mut used = cpu.saturating_sub(sample.cpu);
             let served = requests.saturating_sub(sample.requests);
             let first_look = sample.cpu.is_zero();
             sample.cpu = cpu;
@@ -104,10 +110,18 @@ impl CpuGovernor {
             if first_look {
                 continue;
             }
+            if sample.background {
+                let runnable = live.vcpu.runnable_time();
+                if let (Some(now), Some(before)) = (runnable, sample.runnable) {
+                    used = used.max(now.saturating_sub(before));
+                }
+                sample.runnable = runnable;
+            }
             let share = used.as_secs_f64() / elapsed.as_secs_f64();
             let background = hogging(sample.background, share, used, served);
             if background != sample.background && live.vcpu.set_background(background).is_ok() {
                 sample.background = background;
+                sample.runnable = live.vcpu.runnable_time().filter(|_| background);
                 if background {
                     self.demotions += 1;
                     eprintln!(

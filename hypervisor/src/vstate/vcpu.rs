@@ -6,7 +6,7 @@ use crate::memory::Mapping;
 use crate::platform::{Platform, PlatformError};
 use kvm_bindings::{kvm_msr_entry, kvm_regs, kvm_segment, CpuId, Msrs};
 use kvm_ioctls::{VcpuExit, VcpuFd};
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU8, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex, Once};
 use std::time::Duration;
@@ -149,6 +149,8 @@ pub enum RunState {
 #[derive(Debug, Default)]
 pub struct VcpuShared {
     state: AtomicU8,
+    /// The thread's kernel id, once it runs (0 before).
+    tid: AtomicI32,
     stop: AtomicBool,
     reason: Mutex<Option<String>>,
 }
@@ -253,6 +255,10 @@ impl VcpuHandle {
                     std::ffi::CString::new(format!("vcpu{vm}")).expect("no NUL in a thread name");
                 // SAFETY: names the calling thread; the name is under 16 bytes.
                 unsafe { libc::pthread_setname_np(libc::pthread_self(), name.as_ptr()) };
+                // SAFETY: gettid has no preconditions.
+                thread_shared
+                    .tid
+                    .store(unsafe { libc::gettid() }, Ordering::Release);
                 let Ok(mut vcpu) = parked.recv() else { return };
                 let (state, reason) = run_loop(&mut vcpu, &thread_shared);
                 thread_shared.finish(state, reason);
@@ -301,6 +307,22 @@ impl VcpuHandle {
             return None;
         }
         Some(Duration::new(now.tv_sec as u64, now.tv_nsec as u32))
+    }
+
+    /// Time the thread has been runnable so far: on a CPU or waiting for
+    /// one (the kernel's schedstat), if it still exists. Unlike
+    /// [`Self::cpu_time`], this shows what a thread starved of CPU wants.
+    pub fn runnable_time(&self) -> Option<Duration> {
+        let tid = self.shared.tid.load(Ordering::Acquire);
+        if tid == 0 || self.thread.is_none() {
+            return None;
+        }
+        let text = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).ok()?;
+        let mut fields = text.split_ascii_whitespace().map(str::parse::<u64>);
+        let (Some(Ok(on_cpu)), Some(Ok(waiting))) = (fields.next(), fields.next()) else {
+            return None;
+        };
+        Some(Duration::from_nanos(on_cpu + waiting))
     }
 
     /// Runs the thread as SCHED_IDLE (`true`: it gets only CPU time nobody
