@@ -108,9 +108,10 @@ def local_cluster(tmp: Path, kinds: dict[str, str] | None = None) -> Iterator[Cl
             client.wait_for_workers(len(HOSTS), timeout=60)
         yield Cluster(scheduler_file, workers, work_dirs)
     finally:
-        for proc in started:
+        # Workers first: a worker whose scheduler is gone spends half a minute reconnecting
+        # before it exits.
+        for proc in reversed(started):
             proc.terminate()
-        for proc in started:
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
