@@ -227,6 +227,7 @@ def main(argv: list[str]) -> int:
 
     config_path, parent_pid = argv
     install_signal_handlers()
+    cfg: RunConfig | None = None
     try:
         _die_with_parent(int(parent_pid))
         cfg = RunConfig(**json.loads(Path(config_path).read_text()))
@@ -239,7 +240,12 @@ def main(argv: list[str]) -> int:
             r.write(Path(cfg.out) / "result.json")
             return 2
         result = run(cfg, ConsoleReporter(), bins)
-    except (KeyboardInterrupt, Terminated):
+    except (KeyboardInterrupt, Terminated) as e:
+        # Stopped before the run had a result of its own to write: the point still leaves one.
+        if cfg is not None and not (Path(cfg.out) / "result.json").exists():
+            r = RunResult(new_run_id(cfg), cfg.as_dict(), finished_at=now_iso())
+            r.fail(f"interrupted by {'SIGINT' if isinstance(e, KeyboardInterrupt) else e}")
+            r.write(Path(cfg.out) / "result.json")
         return 130
     return 0 if result.status == "ok" else 1
 

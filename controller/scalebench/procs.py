@@ -13,7 +13,9 @@ import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
+from collections.abc import Iterator
 from typing import IO
 
 
@@ -35,6 +37,35 @@ def install_signal_handlers() -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_terminated)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def stop_signals_deferred() -> Iterator[None]:
+    """Hold SIGTERM, SIGHUP and SIGINT until the block ends: a second signal
+    during the writing of a result must not lose it. The first that came
+    meanwhile is sent again as the block ends, to the handlers of before.
+
+    The handlers are swapped rather than the signals masked: a signal sent to
+    the process may be taken by any thread, and only the handlers are
+    per-process. Outside the main thread (no handlers to swap) nothing is held.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {
+        sig: signal.signal(sig, lambda signum, _: held.append(signum)) for sig in STOP_SIGNALS
+    }
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if held:
+        signal.raise_signal(held[0])
 
 
 class Child:

@@ -34,7 +34,7 @@ from .model import (
     predict,
     zipf_popularity,
 )
-from .procs import Terminated
+from .procs import Terminated, stop_signals_deferred
 from .progress import Reporter
 from .result import RunResult, now_iso
 from .touch import lru_order, touch_all
@@ -244,7 +244,8 @@ class Run:
             r.status = "ok"
         except (KeyboardInterrupt, Terminated) as e:
             r.fail(f"interrupted by {'SIGINT' if isinstance(e, KeyboardInterrupt) else e}")
-            self._finish()
+            with stop_signals_deferred():
+                self._finish()
             raise
         except (DenseVMError, ZipfperfError) as e:
             r.fail(self._explain(str(e)))
