@@ -221,7 +221,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def main(argv: list[str]) -> int:
     """The child process: `python -m scalebench.cluster_worker CONFIG.json WORKER_PID`."""
-    from .procs import Terminated, install_signal_handlers
+    from .procs import Terminated, install_signal_handlers, interrupted
     from .progress import ConsoleReporter
     from .runner import Binaries, new_run_id, run
 
@@ -244,7 +244,7 @@ def main(argv: list[str]) -> int:
         # Stopped before the run had a result of its own to write: the point still leaves one.
         if cfg is not None and not (Path(cfg.out) / "result.json").exists():
             r = RunResult(new_run_id(cfg), cfg.as_dict(), finished_at=now_iso())
-            r.fail(f"interrupted by {'SIGINT' if isinstance(e, KeyboardInterrupt) else e}")
+            r.fail(interrupted(e))
             r.write(Path(cfg.out) / "result.json")
         return 130
     return 0 if result.status == "ok" else 1

@@ -39,6 +39,11 @@ def install_signal_handlers() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def interrupted(stop: BaseException) -> str:
+    """A result's error for a run stopped by Ctrl-C (KeyboardInterrupt) or a signal (Terminated)."""
+    return f"interrupted by {'SIGINT' if isinstance(stop, KeyboardInterrupt) else stop}"
+
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 

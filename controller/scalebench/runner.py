@@ -34,7 +34,7 @@ from .model import (
     predict,
     zipf_popularity,
 )
-from .procs import Terminated, stop_signals_deferred
+from .procs import Terminated, interrupted, stop_signals_deferred
 from .progress import Reporter
 from .result import RunResult, now_iso
 from .touch import lru_order, touch_all
@@ -243,7 +243,7 @@ class Run:
                 self._run(stack)
             r.status = "ok"
         except (KeyboardInterrupt, Terminated) as e:
-            r.fail(f"interrupted by {'SIGINT' if isinstance(e, KeyboardInterrupt) else e}")
+            r.fail(interrupted(e))
             with stop_signals_deferred():
                 self._finish()
             raise
