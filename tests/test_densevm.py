@@ -195,8 +195,20 @@ def test_bad_control_requests_get_error_replies(monitor):
     assert totals["vms"] == 4 and totals["requests"] > 0
 
 
+def wait_until_guests_are_quiet(monitor, timeout_s: float = 30) -> None:
+    """Until the guests' request counters stop moving: earlier tests leave pipelined requests
+    in rings whose clients have gone, and guests serve them for a while."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while (now := monitor.control({"cmd": "stats", "vms": False})["totals"]["requests"]) != last:
+        assert time.monotonic() < deadline, "the guests never stopped serving"
+        last = now
+        time.sleep(0.5)
+
+
 def test_stats_report_each_vm(monitor):
     get(monitor.addr(0))
+    wait_until_guests_are_quiet(monitor)
     reply = monitor.control({"cmd": "stats"})
     vm0 = reply["vms"][0]
     assert vm0["addr"] == "127.201.0.0:8080"
