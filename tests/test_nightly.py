@@ -26,6 +26,7 @@ from scalebench.nightly import (
     decide,
     load_spec,
 )
+from scalebench.scaling import Build, Session
 from test_scalebench_report import images_state
 
 RUNS, TRIALS = 10, 9
@@ -134,6 +135,7 @@ def test_the_repository_metrics_file_is_valid():
     spec = load_spec(METRICS)
     names = {m.name for m in spec.metrics}
     assert {"incore16_rps", "ooc64_rps", "fault_scaling_4000_over_250"} <= names
+    assert "incore16_cpu_us_per_reply" in {m.name for m in spec.quick().metrics}
     assert {p.name for p in spec.probes_of([m.name for m in spec.quick().metrics])} == {
         "incore16",
         "ooc64",
@@ -199,6 +201,19 @@ def test_a_probe_that_cannot_run_exits_1_naming_it(tmp_path):
     proc = nightly_cli(tmp_path, "--history", str(tmp_path / "h.sqlite"), metrics_text=bad)
     assert proc.returncode == 1
     assert "scalebench: nightly: probe tiny failed: densevm failed: " in proc.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")
+def test_injected_fault_work_is_kernel_cpu_per_fault(tmp_path):
+    # The lever for "kernel CPU per fault rose": its work must show as kernel time, per fault.
+    release_binary("densevm")
+    build = Build.in_dir(RELEASE_DIR, ("--inject-fault-us", "1000"))
+    # 8 working sets of 896 KiB in a 3 MiB budget: every request faults.
+    with Session(build, tmp_path, 8, "127.91.0.0", "--mem", "3M") as session:
+        window = session.window(2.0, alpha=0.0, concurrency=8)
+    assert window.faults > 100
+    assert window.kernel_us_per_fault > 800, window
+    assert window.user_us_per_fault < 500, window
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")

@@ -39,7 +39,13 @@ from .scaling import TICKS, Build, Session
 
 METRICS = REPO_ROOT / "experiments" / "nightly" / "metrics.toml"
 ADDR_BASE = "127.90.0.0"  # away from the default, which interactive runs and other tests use
-WINDOW_FIELDS = ("replies_per_s", "faults_per_s", "faults_per_cpu_s", "kernel_us_per_fault")
+WINDOW_FIELDS = (
+    "replies_per_s",
+    "cpu_us_per_reply",
+    "faults_per_s",
+    "faults_per_cpu_s",
+    "kernel_us_per_fault",
+)
 BOOT_FIELDS = ("boot_seconds", "host_bytes_per_vm")
 STEAL_LIMIT = 0.10  # steal time above this share of CPU time: the host is too busy
 OTHERS_LIMIT = 0.5  # other tenants using more than this share of the host's CPU time: too busy

@@ -76,6 +76,7 @@ class Window:
 
     seconds: float
     replies_per_s: float
+    replies: int
     faults: int
     user_s: float
     kernel_s: float
@@ -88,6 +89,12 @@ class Window:
     def faults_per_cpu_s(self) -> float:
         """Faults served per CPU-second of densevm's process tree: the scaling figure."""
         return self.faults / max(self.user_s + self.kernel_s, 1e-9)
+
+    @property
+    def cpu_us_per_reply(self) -> float:
+        """densevm's CPU (its whole process tree) per reply served: the in-core path's cost,
+        which idle gaps on a shared host do not blur the way they blur replies/s."""
+        return (self.user_s + self.kernel_s) * 1e6 / max(self.replies, 1)
 
     @property
     def kernel_us_per_fault(self) -> float:
@@ -122,6 +129,7 @@ class Session:
         self, build: Build, workdir: Path, vms: int, addr_base: str, *args: str, port: int = 8080
     ) -> None:
         self.build, self.vms, self.addr_base, self.port = build, vms, addr_base, port
+        workdir = workdir.resolve()  # densevm runs in it: a relative path would resolve twice
         self.api = workdir / f"densevm-{addr_base}.sock"
         settle_s = 1.0
         time.sleep(settle_s)
@@ -231,6 +239,7 @@ class Session:
         return Window(
             elapsed,
             float(result["replies"]["rate"]),
+            int(result["replies"]["total"]),
             int(after - before),
             cpu_after[0] - cpu_before[0],
             cpu_after[1] - cpu_before[1],

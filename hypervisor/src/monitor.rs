@@ -389,14 +389,9 @@ impl Monitor {
     /// `--inject-request-us`: a known slowdown of the in-core path, for
     /// checking that regression detection sees it.
     fn spend_injected_work(&self, requests: u64) {
-        if self.inject_request.is_zero() {
-            return;
-        }
         // Bounded: a guest's counter must not hold the loop.
-        let until = Instant::now() + self.inject_request * requests.min(64) as u32;
-        while Instant::now() < until {
-            std::hint::spin_loop();
-        }
+        let amount = self.inject_request * requests.min(64) as u32;
+        paging_policy::injected::spend(amount, paging_policy::injected::Work::User);
     }
 
     fn reap_crashed(&mut self) {

@@ -115,8 +115,8 @@ pub struct ServeArgs {
     /// the in-core path, only for checking regression detection.
     #[arg(long, default_value_t = 0)]
     pub inject_request_us: u64,
-    /// Busy CPU work per page fault-in, in microseconds: a known slowdown of
-    /// the out-of-core path, only for checking regression detection.
+    /// Kernel CPU work per page fault-in, in microseconds: a known slowdown
+    /// of the out-of-core path, only for checking regression detection.
     #[arg(long, default_value_t = 0)]
     pub inject_fault_us: u64,
 }

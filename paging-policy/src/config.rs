@@ -40,7 +40,7 @@ pub struct PagerConfig {
     /// Most resident memory one VM may hold (`--vm-resident-max`); past it
     /// the VM's own blocks are evicted, whatever the policy chooses.
     pub vm_resident_max: Option<u64>,
-    /// Busy CPU work added to every fault-in: a known slowdown of the
+    /// Kernel CPU work added to every fault-in: a known slowdown of the
     /// out-of-core path, only for checking regression detection.
     pub inject_fault: std::time::Duration,
 }

@@ -20,6 +20,7 @@ pub mod describe;
 pub mod disk;
 pub mod error;
 pub mod guest_memory;
+pub mod injected;
 pub mod ledger;
 pub mod pager;
 pub mod policy;

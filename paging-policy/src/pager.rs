@@ -56,6 +56,7 @@ use crate::config::{default_swap_path, PagerConfig};
 use crate::describe::swap_bytes_per_ram_byte;
 use crate::error::PagerError;
 use crate::guest_memory::{SpaceHandoff, SpaceId};
+use crate::injected;
 use crate::ledger::{Access, Admission, Classified, Ledger, PlanBlock, Wakes, NO_LOC};
 use crate::policy::{build_policy, BlockId, SwapLayout, VmId};
 use crate::space::SwapSpace;
@@ -648,7 +649,7 @@ impl Pager {
             }
             Classified::FaultIn => {
                 self.fault_in(st, vm, place, block, access == Access::Write, t0, s)?;
-                spin_for(self.cfg.inject_fault);
+                injected::spend(self.cfg.inject_fault, injected::Work::Kernel);
                 Ok(())
             }
         }
@@ -955,15 +956,4 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .map(|s| s.to_string())
         .or_else(|| payload.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "non-text panic".into())
-}
-
-/// Busy CPU work (`--inject-fault-us`), spent outside the pager's lock.
-fn spin_for(work: Duration) {
-    if work.is_zero() {
-        return;
-    }
-    let until = Instant::now() + work;
-    while Instant::now() < until {
-        std::hint::spin_loop();
-    }
 }

@@ -1,0 +1,93 @@
+//! Known slowdowns (`--inject-request-us`, `--inject-fault-us`): CPU work a
+//! run adds on purpose, only to check that regression detection sees it.
+//! The work is measured on the calling thread's CPU clock, so a thread
+//! preempted during it still spends exactly the amount asked for.
+
+use std::io::Read;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// Where injected work runs, which decides whose CPU time it raises.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Work {
+    /// A spin loop in user space.
+    User,
+    /// Reads of /dev/zero: the kernel clears the buffer, so the time counts
+    /// as kernel CPU, as a costlier fault path would.
+    Kernel,
+}
+
+/// Spends `amount` of this thread's CPU time as `work`.
+pub fn spend(amount: Duration, work: Work) {
+    if amount.is_zero() {
+        return;
+    }
+    let Some(start) = thread_cpu() else {
+        return;
+    };
+    static ZERO: OnceLock<Option<std::fs::File>> = OnceLock::new();
+    let mut buf = [0u8; 16 << 10];
+    while thread_cpu().is_some_and(|now| now.saturating_sub(start) < amount) {
+        match work {
+            Work::User => {
+                for _ in 0..64 {
+                    std::hint::spin_loop();
+                }
+            }
+            Work::Kernel => {
+                let zero = ZERO.get_or_init(|| std::fs::File::open("/dev/zero").ok());
+                if zero.as_ref().is_none_or(|mut f| f.read(&mut buf).is_err()) {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// CPU time of the calling thread (CLOCK_THREAD_CPUTIME_ID).
+fn thread_cpu() -> Option<Duration> {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `now` is a valid timespec to write to.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) } != 0 {
+        return None;
+    }
+    Some(Duration::new(now.tv_sec as u64, now.tv_nsec as u32))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cpu_of(work: Work) -> (Duration, Duration) {
+        let (user0, kernel0) = rusage_thread();
+        spend(Duration::from_millis(50), work);
+        let (user1, kernel1) = rusage_thread();
+        (user1 - user0, kernel1 - kernel0)
+    }
+
+    fn rusage_thread() -> (Duration, Duration) {
+        // SAFETY: a zeroed rusage is a valid value for getrusage to fill.
+        let mut r: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: `r` is a valid rusage to write to.
+        assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut r) }, 0);
+        let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+        (tv(r.ru_utime), tv(r.ru_stime))
+    }
+
+    #[test]
+    fn kernel_work_is_kernel_time_and_user_work_is_user_time() {
+        let (user, kernel) = cpu_of(Work::Kernel);
+        assert!(
+            kernel > Duration::from_millis(30) && user < kernel,
+            "{user:?} {kernel:?}"
+        );
+        let (user, kernel) = cpu_of(Work::User);
+        assert!(
+            user > Duration::from_millis(30) && kernel < user,
+            "{user:?} {kernel:?}"
+        );
+    }
+}
