@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import RELEASE_DIR, release_binary
-from scalebench.changepoint import Finding, assess, estimate
+from scalebench.changepoint import Finding, assess, assess_host, estimate
 from scalebench.config import ConfigError
 from scalebench.history import History, Run
 from scalebench.nightly import (
@@ -24,6 +24,7 @@ from scalebench.nightly import (
     HostNoise,
     Outcome,
     decide,
+    host_slower,
     load_spec,
 )
 from scalebench.scaling import Build, Session
@@ -61,6 +62,15 @@ def test_a_step_in_the_good_direction_is_not_a_regression():
 def test_a_short_history_is_not_judged():
     finding = assess("rps", noisy_runs(1, 2) + noisy_runs(101, 1, level=50.0), True)
     assert not finding.regression and "history too short" in finding.reason
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_slower_host_is_seen_without_a_change_point(seed):
+    runs = noisy_runs(seed, RUNS)
+    slower = [v * 0.8 for v in noisy_runs(seed + 100, 1)[0]]
+    assert assess_host("h", [*runs, slower], higher_is_better=True).regression
+    assert not assess_host("h", noisy_runs(seed, RUNS + 1), higher_is_better=True).regression
+    assert not assess_host("h", [*runs[:3], slower], higher_is_better=True).regression
 
 
 def test_estimate_is_the_median_inside_its_interval():
@@ -104,8 +114,11 @@ def test_a_file_that_is_not_a_history_is_refused(tmp_path):
         History(bad)
 
 
-def outcome(regression: bool, reason: str = "x") -> Outcome:
-    return Outcome("m", estimate([1.0, 2.0]), Finding("m", regression, reason))
+def outcome(regression: bool, reason: str = "x", host: bool = False) -> Outcome:
+    name = "host_ref" if host else "m"
+    change, earlier = (-0.12, 1.7) if regression else (None, None)
+    finding = Finding(name, regression, reason, change, earlier_median=earlier)
+    return Outcome(name, estimate([1.0, 2.0]), finding, host=host)
 
 
 def test_verdicts_and_exit_codes():
@@ -113,6 +126,16 @@ def test_verdicts_and_exit_codes():
     assert decide([outcome(True)], "load average 9.0 on 2 CPUs") == ("noisy", EXIT_NOISY)
     assert decide([outcome(False)], "load average 9.0 on 2 CPUs") == ("clean", EXIT_CLEAN)
     assert decide([outcome(False, "history too short (0)")], None) == ("baseline", EXIT_CLEAN)
+
+
+def test_a_slower_host_makes_a_regression_noisy_and_is_never_one_itself():
+    slower_host = outcome(True, host=True)
+    busy = host_slower([slower_host, outcome(True)])
+    assert busy == "the host itself measured slower: host_ref -12.0%"
+    assert decide([slower_host, outcome(True)], busy) == ("noisy", EXIT_NOISY)
+    assert decide([slower_host, outcome(False)], busy) == ("clean", EXIT_CLEAN)
+    assert host_slower([outcome(False, host=True), outcome(True)]) is None
+    assert slower_host.line().endswith("HOST SLOWER")
 
 
 def test_host_noise_names_a_busy_host():
@@ -135,8 +158,11 @@ def test_the_repository_metrics_file_is_valid():
     spec = load_spec(METRICS)
     names = {m.name for m in spec.metrics}
     assert {"incore16_rps", "ooc64_rps", "fault_scaling_4000_over_250"} <= names
-    assert "incore16_cpu_us_per_reply" in {m.name for m in spec.quick().metrics}
+    quick = {m.name: m for m in spec.quick().metrics}
+    assert "incore16_cpu_us_per_reply" in quick and quick["host_nginx16_rps"].host
+    assert quick["incore16_over_nginx16"].ratio == ("incore16_rps", "host_nginx16_rps")
     assert {p.name for p in spec.probes_of([m.name for m in spec.quick().metrics])} == {
+        "nginx16",
         "incore16",
         "ooc64",
     }
@@ -157,6 +183,21 @@ def test_the_repository_metrics_file_is_valid():
 def test_bad_metrics_files_are_refused(tmp_path, text, message):
     path = tmp_path / "m.toml"
     path.write_text(f'{text}\n[probe.p]\nvms = 2\nmem = "16M"\n')
+    with pytest.raises(ConfigError, match=message):
+        load_spec(path)
+
+
+@pytest.mark.parametrize(
+    ("probe", "field", "message"),
+    [
+        ('server = "nginx"', "boot_seconds", "nginx probe p measures only"),
+        ('server = "apache"', "replies_per_s", "server must be densevm or nginx"),
+    ],
+)
+def test_the_host_reference_probe_is_checked(tmp_path, probe, field, message):
+    path = tmp_path / "m.toml"
+    metric = f'{{name = "a", probe = "p", field = "{field}", better = "higher"}}'
+    path.write_text(f"metrics = [{metric}]\n[probe.p]\nvms = 2\nwindows = 1\n{probe}\n")
     with pytest.raises(ConfigError, match=message):
         load_spec(path)
 

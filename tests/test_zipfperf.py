@@ -15,16 +15,13 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, release_binary, require_tool
-
-sys.path.insert(0, str(REPO_ROOT / "experiments" / "bench"))
-from zipfperf_nginx import LARGE_BYTES, SMALL_BYTES, NginxServer
+from conftest import release_binary, require_tool
+from scalebench.nginx import LARGE_BYTES, SMALL_BYTES, NginxServer
 
 TARGETS = 8  # nginx also listens on 127.1.0.0 .. 127.1.0.7
 

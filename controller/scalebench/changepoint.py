@@ -142,3 +142,22 @@ def assess(metric: str, runs: list[list[float]], higher_is_better: bool) -> Find
     else:
         reason = "change point on the newest run, beyond the metric's noise"
     return Finding(metric, regression, reason, change, newest, base, noise, cp)
+
+
+def assess_host(metric: str, runs: list[list[float]], higher_is_better: bool) -> Finding:
+    """Did the host measure slower in the newest run of `runs`? A host metric needs no change
+    point: the newest median worse than the earlier runs' median by more than NOISE_FACTOR times
+    their run-to-run noise, with a confidence interval that excludes it, is enough, since it only
+    ever turns a suspected regression into "host too noisy"."""
+    if len(runs) <= MIN_RUNS:
+        return Finding(metric, False, f"{TOO_SHORT} ({len(runs) - 1} earlier run(s))")
+    medians = [statistics.median(r) for r in runs[:-1]]
+    base = statistics.median(medians)
+    newest = estimate(runs[-1])
+    change = newest.median / base - 1
+    noise = run_noise(medians)
+    worse = change < 0 if higher_is_better else change > 0
+    outside = not newest.ci_low <= base <= newest.ci_high
+    slower = worse and abs(change) > NOISE_FACTOR * noise and outside
+    reason = "host slower than in earlier runs" if slower else "host as in earlier runs"
+    return Finding(metric, slower, reason, change, newest, base, noise)

@@ -27,6 +27,7 @@ from .changepoint import (
     TOO_SHORT,
     Estimate,
     Finding,
+    assess_host,
     estimate,
     ratio_estimate,
     run_noise,
@@ -35,7 +36,7 @@ from .changepoint import assess as assess_history
 from .config import REPO_ROOT, ConfigError
 from .history import History, Run, default_path
 from .progress import Reporter
-from .scaling import TICKS, Build, Session
+from .scaling import TICKS, Build, LoadTarget, NginxReference, Session
 
 METRICS = REPO_ROOT / "experiments" / "nightly" / "metrics.toml"
 ADDR_BASE = "127.90.0.0"  # away from the default, which interactive runs and other tests use
@@ -47,6 +48,7 @@ WINDOW_FIELDS = (
     "kernel_us_per_fault",
 )
 BOOT_FIELDS = ("boot_seconds", "host_bytes_per_vm")
+NGINX_FIELDS = ("replies_per_s", "cpu_us_per_reply")
 STEAL_LIMIT = 0.10  # steal time above this share of CPU time: the host is too busy
 OTHERS_LIMIT = 0.5  # other tenants using more than this share of the host's CPU time: too busy
 EXIT_CLEAN, EXIT_REGRESSION, EXIT_NOISY = 0, 1, 3
@@ -60,7 +62,7 @@ class ProbeError(RuntimeError):
 class Probe:
     name: str
     vms: int
-    mem: str
+    mem: str = ""  # densevm's --mem; "": its default
     alpha: float = 1.0
     concurrency: int = 64
     warmup_s: float = 0.0
@@ -69,9 +71,12 @@ class Probe:
     disk: str = "none"
     block: str = "32k"
     cell_vms: int | None = None
+    server: str = "densevm"  # or "nginx": the host reference, no densevm in it
 
     def serve_args(self) -> tuple[str, ...]:
-        args = ("--mem", self.mem, "--block", self.block, "--disk", self.disk)
+        args = ("--block", self.block, "--disk", self.disk) + (
+            ("--mem", self.mem) if self.mem else ()
+        )
         args += ("--boot-timeout", "600")
         return args + (("--cell-vms", str(self.cell_vms)) if self.cell_vms else ())
 
@@ -84,6 +89,7 @@ class Metric:
     probe: str | None = None
     field: str | None = None
     ratio: tuple[str, str] | None = None
+    host: bool = False  # measures the host, not the build: a drop means a noisy host
 
     @property
     def higher_is_better(self) -> bool:
@@ -144,7 +150,12 @@ def load_spec(path: Path) -> Spec:
             raise ConfigError(f"{where}: unknown field {m.field!r}")
         elif m.field in WINDOW_FIELDS and probes[m.probe].windows < 1:
             raise ConfigError(f"{where}: probe {m.probe} has no load windows")
+        elif probes[m.probe].server == "nginx" and m.field not in NGINX_FIELDS:
+            raise ConfigError(f"{where}: nginx probe {m.probe} measures only {NGINX_FIELDS}")
         names.add(m.name)
+    for probe in probes.values():
+        if probe.server not in ("densevm", "nginx"):
+            raise ConfigError(f"{path}: probe {probe.name}: server must be densevm or nginx")
     rounds = doc.get("rounds", 3)
     if not isinstance(rounds, int) or rounds < 1 or not metrics:
         raise ConfigError(f"{path}: needs rounds >= 1 and at least one metric")
@@ -154,17 +165,27 @@ def load_spec(path: Path) -> Spec:
 def run_probe(build: Build, probe: Probe, workdir: Path, addr_base: str) -> dict[str, list[float]]:
     """One boot of `probe`: every field's values (boot fields once, window fields per window)."""
     workdir.mkdir(parents=True, exist_ok=True)
+    if probe.server == "nginx":
+        with NginxReference(build, probe.vms, addr_base) as reference:
+            return load_windows(reference, probe, {})
     with Session(build, workdir, probe.vms, addr_base, *probe.serve_args()) as session:
-        values: dict[str, list[float]] = {
+        boot = {
             "boot_seconds": [session.boot.boot_seconds],
             "host_bytes_per_vm": [session.boot.host_bytes_per_vm],
         }
-        if probe.warmup_s > 0:
-            session.load(probe.warmup_s, probe.alpha, probe.concurrency)
-        for _ in range(probe.windows):
-            w = session.window(probe.window_s, probe.alpha, probe.concurrency)
-            for name in WINDOW_FIELDS:
-                values.setdefault(name, []).append(float(getattr(w, name)))
+        return load_windows(session, probe, boot)
+
+
+def load_windows(
+    target: LoadTarget, probe: Probe, values: dict[str, list[float]]
+) -> dict[str, list[float]]:
+    """`values` with the window fields of `probe`'s warm-up and windows on `target` added."""
+    if probe.warmup_s > 0:
+        target.load(probe.warmup_s, probe.alpha, probe.concurrency)
+    for _ in range(probe.windows):
+        w = target.window(probe.window_s, probe.alpha, probe.concurrency)
+        for name in WINDOW_FIELDS:
+            values.setdefault(name, []).append(float(getattr(w, name)))
     return values
 
 
@@ -290,6 +311,7 @@ class Outcome:
     estimate: Estimate
     finding: Finding
     ab: Estimate | None = None  # candidate / comparison build, A/B mode
+    host: bool = False  # a host metric: its "regression" is a slower host
 
     def line(self) -> str:
         e, f = self.estimate, self.finding
@@ -303,7 +325,8 @@ class Outcome:
             text += f"; {f.change:+.1%} vs earlier median {f.earlier_median:,.4g}"
         if f.noise is not None:
             text += f", noise {f.noise:.1%}"
-        return f"{text}: {'REGRESSION' if f.regression else f.reason}"
+        flagged = "HOST SLOWER" if self.host else "REGRESSION"
+        return f"{text}: {flagged if f.regression else f.reason}"
 
 
 def assess_ab(
@@ -356,16 +379,27 @@ def judge(
         past = history.series(name)
         if len(samples) > 1:
             finding, ab = assess_ab(metric, new, samples[1][name], past)
-            outcomes.append(Outcome(name, estimate(new), finding, ab))
+            outcomes.append(Outcome(name, estimate(new), finding, ab, metric.host))
         else:
-            finding = assess_history(name, [*past, new], metric.higher_is_better)
-            outcomes.append(Outcome(name, estimate(new), finding))
+            assess = assess_host if metric.host else assess_history
+            finding = assess(name, [*past, new], metric.higher_is_better)
+            outcomes.append(Outcome(name, estimate(new), finding, host=metric.host))
     return outcomes
+
+
+def host_slower(outcomes: list[Outcome]) -> str | None:
+    """Why the host itself measured slower in this run (a host metric flagged), or None."""
+    slower = [o for o in outcomes if o.host and o.finding.regression]
+    if not slower:
+        return None
+    return "the host itself measured slower: " + ", ".join(
+        f"{o.metric} {o.finding.change or 0.0:+.1%}" for o in slower
+    )
 
 
 def decide(outcomes: list[Outcome], busy: str | None) -> tuple[str, int]:
     """The run's verdict and exit status: a regression on a busy host is "noisy" (3)."""
-    if any(o.finding.regression for o in outcomes):
+    if any(o.finding.regression and not o.host for o in outcomes):
         return ("noisy", EXIT_NOISY) if busy else ("regression", EXIT_REGRESSION)
     if all(o.finding.reason.startswith(TOO_SHORT) for o in outcomes):
         return "baseline", EXIT_CLEAN
@@ -397,20 +431,22 @@ def nightly(opts: Options, candidate_dir: Path, reporter: Reporter) -> int:
     t0 = time.monotonic()
     samples = measure(spec, names, builds, rounds, out_dir / "work", reporter)
     outcomes = judge(spec, names, samples, history)
-    suspects = [o.metric for o in outcomes if o.finding.regression]
+    suspects = [o.metric for o in outcomes if o.finding.regression and not o.host]
     remeasured: list[str] = []
     if suspects:
         reporter.note(f"suspected regression of {', '.join(suspects)}: measuring once more")
-        again = measure(spec, suspects, builds, rounds, out_dir / "work-again", reporter)
+        # The host metrics are measured again too: the host's state now is what counts.
+        again_names = suspects + [m.name for m in spec.metrics if m.host and m.name not in suspects]
+        again = measure(spec, again_names, builds, rounds, out_dir / "work-again", reporter)
         for b, per_build in enumerate(again):
             samples[b].update(per_build)
-        again_outcomes = {o.metric: o for o in judge(spec, suspects, samples, history)}
+        again_outcomes = {o.metric: o for o in judge(spec, again_names, samples, history)}
         outcomes = [again_outcomes.get(o.metric, o) for o in outcomes]
         remeasured = suspects
     host.finish()
-    busy = host.busy()
+    busy = host.busy() or host_slower(outcomes)
     verdict, code = decide(outcomes, busy)
-    regressions = [o for o in outcomes if o.finding.regression]
+    regressions = [o for o in outcomes if o.finding.regression and not o.host]
     run = Run(
         started.isoformat(timespec="seconds"),
         datetime.now(UTC).isoformat(timespec="seconds"),

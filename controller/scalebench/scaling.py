@@ -5,7 +5,7 @@ A `Session` is one densevm process booted with N VMs; `Session.window` drives zi
 over them for a while and reads, over exactly that window, the replies per second, the faults
 the pager served and the CPU time of densevm's whole process tree (parent and cells). `boot`
 records boot time and the host memory each idle VM costs (kernel + monitor, the guests' own
-resident RAM excluded).
+resident RAM excluded). `NginxReference` is the same load on nginx: the host's own speed.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from pathlib import Path
 from types import TracebackType
 
 from .densevm import control
+from .nginx import NginxServer
 
 TICKS = os.sysconf("SC_CLK_TCK")
 WS_BYTES = 896 << 10  # the webguest's default per-request working set
@@ -120,13 +122,80 @@ class Boot:
         return (self.memavailable_drop_bytes - self.guest_ram_resident_bytes) / self.vms
 
 
-class Session:
+class LoadTarget:
+    """A server on `vms` loopback addresses from `addr_base` at `port` (process `proc`), which
+    zipfperf loads with a new connection per request."""
+
+    build: Build
+    vms: int
+    addr_base: str
+    port: int
+    proc: subprocess.Popen
+
+    def faults(self) -> int:
+        """Faults the server has served so far (0: a server that does not page)."""
+        return 0
+
+    def load(self, seconds: float, alpha: float, concurrency: int = 64) -> dict:
+        """zipfperf's JSON result for `seconds` of load, a new connection per request."""
+        out = subprocess.run(
+            [
+                str(self.build.zipfperf),
+                "--targets",
+                str(self.vms),
+                "--addr-base",
+                self.addr_base,
+                "--port",
+                str(self.port),
+                "--alpha",
+                str(alpha),
+                "--concurrency",
+                str(concurrency),
+                "--num-calls",
+                "1",
+                "--duration",
+                str(seconds),
+                "--json",
+                "-",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return json.loads(out.stdout)
+
+    def window(self, seconds: float, alpha: float, concurrency: int = 64) -> Window:
+        """Load for `seconds`, measured: replies/s, faults and the server's CPU in the window."""
+        before = self.faults()
+        cpu_before = tree_cpu(self.proc.pid)
+        started = time.monotonic()
+        result = self.load(seconds, alpha, concurrency)
+        elapsed = time.monotonic() - started
+        cpu_after = tree_cpu(self.proc.pid)
+        after = self.faults()
+        return Window(
+            elapsed,
+            float(result["replies"]["rate"]),
+            int(result["replies"]["total"]),
+            int(after - before),
+            cpu_after[0] - cpu_before[0],
+            cpu_after[1] - cpu_before[1],
+        )
+
+
+class Session(LoadTarget):
     """One densevm serving `vms` VMs at addr_base; a context manager that stops it on exit.
 
     `args` are further serve flags (--mem, --block, --disk, --cell-vms, ...)."""
 
     def __init__(
-        self, build: Build, workdir: Path, vms: int, addr_base: str, *args: str, port: int = 8080
+        self,
+        build: Build,
+        workdir: Path,
+        vms: int,
+        addr_base: str,
+        *args: str,
+        port: int = 8080,
     ) -> None:
         self.build, self.vms, self.addr_base, self.port = build, vms, addr_base, port
         workdir = workdir.resolve()  # densevm runs in it: a relative path would resolve twice
@@ -199,48 +268,32 @@ class Session:
         """The cheap totals (no per-VM list, no mincore counts)."""
         return self.stats()["totals"]
 
-    def load(self, seconds: float, alpha: float, concurrency: int = 64) -> dict:
-        """zipfperf's JSON result for `seconds` of load, a new connection per request."""
-        out = subprocess.run(
-            [
-                str(self.build.zipfperf),
-                "--targets",
-                str(self.vms),
-                "--addr-base",
-                self.addr_base,
-                "--port",
-                str(self.port),
-                "--alpha",
-                str(alpha),
-                "--concurrency",
-                str(concurrency),
-                "--num-calls",
-                "1",
-                "--duration",
-                str(seconds),
-                "--json",
-                "-",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        return json.loads(out.stdout)
+    def faults(self) -> int:
+        return int(self.totals()["faults"])
 
-    def window(self, seconds: float, alpha: float, concurrency: int = 64) -> Window:
-        """Load for `seconds`, measured: replies/s, faults and densevm's CPU in the window."""
-        before = self.totals()["faults"]
-        cpu_before = tree_cpu(self.proc.pid)
-        started = time.monotonic()
-        result = self.load(seconds, alpha, concurrency)
-        elapsed = time.monotonic() - started
-        cpu_after = tree_cpu(self.proc.pid)
-        after = self.totals()["faults"]
-        return Window(
-            elapsed,
-            float(result["replies"]["rate"]),
-            int(result["replies"]["total"]),
-            int(after - before),
-            cpu_after[0] - cpu_before[0],
-            cpu_after[1] - cpu_before[1],
-        )
+
+class NginxReference(LoadTarget):
+    """nginx (one worker) on `vms` loopback addresses, serving the webguest's 2,258-byte reply:
+    the host's own speed under the in-core load shape, with no densevm in it. A context
+    manager."""
+
+    def __init__(self, build: Build, vms: int, addr_base: str) -> None:
+        self.build, self.vms, self.addr_base = build, vms, addr_base
+        self.port = free_port()
+        self.server = NginxServer(self.port, extra_targets=vms, addr_base=addr_base)
+
+    def __enter__(self) -> NginxReference:
+        self.server.__enter__()
+        assert self.server.proc is not None
+        self.proc = self.server.proc
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.stop()
+
+
+def free_port() -> int:
+    """A TCP port free on every loopback address now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -25,10 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "controller"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scalebench.densevm import control  # noqa: E402
+from scalebench.nginx import NginxServer  # noqa: E402
 from scalebench.touch import touch_all  # noqa: E402
-from zipfperf_nginx import NginxServer  # noqa: E402
 
 DENSEVM = ROOT / "target" / "release" / "densevm"
 ZIPFPERF = ROOT / "target" / "release" / "zipfperf"

@@ -9,7 +9,7 @@
    (interleaved, --rounds times).
 4. Zipf sampling speed (zipfperf --bench-sampler).
 
-Everything runs against a private nginx on loopback (zipfperf_nginx.py).
+Everything runs against a private nginx on loopback (controller/scalebench/nginx.py).
 httperf --hog binds its ports explicitly and leaves TIME_WAIT on the client
 side, so before each open-loop pair this script waits until the ephemeral
 ports are free again (that wait is httperf's limitation, reported as such);
@@ -34,10 +34,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from zipfperf_nginx import NginxServer
-
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "controller"))
+from scalebench.nginx import NginxServer  # noqa: E402
+
 ZIPFPERF = REPO / "target" / "release" / "zipfperf"
 EPHEMERAL_PORTS = 60999 - 32768 + 1
 OPEN_LOOP_SECONDS = 6  # one full 5-second reply-rate sample for both tools

@@ -1,4 +1,5 @@
-"""A throw-away nginx on loopback for zipfperf's tests and the benchmarks.
+"""A throw-away nginx on loopback: the host's reference server for zipfperf's tests, the
+benchmarks and the nightly's host probe.
 
 Runs Debian's nginx as a non-daemon with its own temporary prefix and config:
 one worker (or more), access_log off, listening on 127.0.0.1 and on extra
