@@ -268,6 +268,10 @@ def test_image_build_failure_is_a_clear_error(tmp_path: Path) -> None:
             "pgbench has no mix 'standard'",
         ),
         (["dbtrace", "--compare", "--workload", "pgbench"], "no study figures for pgbench"),
+        (
+            ["dbtrace", "--workload", "tpcc", "--mix", "standard", "--db-memory", "300"],
+            "--db-memory must be 0 or 64 to 256 MiB (--memory), not 300",
+        ),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(

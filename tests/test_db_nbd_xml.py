@@ -55,6 +55,12 @@ def test_xml_nbd_disk_network_and_boot() -> None:
     assert root.find("devices/serial/source").get("path") == "/r/console.log"
 
 
+def test_the_database_memory_cap_reaches_the_guest_kernel_command_line() -> None:
+    capped = ET.fromstring(spec(db_memory_mib=96).to_xml()).findtext("os/cmdline")
+    assert f"scalebench.db_memory_max={96 << 20}" in capped.split()
+    assert "db_memory_max" not in ET.fromstring(spec().to_xml()).findtext("os/cmdline")
+
+
 def test_xml_qcow2_disk_and_kvm() -> None:
     root = ET.fromstring(
         spec(domain_type="kvm", nbd_socket=None, qcow2_overlay=Path("/r/o.qcow2")).to_xml()

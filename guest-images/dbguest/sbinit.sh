@@ -27,9 +27,24 @@ ip addr add 10.0.2.15/24 dev "$nic"
 ip route add default via 10.0.2.2
 mkdir -p /run/postgresql
 chown postgres:postgres /run/postgresql
-runuser -u postgres -- /usr/lib/postgresql/15/bin/pg_ctl -D /var/lib/postgresql/15/main -w -t 600 \
-    -l /run/postgresql/server.log \
-    -o "-c config_file=/etc/postgresql/15/main/postgresql.conf" start
+# scalebench.db_memory_max=<bytes> on the kernel command line: the server's
+# memory (cgroup v2 memory.max: its buffers, processes and the page cache of
+# the files it reads) is capped, so the kernel's cache cannot act as a second
+# buffer pool (the study's engines did direct I/O; PostgreSQL 15 cannot).
+db_memory_max=$(sed -n 's/.*scalebench\.db_memory_max=\([0-9]*\).*/\1/p' /proc/cmdline)
+if [ -n "$db_memory_max" ]; then
+    mount -t cgroup2 none /sys/fs/cgroup
+    echo +memory > /sys/fs/cgroup/cgroup.subtree_control
+    mkdir /sys/fs/cgroup/db
+    echo "$db_memory_max" > /sys/fs/cgroup/db/memory.max
+    echo "scalebench-dbguest: database memory capped at $db_memory_max bytes" > /dev/console
+fi
+(
+    [ -n "$db_memory_max" ] && echo 0 > /sys/fs/cgroup/db/cgroup.procs
+    exec runuser -u postgres -- /usr/lib/postgresql/15/bin/pg_ctl -D /var/lib/postgresql/15/main \
+        -w -t 600 -l /run/postgresql/server.log \
+        -o "-c config_file=/etc/postgresql/15/main/postgresql.conf" start
+)
 if [ $? -eq 0 ]; then
     echo "SCALEBENCH-DB-READY" > /dev/console
 else

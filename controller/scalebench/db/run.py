@@ -80,6 +80,7 @@ class RunOptions:
             "warmup_s": self.warmup_s,
             "warmup_cap_s": self.steady.cap_s,
             "memory_mib": g.memory_mib,
+            "db_memory_mib": g.db_memory_mib,
             "boot_timeout_s": g.boot_timeout_s,
             "out_dir": str(g.run_dir),
             "seed": self.seed,
