@@ -5,7 +5,7 @@
 
 use std::io::Read;
 use std::sync::OnceLock;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Where injected work runs, which decides whose CPU time it raises.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,23 +25,49 @@ pub fn spend(amount: Duration, work: Work) {
     let Some(start) = thread_cpu() else {
         return;
     };
-    static ZERO: OnceLock<Option<std::fs::File>> = OnceLock::new();
-    let mut buf = [0u8; 16 << 10];
-    while thread_cpu().is_some_and(|now| now.saturating_sub(start) < amount) {
-        match work {
-            Work::User => {
-                for _ in 0..64 {
-                    std::hint::spin_loop();
-                }
-            }
-            Work::Kernel => {
-                let zero = ZERO.get_or_init(|| std::fs::File::open("/dev/zero").ok());
-                if zero.as_ref().is_none_or(|mut f| f.read(&mut buf).is_err()) {
-                    return;
-                }
-            }
+    while let Some(now) = thread_cpu() {
+        let left = amount.saturating_sub(now.saturating_sub(start));
+        if left.is_zero() {
+            return;
+        }
+        let done = match work {
+            Work::User => spin_for(left),
+            Work::Kernel => read_zeros_for(left),
+        };
+        if !done {
+            return;
         }
     }
+}
+
+/// Spins for `wall` of wall-clock time. The thread CPU clock is a system
+/// call, so it is read only between spins (a preempted spin falls short and
+/// `spend` goes round again); the wall clock read here is the vDSO's.
+fn spin_for(wall: Duration) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < wall {
+        std::hint::spin_loop();
+    }
+    true
+}
+
+/// Reads /dev/zero for `wall` of wall-clock time; false if it cannot.
+fn read_zeros_for(wall: Duration) -> bool {
+    static ZERO: OnceLock<Option<std::fs::File>> = OnceLock::new();
+    let Some(mut zero) = ZERO
+        .get_or_init(|| std::fs::File::open("/dev/zero").ok())
+        .as_ref()
+    else {
+        return false;
+    };
+    let mut buf = [0u8; 16 << 10];
+    let start = Instant::now();
+    while start.elapsed() < wall {
+        if zero.read(&mut buf).is_err() {
+            return false;
+        }
+    }
+    true
 }
 
 /// CPU time of the calling thread (CLOCK_THREAD_CPUTIME_ID).
@@ -61,9 +87,14 @@ fn thread_cpu() -> Option<Duration> {
 mod tests {
     use super::*;
 
+    /// Long enough for the scheduler tick, which splits a thread's CPU time
+    /// into user and kernel by sampling, to give the split a few dozen
+    /// samples even at HZ=100.
+    const SPENT: Duration = Duration::from_millis(300);
+
     fn cpu_of(work: Work) -> (Duration, Duration) {
         let (user0, kernel0) = rusage_thread();
-        spend(Duration::from_millis(50), work);
+        spend(SPENT, work);
         let (user1, kernel1) = rusage_thread();
         (user1 - user0, kernel1 - kernel0)
     }
@@ -80,14 +111,8 @@ mod tests {
     #[test]
     fn kernel_work_is_kernel_time_and_user_work_is_user_time() {
         let (user, kernel) = cpu_of(Work::Kernel);
-        assert!(
-            kernel > Duration::from_millis(30) && user < kernel,
-            "{user:?} {kernel:?}"
-        );
+        assert!(kernel > SPENT / 2 && user < kernel, "{user:?} {kernel:?}");
         let (user, kernel) = cpu_of(Work::User);
-        assert!(
-            user > Duration::from_millis(30) && kernel < user,
-            "{user:?} {kernel:?}"
-        );
+        assert!(user > SPENT / 2 && kernel < user, "{user:?} {kernel:?}");
     }
 }
