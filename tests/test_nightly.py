@@ -49,6 +49,17 @@ def test_a_10pct_step_under_5pct_noise_is_found(seed):
 
 
 @pytest.mark.parametrize("seed", range(5))
+def test_a_step_that_began_inside_the_previous_run_is_found_on_the_newest(seed):
+    """The previous run's later rounds already shifted, too few for its own confidence interval
+    to exclude the earlier median: the step is raised on the newest run, not lost for good."""
+    before, after = noisy_runs(seed, RUNS + 1), noisy_runs(seed + 100, 2, level=88.0)
+    previous = before[-1][:4] + after[0][4:]
+    finding = assess("rps", [*before[:-1], previous, after[1]], higher_is_better=True)
+    assert finding.regression, finding
+    assert finding.earlier_median is not None and finding.earlier_median > 95
+
+
+@pytest.mark.parametrize("seed", range(5))
 def test_pure_noise_is_not_flagged(seed):
     assert not assess("rps", noisy_runs(seed, RUNS + 1), higher_is_better=True).regression
 

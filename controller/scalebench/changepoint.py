@@ -5,10 +5,11 @@ signal-processing-algorithms package).
 A metric's history is a list of runs, each a list of trial values (oldest first). E-Divisive runs
 on the trial values laid end to end; a regression is a change point that lands on the newest
 run (within PLACEMENT trials of its start: the estimator places a step to within a trial or
-two), whose change is in the metric's bad direction, larger than NOISE_FACTOR times the metric's
-own run-to-run noise (the spread of the earlier runs' medians since the previous change point, or
-of all earlier runs when fewer than MIN_RUNS follow it),
-and whose newest-run confidence interval excludes the earlier median.
+two) or inside the run before it (past its first PLACEMENT trials), whose change is in the
+metric's bad direction, larger than NOISE_FACTOR times the metric's own run-to-run noise (the
+spread of the earlier runs' medians since the previous change point, or of all earlier runs when
+fewer than MIN_RUNS follow it), and whose newest-run confidence interval excludes the median of
+the whole runs before the change point.
 """
 
 from __future__ import annotations
@@ -112,17 +113,24 @@ def assess(metric: str, runs: list[list[float]], higher_is_better: bool) -> Find
     if len(runs) <= MIN_RUNS:
         return Finding(metric, False, f"{TOO_SHORT} ({len(runs) - 1} earlier run(s))")
     series = [v for run in runs for v in run]
-    newest_start = len(series) - len(runs[-1])
+    ends = np.cumsum([len(r) for r in runs])
+    newest_start, previous_start = int(ends[-2]), int(ends[-2]) - len(runs[-2])
     cps = change_points(series)
-    landed = [c for c in cps if c >= newest_start - PLACEMENT]
+    # A step the estimator places inside the previous run (its later rounds already shifted)
+    # counts too: judged on the newest run alone, it would never be raised on any later night.
+    # A step at the start of the previous run was that run's to report.
+    landed = [c for c in cps if c >= min(previous_start + PLACEMENT + 1, newest_start - PLACEMENT)]
     newest = estimate(runs[-1])
     if not landed:
         return Finding(metric, False, "no change point on the newest run", newest=newest)
     cp = landed[0]
     prior = max((c for c in cps if c < cp), default=0)
-    # The earlier runs since the previous change point, whole runs only.
-    starts = np.cumsum([0] + [len(r) for r in runs[:-2]])
-    earlier = [r for r, s in zip(runs[:-1], starts, strict=True) if s >= prior]
+    # The whole earlier runs since the previous change point, up to this one.
+    earlier = [
+        r
+        for r, end in zip(runs[:-1], ends[:-1], strict=True)
+        if end - len(r) >= prior and end <= cp + PLACEMENT
+    ]
     if len(earlier) < 2:
         earlier = runs[-3:-1]
     base = statistics.median(v for r in earlier for v in r)
@@ -139,6 +147,8 @@ def assess(metric: str, runs: list[list[float]], higher_is_better: bool) -> Find
         reason = f"change within {NOISE_FACTOR:g}x the metric's noise ({noise:.1%})"
     elif not outside:
         reason = "the newest confidence interval holds the earlier median"
+    elif cp < newest_start - PLACEMENT:
+        reason = "change point in the previous run, beyond the metric's noise in the newest"
     else:
         reason = "change point on the newest run, beyond the metric's noise"
     return Finding(metric, regression, reason, change, newest, base, noise, cp)
