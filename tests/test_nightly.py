@@ -22,10 +22,14 @@ from scalebench.nightly import (
     EXIT_REGRESSION,
     METRICS,
     HostNoise,
+    Metric,
     Outcome,
+    Probe,
+    Spec,
     decide,
-    host_slower,
+    gate,
     load_spec,
+    run_probe,
 )
 from scalebench.scaling import Build, Session
 from test_scalebench_report import images_state
@@ -125,11 +129,25 @@ def test_a_file_that_is_not_a_history_is_refused(tmp_path):
         History(bad)
 
 
-def outcome(regression: bool, reason: str = "x", host: bool = False) -> Outcome:
-    name = "host_ref" if host else "m"
+def outcome(regression: bool, reason: str = "x", host: bool = False, name: str = "") -> Outcome:
+    name = name or ("host_ref" if host else "m")
     change, earlier = (-0.12, 1.7) if regression else (None, None)
     finding = Finding(name, regression, reason, change, earlier_median=earlier)
     return Outcome(name, estimate([1.0, 2.0]), finding, host=host)
+
+
+# Two host references, each gating its own path, and one metric gated by every host metric.
+GATED = Spec(
+    1,
+    {},
+    [
+        Metric("host_nginx", "higher", host=True),
+        Metric("host_disk", "higher", host=True),
+        Metric("incore", "higher", host_ref="host_nginx"),
+        Metric("ooc", "higher", host_ref="host_disk"),
+        Metric("faults", "higher"),
+    ],
+)
 
 
 def test_verdicts_and_exit_codes():
@@ -140,13 +158,29 @@ def test_verdicts_and_exit_codes():
 
 
 def test_a_slower_host_makes_a_regression_noisy_and_is_never_one_itself():
-    slower_host = outcome(True, host=True)
-    busy = host_slower([slower_host, outcome(True)])
-    assert busy == "the host itself measured slower: host_ref -12.0%"
-    assert decide([slower_host, outcome(True)], busy) == ("noisy", EXIT_NOISY)
-    assert decide([slower_host, outcome(False)], busy) == ("clean", EXIT_CLEAN)
-    assert host_slower([outcome(False, host=True), outcome(True)]) is None
-    assert slower_host.line().endswith("HOST SLOWER")
+    slower_disk = outcome(True, host=True, name="host_disk")
+    quiet_nginx = outcome(False, host=True, name="host_nginx")
+    ooc = gate(GATED, [quiet_nginx, slower_disk, outcome(True, name="ooc")])
+    assert ooc[2].host_slower == "the host itself measured slower: host_disk -12.0%"
+    assert ooc[2].line().endswith("not judged, the host itself measured slower: host_disk -12.0%")
+    assert decide(ooc, None) == ("noisy", EXIT_NOISY)
+    assert decide(gate(GATED, [slower_disk, outcome(False, name="ooc")]), None) == (
+        "clean",
+        EXIT_CLEAN,
+    )
+    assert gate(GATED, [quiet_nginx, outcome(True, name="ooc")])[1].host_slower is None
+    assert slower_disk.line().endswith("HOST SLOWER")
+
+
+def test_a_host_reference_gates_only_the_metrics_that_name_it():
+    slower_disk = outcome(True, host=True, name="host_disk")
+    # The disk being slow says nothing about the in-core path: its regression stands.
+    both = gate(GATED, [slower_disk, outcome(True, name="incore"), outcome(True, name="ooc")])
+    assert both[1].host_slower is None and both[2].host_slower
+    assert decide(both, None) == ("regression", EXIT_REGRESSION)
+    # A metric with no host_ref is gated by any host metric measured slower.
+    faults = gate(GATED, [slower_disk, outcome(True, name="faults")])
+    assert faults[1].host_slower and decide(faults, None) == ("noisy", EXIT_NOISY)
 
 
 def test_host_noise_names_a_busy_host():
@@ -173,9 +207,20 @@ def test_the_repository_metrics_file_is_valid():
     assert "incore16_cpu_us_per_reply" in quick and quick["host_nginx16_rps"].host
     assert {p.name for p in spec.probes_of([m.name for m in spec.quick().metrics])} == {
         "nginx16",
+        "disk32k",
         "incore16",
         "ooc64",
     }
+    assert (
+        quick["ooc64_rps"].host_ref == "host_disk_ios_per_s" and quick["host_disk_ios_per_s"].host
+    )
+
+
+def test_the_disk_reference_measures_random_io_on_a_scratch_file(tmp_path):
+    probe = Probe("disk", server="disk", block="32k", windows=2, window_s=0.3)
+    values = run_probe(Build(Path("unused"), Path("unused")), probe, tmp_path, "127.91.0.0")
+    assert len(values["ios_per_s"]) == 2 and min(values["ios_per_s"]) > 10, values
+    assert list(tmp_path.iterdir()) == []  # the scratch file is gone
 
 
 @pytest.mark.parametrize(
@@ -188,6 +233,11 @@ def test_the_repository_metrics_file_is_valid():
         ),
         ('metrics = [{name = "a", ratio = ["x", "y"], better = "higher"}]', "ratio"),
         ("rounds = 0", "rounds"),
+        (
+            'metrics = [{name = "a", probe = "p", field = "boot_seconds", better = "higher", '
+            'host_ref = "a"}]',
+            "host_ref must name a host metric defined above it",
+        ),
     ],
 )
 def test_bad_metrics_files_are_refused(tmp_path, text, message):
@@ -200,8 +250,9 @@ def test_bad_metrics_files_are_refused(tmp_path, text, message):
 @pytest.mark.parametrize(
     ("probe", "field", "message"),
     [
-        ('server = "nginx"', "boot_seconds", "nginx probe p measures only"),
-        ('server = "apache"', "replies_per_s", "server must be densevm or nginx"),
+        ('server = "nginx"', "boot_seconds", "probe p measures only replies_per_s, cpu_us_per_"),
+        ('server = "disk"', "replies_per_s", "probe p measures only ios_per_s"),
+        ('server = "apache"', "replies_per_s", "server must be one of densevm, nginx, disk"),
     ],
 )
 def test_the_host_reference_probe_is_checked(tmp_path, probe, field, message):

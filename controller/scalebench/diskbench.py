@@ -51,36 +51,77 @@ def _aligned_buffer(size: int) -> mmap.mmap:
     return buf
 
 
+class ScratchFile:
+    """A BENCH_FILE_BYTES file of random bytes under `directory`, opened with O_DIRECT as the
+    pager opens its swap, removed on exit. A context manager; `fd` is the open descriptor."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
+        self.path = directory / f".scalebench-diskbench-{os.getpid()}"
+        self.fd = -1
+
+    def __enter__(self) -> ScratchFile:
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+        except OSError as e:
+            raise OSError(
+                e.errno,
+                f"cannot open a file with O_DIRECT in {self.directory} (tmpfs?), "
+                f"as the pager's swap needs: {e.strerror}",
+            ) from None
+        try:
+            # Fill the file so the reads hit allocated blocks, one MiB at a time.
+            chunk = _aligned_buffer(MIB)
+            for off in range(0, BENCH_FILE_BYTES, MIB):
+                os.pwrite(self.fd, chunk, off)
+            os.fsync(self.fd)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.path.unlink(missing_ok=True)
+
+
 def measure(directory: Path, block_bytes: int, write_bytes: int, seed: int = 1) -> DiskBench:
     """Benchmark the device under `directory` with a scratch file that is removed afterwards."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f".scalebench-diskbench-{os.getpid()}"
     write_bytes = round_up(write_bytes, _ALIGN)
     chunk = _aligned_buffer(max(MIB, write_bytes))
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
-    except OSError as e:
-        raise OSError(
-            e.errno,
-            f"cannot open a file with O_DIRECT in {directory} (tmpfs?), "
-            f"as the pager's swap needs: {e.strerror}",
-        ) from None
-    try:
-        # Fill the file so the reads hit allocated blocks, one MiB at a time.
-        for off in range(0, BENCH_FILE_BYTES, MIB):
-            os.pwrite(fd, memoryview(chunk)[:MIB], off)
-        os.fsync(fd)
+    with ScratchFile(directory) as scratch:
         rounds = []
         for _ in range(ROUNDS):
-            rounds.append(_round(fd, chunk, block_bytes, write_bytes, random.Random(seed)))
+            rounds.append(_round(scratch.fd, chunk, block_bytes, write_bytes, random.Random(seed)))
             time.sleep(ROUND_GAP_S)
-    finally:
-        os.close(fd)
-        path.unlink(missing_ok=True)
     # The quietest round: right after a run the host may still be freeing the last
     # swap file, and one such round measured a sequential read 40x too slow.
     read, write, seqread = min(rounds, key=sum)
     return DiskBench(str(directory), block_bytes, read, write_bytes, write, seqread)
+
+
+def random_io_rate(scratch: ScratchFile, block_bytes: int, seconds: float, seed: int) -> float:
+    """Random O_DIRECT reads and writes of `block_bytes` on `scratch`, alternating, one at a
+    time as the pager's misses and evictions go, for `seconds`: operations per second. The
+    host's own swap-path speed, with no densevm in it (the nightly's disk reference)."""
+    buf = _aligned_buffer(block_bytes)
+    view = memoryview(buf)[:block_bytes]
+    slots = BENCH_FILE_BYTES // block_bytes
+    rng = random.Random(seed)
+    ops = 0
+    started = time.perf_counter()
+    deadline = started + seconds
+    while (now := time.perf_counter()) < deadline:
+        off = rng.randrange(slots) * block_bytes
+        if ops % 2:
+            os.pwritev(scratch.fd, [view], off)
+        else:
+            os.preadv(scratch.fd, [view], off)
+        ops += 1
+    return ops / (now - started)
 
 
 def _round(

@@ -18,7 +18,7 @@ import statistics
 import subprocess
 import time
 import tomllib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -34,9 +34,11 @@ from .changepoint import (
 )
 from .changepoint import assess as assess_history
 from .config import REPO_ROOT, ConfigError
+from .diskbench import ScratchFile, random_io_rate
 from .history import History, Run, default_path
 from .progress import Reporter
 from .scaling import TICKS, Build, LoadTarget, NginxReference, Session
+from .units import parse_size
 
 METRICS = REPO_ROOT / "experiments" / "nightly" / "metrics.toml"
 ADDR_BASE = "127.90.0.0"  # away from the default, which interactive runs and other tests use
@@ -49,6 +51,8 @@ WINDOW_FIELDS = (
 )
 BOOT_FIELDS = ("boot_seconds", "host_bytes_per_vm")
 NGINX_FIELDS = ("replies_per_s", "cpu_us_per_reply")
+DISK_FIELDS = ("ios_per_s",)
+SERVERS = {"densevm": WINDOW_FIELDS + BOOT_FIELDS, "nginx": NGINX_FIELDS, "disk": DISK_FIELDS}
 STEAL_LIMIT = 0.10  # steal time above this share of CPU time: the host is too busy
 OTHERS_LIMIT = 0.5  # other tenants using more than this share of the host's CPU time: too busy
 EXIT_CLEAN, EXIT_REGRESSION, EXIT_NOISY = 0, 1, 3
@@ -61,7 +65,7 @@ class ProbeError(RuntimeError):
 @dataclass(frozen=True)
 class Probe:
     name: str
-    vms: int
+    vms: int = 0  # a disk probe has none
     mem: str = ""  # densevm's --mem; "": its default
     alpha: float = 1.0
     concurrency: int = 64
@@ -71,7 +75,7 @@ class Probe:
     disk: str = "none"
     block: str = "32k"
     cell_vms: int | None = None
-    server: str = "densevm"  # or "nginx": the host reference, no densevm in it
+    server: str = "densevm"  # or a host reference with no densevm in it: "nginx" or "disk"
 
     def serve_args(self) -> tuple[str, ...]:
         args = ("--block", self.block, "--disk", self.disk) + (
@@ -90,6 +94,7 @@ class Metric:
     field: str | None = None
     ratio: tuple[str, str] | None = None
     host: bool = False  # measures the host, not the build: a drop means a noisy host
+    host_ref: str | None = None  # the host metric that gates this one; None: every host metric
 
     @property
     def higher_is_better(self) -> bool:
@@ -134,7 +139,15 @@ def load_spec(path: Path) -> Spec:
         ]
     except TypeError as e:
         raise ConfigError(f"{path}: {e}") from None
+    for probe in probes.values():
+        if probe.server not in SERVERS:
+            raise ConfigError(
+                f"{path}: probe {probe.name}: server must be one of {', '.join(SERVERS)}"
+            )
+        if probe.server != "disk" and probe.vms < 1:
+            raise ConfigError(f"{path}: probe {probe.name} needs vms >= 1")
     names: set[str] = set()
+    by_name: dict[str, Metric] = {}
     for m in metrics:
         where = f"{path}: metric {m.name}"
         if m.name in names:
@@ -146,16 +159,15 @@ def load_spec(path: Path) -> Spec:
                 raise ConfigError(f"{where}: ratio must name two metrics defined above it")
         elif m.probe not in probes:
             raise ConfigError(f"{where}: unknown probe {m.probe!r}")
-        elif m.field not in WINDOW_FIELDS + BOOT_FIELDS:
-            raise ConfigError(f"{where}: unknown field {m.field!r}")
-        elif m.field in WINDOW_FIELDS and probes[m.probe].windows < 1:
+        elif m.field not in SERVERS[probes[m.probe].server]:
+            fields = ", ".join(SERVERS[probes[m.probe].server])
+            raise ConfigError(f"{where}: probe {m.probe} measures only {fields}, not {m.field!r}")
+        elif m.field not in BOOT_FIELDS and probes[m.probe].windows < 1:
             raise ConfigError(f"{where}: probe {m.probe} has no load windows")
-        elif probes[m.probe].server == "nginx" and m.field not in NGINX_FIELDS:
-            raise ConfigError(f"{where}: nginx probe {m.probe} measures only {NGINX_FIELDS}")
+        if m.host_ref is not None and not (m.host_ref in names and by_name[m.host_ref].host):
+            raise ConfigError(f"{where}: host_ref must name a host metric defined above it")
         names.add(m.name)
-    for probe in probes.values():
-        if probe.server not in ("densevm", "nginx"):
-            raise ConfigError(f"{path}: probe {probe.name}: server must be densevm or nginx")
+        by_name[m.name] = m
     rounds = doc.get("rounds", 3)
     if not isinstance(rounds, int) or rounds < 1 or not metrics:
         raise ConfigError(f"{path}: needs rounds >= 1 and at least one metric")
@@ -165,6 +177,15 @@ def load_spec(path: Path) -> Spec:
 def run_probe(build: Build, probe: Probe, workdir: Path, addr_base: str) -> dict[str, list[float]]:
     """One boot of `probe`: every field's values (boot fields once, window fields per window)."""
     workdir.mkdir(parents=True, exist_ok=True)
+    if probe.server == "disk":
+        with ScratchFile(workdir) as scratch:
+            block = parse_size(probe.block)
+            return {
+                "ios_per_s": [
+                    random_io_rate(scratch, block, probe.window_s, seed)
+                    for seed in range(probe.windows)
+                ]
+            }
     if probe.server == "nginx":
         with NginxReference(build, probe.vms, addr_base) as reference:
             return load_windows(reference, probe, {})
@@ -312,6 +333,7 @@ class Outcome:
     finding: Finding
     ab: Estimate | None = None  # candidate / comparison build, A/B mode
     host: bool = False  # a host metric: its "regression" is a slower host
+    host_slower: str | None = None  # a suspected regression whose host reference measured slower
 
     def line(self) -> str:
         e, f = self.estimate, self.finding
@@ -325,6 +347,8 @@ class Outcome:
             text += f"; {f.change:+.1%} vs earlier median {f.earlier_median:,.4g}"
         if f.noise is not None:
             text += f", noise {f.noise:.1%}"
+        if self.host_slower:
+            return f"{text}: not judged, {self.host_slower}"
         flagged = "HOST SLOWER" if self.host else "REGRESSION"
         return f"{text}: {flagged if f.regression else f.reason}"
 
@@ -387,20 +411,35 @@ def judge(
     return outcomes
 
 
-def host_slower(outcomes: list[Outcome]) -> str | None:
-    """Why the host itself measured slower in this run (a host metric flagged), or None."""
-    slower = [o for o in outcomes if o.host and o.finding.regression]
-    if not slower:
-        return None
+def gate(spec: Spec, outcomes: list[Outcome]) -> list[Outcome]:
+    """`outcomes`, each suspected regression whose host reference (its `host_ref`, else any host
+    metric) measured slower in this run marked with why: that says nothing about the build."""
+    slower = {o.metric: o for o in outcomes if o.host and o.finding.regression}
+    refs = {m.name: m.host_ref for m in spec.metrics}
+    gated = []
+    for o in outcomes:
+        ref = refs[o.metric]
+        why = [slower[ref]] if ref in slower else [] if ref else list(slower.values())
+        if o.finding.regression and not o.host and why:
+            o = replace(o, host_slower=host_slower_reason(why))
+        gated.append(o)
+    return gated
+
+
+def host_slower_reason(slower: list[Outcome]) -> str:
     return "the host itself measured slower: " + ", ".join(
         f"{o.metric} {o.finding.change or 0.0:+.1%}" for o in slower
     )
 
 
 def decide(outcomes: list[Outcome], busy: str | None) -> tuple[str, int]:
-    """The run's verdict and exit status: a regression on a busy host is "noisy" (3)."""
-    if any(o.finding.regression and not o.host for o in outcomes):
-        return ("noisy", EXIT_NOISY) if busy else ("regression", EXIT_REGRESSION)
+    """The run's verdict and exit status: a regression seen on a busy host, or whose host
+    reference measured slower, is "noisy" (3)."""
+    suspects = [o for o in outcomes if o.finding.regression and not o.host]
+    if suspects and not busy and any(not o.host_slower for o in suspects):
+        return "regression", EXIT_REGRESSION
+    if suspects:
+        return "noisy", EXIT_NOISY
     if all(o.finding.reason.startswith(TOO_SHORT) for o in outcomes):
         return "baseline", EXIT_CLEAN
     return "clean", EXIT_CLEAN
@@ -444,9 +483,10 @@ def nightly(opts: Options, candidate_dir: Path, reporter: Reporter) -> int:
         outcomes = [again_outcomes.get(o.metric, o) for o in outcomes]
         remeasured = suspects
     host.finish()
-    busy = host.busy() or host_slower(outcomes)
+    outcomes = gate(spec, outcomes)
+    busy = host.busy()
     verdict, code = decide(outcomes, busy)
-    regressions = [o for o in outcomes if o.finding.regression and not o.host]
+    regressions = [o for o in outcomes if o.finding.regression and not (o.host or o.host_slower)]
     run = Run(
         started.isoformat(timespec="seconds"),
         datetime.now(UTC).isoformat(timespec="seconds"),
@@ -471,7 +511,8 @@ def nightly(opts: Options, candidate_dir: Path, reporter: Reporter) -> int:
         print(o.line())
     wall = time.monotonic() - t0
     if code == EXIT_NOISY:
-        print(f"nightly: host too noisy to judge ({busy}); not a regression [{wall:.0f} s]")
+        why = busy or "; ".join(sorted({o.host_slower for o in outcomes if o.host_slower}))
+        print(f"nightly: host too noisy to judge ({why}); not a regression [{wall:.0f} s]")
     elif code == EXIT_REGRESSION:
         print(
             "nightly: REGRESSION in "
