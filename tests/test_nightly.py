@@ -146,6 +146,7 @@ GATED = Spec(
         Metric("incore", "higher", host_ref="host_nginx"),
         Metric("ooc", "higher", host_ref="host_disk"),
         Metric("faults", "higher"),
+        Metric("incore_over_host", "lower", ratio=("incore", "host_nginx")),
     ],
 )
 
@@ -181,6 +182,13 @@ def test_a_host_reference_gates_only_the_metrics_that_name_it():
     # A metric with no host_ref is gated by any host metric measured slower.
     faults = gate(GATED, [slower_disk, outcome(True, name="faults")])
     assert faults[1].host_slower and decide(faults, None) == ("noisy", EXIT_NOISY)
+    # Divided by the host's own measure, the ratio is judged whatever the host did.
+    normalized = gate(
+        GATED,
+        [outcome(True, host=True, name="host_nginx"), outcome(True, name="incore_over_host")],
+    )
+    assert normalized[1].host_slower is None
+    assert decide(normalized, None) == ("regression", EXIT_REGRESSION)
 
 
 def test_host_noise_names_a_busy_host():

@@ -413,14 +413,17 @@ def judge(
 
 def gate(spec: Spec, outcomes: list[Outcome]) -> list[Outcome]:
     """`outcomes`, each suspected regression whose host reference (its `host_ref`, else any host
-    metric) measured slower in this run marked with why: that says nothing about the build."""
+    metric) measured slower in this run marked with why: that says nothing about the build. A
+    ratio over a host metric is normalized by the host already: never gated."""
     slower = {o.metric: o for o in outcomes if o.host and o.finding.regression}
-    refs = {m.name: m.host_ref for m in spec.metrics}
+    by_name = {m.name: m for m in spec.metrics}
     gated = []
     for o in outcomes:
-        ref = refs[o.metric]
+        metric = by_name[o.metric]
+        ref = metric.host_ref
         why = [slower[ref]] if ref in slower else [] if ref else list(slower.values())
-        if o.finding.regression and not o.host and why:
+        normalized = metric.ratio is not None and by_name[metric.ratio[1]].host
+        if o.finding.regression and not o.host and why and not normalized:
             o = replace(o, host_slower=host_slower_reason(why))
         gated.append(o)
     return gated
