@@ -56,6 +56,7 @@ SERVERS = {"densevm": WINDOW_FIELDS + BOOT_FIELDS, "nginx": NGINX_FIELDS, "disk"
 STEAL_LIMIT = 0.10  # steal time above this share of CPU time: the host is too busy
 OTHERS_LIMIT = 0.5  # other tenants using more than this share of the host's CPU time: too busy
 EXIT_CLEAN, EXIT_REGRESSION, EXIT_NOISY = 0, 1, 3
+HOST_SHARE = 0.5  # a host reference worse by this share of a suspect's change explains it
 
 
 class ProbeError(RuntimeError):
@@ -412,21 +413,34 @@ def judge(
 
 
 def gate(spec: Spec, outcomes: list[Outcome]) -> list[Outcome]:
-    """`outcomes`, each suspected regression whose host reference (its `host_ref`, else any host
-    metric) measured slower in this run marked with why: that says nothing about the build. A
-    ratio over a host metric is normalized by the host already: never gated."""
-    slower = {o.metric: o for o in outcomes if o.host and o.finding.regression}
+    """`outcomes`, each suspected regression whose host reference (its `host_ref`, else every host
+    metric) measured slower in this run marked with why: that says nothing about the build.
+    Slower means flagged so by its own history, or worse by at least HOST_SHARE of the metric's
+    change: a reference noisier than the metric it gates is rarely flagged, yet its drop explains
+    the metric's."""
     by_name = {m.name: m for m in spec.metrics}
+    hosts = {o.metric: o for o in outcomes if o.host}
     gated = []
     for o in outcomes:
         metric = by_name[o.metric]
-        ref = metric.host_ref
-        why = [slower[ref]] if ref in slower else [] if ref else list(slower.values())
-        normalized = metric.ratio is not None and by_name[metric.ratio[1]].host
-        if o.finding.regression and not o.host and why and not normalized:
-            o = replace(o, host_slower=host_slower_reason(why))
+        if o.finding.regression and not o.host:
+            ref = metric.host_ref
+            refs = [hosts[ref]] if ref in hosts else [] if ref else list(hosts.values())
+            why = [h for h in refs if h.finding.regression or explains(by_name[h.metric], h, o)]
+            if why:
+                o = replace(o, host_slower=host_slower_reason(why))
         gated.append(o)
     return gated
+
+
+def explains(reference: Metric, host: Outcome, suspect: Outcome) -> bool:
+    """The host reference changed in its bad direction by at least HOST_SHARE of the suspect's
+    change."""
+    ref_change, change = host.finding.change, suspect.finding.change
+    if ref_change is None or change is None:
+        return False
+    worse = ref_change < 0 if reference.higher_is_better else ref_change > 0
+    return worse and abs(ref_change) >= HOST_SHARE * abs(change)
 
 
 def host_slower_reason(slower: list[Outcome]) -> str:
