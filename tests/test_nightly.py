@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from scalebench.nightly import (
     load_spec,
     run_probe,
 )
-from scalebench.scaling import Build, Session
+from scalebench.scaling import Build, Session, tree_cpu
 from test_scalebench_report import images_state
 
 RUNS, TRIALS = 10, 9
@@ -330,6 +331,49 @@ def test_injected_fault_work_is_kernel_cpu_per_fault(tmp_path):
     assert window.faults > 100
     assert window.kernel_us_per_fault > 800, window
     assert window.user_us_per_fault < 500, window
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")
+def test_injected_request_work_is_monitor_cpu_per_reply(tmp_path):
+    # The lever for "the in-core path slowed": its work is the monitor's, per reply.
+    release_binary("densevm")
+    build = Build.in_dir(RELEASE_DIR, ("--inject-request-us", "1000"))
+    with Session(build, tmp_path, 8, "127.91.0.0", "--mem", "16M") as session:
+        window = session.window(2.0, alpha=0.0, concurrency=8)
+    assert window.replies > 100
+    assert 900 < window.monitor_us_per_reply < 2000, window
+    assert window.monitor_us_per_reply < window.cpu_us_per_reply, window
+
+
+SPINNERS = """
+import ctypes, sys, threading, time
+libc = ctypes.CDLL(None)
+def spin(name):
+    libc.prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME: this thread's comm
+    end = time.monotonic() + 3.0
+    while time.monotonic() < end:
+        pass
+threads = [threading.Thread(target=spin, args=(n,)) for n in ("vcpu0", "eventloop")]
+for t in threads:
+    t.start()
+print("go", flush=True)
+for t in threads:
+    t.join()
+"""
+
+
+def test_tree_cpu_leaves_vcpu_threads_out_of_the_monitor_share(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", SPINNERS], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "go\n"
+    before = tree_cpu(proc.pid)
+    time.sleep(1.5)
+    after = tree_cpu(proc.pid)
+    proc.wait()
+    total = (after.user + after.kernel) - (before.user + before.kernel)
+    monitor = after.monitor - before.monitor
+    # Two spinning threads share the GIL: the one named vcpu0 has about half of the time.
+    assert total > 0.5, (before, after)
+    assert 0.2 * total < monitor < 0.8 * total, (before, after)
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")

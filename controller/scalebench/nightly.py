@@ -45,6 +45,7 @@ ADDR_BASE = "127.90.0.0"  # away from the default, which interactive runs and ot
 WINDOW_FIELDS = (
     "replies_per_s",
     "cpu_us_per_reply",
+    "monitor_us_per_reply",
     "faults_per_s",
     "faults_per_cpu_s",
     "kernel_us_per_fault",

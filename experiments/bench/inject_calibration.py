@@ -6,10 +6,11 @@ slowdown they cause, not their size (README "Nightly regression check"): a slowe
 serves more requests per wake-up, and fault work costs more than its size. This boots the
 probe of experiments/nightly/metrics.toml once per size per round, sizes interleaved (the
 order reversed every other round, so a drifting host favours none), and prints each size's
-median of the field over all windows, with its bootstrap CI and its change against size 0.
+median of each field over all windows, with its bootstrap CI and its change against size 0.
 
 Usage: experiments/bench/inject_calibration.py --kind request|fault --sizes 0,10,20
-       [--probe incore16] [--field replies_per_s] [--rounds 2] [--json out.json]
+       [--probe incore16] [--fields replies_per_s,monitor_us_per_reply] [--rounds 2]
+       [--json out.json]
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def main() -> int:
     ap.add_argument("--kind", choices=("request", "fault"), required=True)
     ap.add_argument("--sizes", required=True, help="comma-separated µs, 0 included as the base")
     ap.add_argument("--probe", default="incore16")
-    ap.add_argument("--field", default="replies_per_s")
+    ap.add_argument("--fields", default="replies_per_s", help="comma-separated probe fields")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -44,8 +45,9 @@ def main() -> int:
     if args.probe not in spec.probes:
         ap.error(f"unknown probe {args.probe!r} (see {METRICS})")
     probe = spec.probes[args.probe]
+    fields = args.fields.split(",")
     flag = f"--inject-{args.kind}-us"
-    values: dict[int, list[float]] = {size: [] for size in sizes}
+    values = {name: {size: [] for size in sizes} for name in fields}
     with tempfile.TemporaryDirectory(prefix="inject-cal-", dir=ROOT / "target") as tmp:
         for r in range(args.rounds):
             for size in sizes if r % 2 == 0 else reversed(sizes):
@@ -53,28 +55,35 @@ def main() -> int:
                 got = run_probe(
                     Build.in_dir(RELEASE, extra), probe, Path(tmp) / str(size), spec.addr_base
                 )
-                values[size] += got[args.field]
-                print(
-                    f"round {r + 1}: {flag} {size}: {statistics.median(got[args.field]):,.1f}",
-                    file=sys.stderr,
-                )
-    base = statistics.median(values[0])
+                missing = [name for name in fields if name not in got]
+                if missing:
+                    ap.error(f"probe {args.probe} does not measure {', '.join(missing)}")
+                for name in fields:
+                    values[name][size] += got[name]
+                medians = ", ".join(f"{statistics.median(got[n]):,.1f}" for n in fields)
+                print(f"round {r + 1}: {flag} {size}: {medians}", file=sys.stderr)
     rows = []
-    print(f"{args.probe} {args.field}, {args.rounds} boots x {probe.windows} windows per size:")
-    for size in sizes:
-        e = estimate(values[size])
-        change = e.median / base - 1
-        rows.append(
-            {"size_us": size, "median": e.median, "ci": [e.ci_low, e.ci_high], "change": change}
-        )
-        print(
-            f"  {flag} {size:>4}: {e.median:>10,.1f} "
-            f"[{e.ci_low:,.1f}, {e.ci_high:,.1f}] {change:+.1%}"
-        )
+    for name in fields:
+        base = statistics.median(values[name][0])
+        print(f"{args.probe} {name}, {args.rounds} boots x {probe.windows} windows per size:")
+        for size in sizes:
+            e = estimate(values[name][size])
+            change = e.median / base - 1
+            rows.append(
+                {
+                    "field": name,
+                    "size_us": size,
+                    "median": e.median,
+                    "ci": [e.ci_low, e.ci_high],
+                    "change": change,
+                }
+            )
+            print(
+                f"  {flag} {size:>4}: {e.median:>10,.1f} "
+                f"[{e.ci_low:,.1f}, {e.ci_high:,.1f}] {change:+.1%}"
+            )
     if args.json:
-        args.json.write_text(
-            json.dumps({"probe": args.probe, "field": args.field, "rows": rows}, indent=2) + "\n"
-        )
+        args.json.write_text(json.dumps({"probe": args.probe, "rows": rows}, indent=2) + "\n")
     return 0
 
 
