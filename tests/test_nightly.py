@@ -330,6 +330,8 @@ def test_injected_fault_work_is_kernel_cpu_per_fault(tmp_path):
         window = session.window(2.0, alpha=0.0, concurrency=8)
     assert window.faults > 100
     assert window.kernel_us_per_fault > 800, window
+    # The pager is densevm's parent: the work is its kernel time, not the cells'.
+    assert 800 < window.pager_kernel_us_per_fault <= window.kernel_us_per_fault, window
     assert window.user_us_per_fault < 500, window
 
 

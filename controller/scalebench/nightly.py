@@ -49,6 +49,7 @@ WINDOW_FIELDS = (
     "faults_per_s",
     "faults_per_cpu_s",
     "kernel_us_per_fault",
+    "pager_kernel_us_per_fault",
 )
 BOOT_FIELDS = ("boot_seconds", "host_bytes_per_vm")
 NGINX_FIELDS = ("replies_per_s", "cpu_us_per_reply")
