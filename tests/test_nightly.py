@@ -187,6 +187,20 @@ def test_a_host_reference_that_dropped_by_half_the_change_explains_it():
         assert bool(judged[1].host_slower) is gated, change
 
 
+def test_a_flagged_host_explains_up_to_four_times_its_own_change_not_more():
+    """Measured: nginx flagged at -2.2% beside the unchanged build's +5.5% (the host's), and at
+    -3.3% beside a 9 us per request slowdown's +61% of the monitor's CPU per reply (the build's)."""
+    nginx = outcome(True, host=True, name="host_nginx")
+    suspect = outcome(True, name="incore")
+    for ref_change, change, gated in ((-0.022, 0.055, True), (-0.033, 0.61, False)):
+        host_now = replace(nginx, finding=replace(nginx.finding, change=ref_change))
+        judged = gate(
+            GATED, [host_now, replace(suspect, finding=replace(suspect.finding, change=change))]
+        )
+        assert bool(judged[1].host_slower) is gated, (ref_change, change)
+        assert decide(judged, None)[1] == (EXIT_NOISY if gated else EXIT_REGRESSION)
+
+
 def test_a_host_reference_gates_only_the_metrics_that_name_it():
     slower_disk = outcome(True, host=True, name="host_disk")
     # The disk being slow says nothing about the in-core path: its regression stands.

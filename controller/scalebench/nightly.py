@@ -58,7 +58,8 @@ SERVERS = {"densevm": WINDOW_FIELDS + BOOT_FIELDS, "nginx": NGINX_FIELDS, "disk"
 STEAL_LIMIT = 0.10  # steal time above this share of CPU time: the host is too busy
 OTHERS_LIMIT = 0.5  # other tenants using more than this share of the host's CPU time: too busy
 EXIT_CLEAN, EXIT_REGRESSION, EXIT_NOISY = 0, 1, 3
-HOST_SHARE = 0.5  # a host reference worse by this share of a suspect's change explains it
+HOST_SHARE = 0.5  # a host reference worse by this share of a suspect's change explains it,
+FLAGGED_HOST_SHARE = 0.25  # or by this share when its own history flags it slower
 
 
 class ProbeError(RuntimeError):
@@ -416,10 +417,11 @@ def judge(
 
 def gate(spec: Spec, outcomes: list[Outcome]) -> list[Outcome]:
     """`outcomes`, each suspected regression whose host reference (its `host_ref`, else every host
-    metric) measured slower in this run marked with why: that says nothing about the build.
-    Slower means flagged so by its own history, or worse by at least HOST_SHARE of the metric's
-    change: a reference noisier than the metric it gates is rarely flagged, yet its drop explains
-    the metric's."""
+    metric) measured slower in this run by enough to explain it marked with why: that says
+    nothing about the build. Enough is HOST_SHARE of the metric's change (a reference noisier than
+    what it gates is rarely flagged, yet its drop explains the metric's), or FLAGGED_HOST_SHARE
+    when the reference's own history flags it slower: a host a few percent slower moves a metric
+    by a few times that at most, so a step many times larger is the build's."""
     by_name = {m.name: m for m in spec.metrics}
     hosts = {o.metric: o for o in outcomes if o.host}
     gated = []
@@ -428,7 +430,7 @@ def gate(spec: Spec, outcomes: list[Outcome]) -> list[Outcome]:
         if o.finding.regression and not o.host:
             ref = metric.host_ref
             refs = [hosts[ref]] if ref in hosts else [] if ref else list(hosts.values())
-            why = [h for h in refs if h.finding.regression or explains(by_name[h.metric], h, o)]
+            why = [h for h in refs if explains(by_name[h.metric], h, o)]
             if why:
                 o = replace(o, host_slower=host_slower_reason(why))
         gated.append(o)
@@ -437,12 +439,13 @@ def gate(spec: Spec, outcomes: list[Outcome]) -> list[Outcome]:
 
 def explains(reference: Metric, host: Outcome, suspect: Outcome) -> bool:
     """The host reference changed in its bad direction by at least HOST_SHARE of the suspect's
-    change."""
+    change, or FLAGGED_HOST_SHARE of it if the reference's history flags it slower."""
     ref_change, change = host.finding.change, suspect.finding.change
     if ref_change is None or change is None:
         return False
     worse = ref_change < 0 if reference.higher_is_better else ref_change > 0
-    return worse and abs(ref_change) >= HOST_SHARE * abs(change)
+    share = FLAGGED_HOST_SHARE if host.finding.regression else HOST_SHARE
+    return worse and abs(ref_change) >= share * abs(change)
 
 
 def host_slower_reason(slower: list[Outcome]) -> str:
