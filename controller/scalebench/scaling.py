@@ -53,11 +53,11 @@ def tree_cpu(pid: int) -> TreeCpu:
     """CPU time of `pid` and its children, while they run.
 
     `user` and `kernel` are the processes' own totals, `root_kernel` that of `pid` alone.
-    `monitor` sums the threads not named
-    vcpuN: the host side of the in-core path (event loops, proxy, pager, API), whose cost a
-    slowdown there changes in full, while in the whole it is a fifth, beside the guests'
-    larger and more host-sensitive share. It is read from schedstat, the scheduler's exact
-    runtime: the per-thread user/kernel split in stat is sampled at the tick."""
+    `monitor` sums the threads not named vcpuN: the host side of the in-core path (event
+    loops, proxy, pager, API). A slowdown there changes it in full, while in the whole it is a
+    sixth, beside the guests' larger and more host-sensitive share. It is read from schedstat,
+    the scheduler's exact runtime: per-thread times in stat are whole ticks, which over
+    thousands of vCPU threads lose a large share."""
     user = kernel = monitor = root_kernel = 0.0
     pids = [pid]
     for task in os.listdir(f"/proc/{pid}/task"):
