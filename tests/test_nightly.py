@@ -30,6 +30,7 @@ from scalebench.nightly import (
     Spec,
     decide,
     gate,
+    judge,
     load_spec,
     run_probe,
 )
@@ -66,6 +67,17 @@ def test_a_step_that_began_inside_the_previous_run_is_found_on_the_newest(seed):
 
 
 @pytest.mark.parametrize("seed", range(5))
+def test_a_step_at_the_start_of_a_too_noisy_previous_run_is_judged_on_the_newest(seed):
+    """The previous run was judged too noisy, so the step it began with was not reported then:
+    the newest run judges it. Had the previous run been judged, the step was its to report."""
+    history = noisy_runs(seed, RUNS) + noisy_runs(seed + 100, 2, level=88.0)
+    finding = assess("rps", history, higher_is_better=True, previous_noisy=True)
+    assert finding.regression, finding
+    assert finding.earlier_median is not None and finding.earlier_median > 95
+    assert not assess("rps", history, higher_is_better=True).regression
+
+
+@pytest.mark.parametrize("seed", range(5))
 def test_pure_noise_is_not_flagged(seed):
     assert not assess("rps", noisy_runs(seed, RUNS + 1), higher_is_better=True).regression
 
@@ -96,13 +108,13 @@ def test_estimate_is_the_median_inside_its_interval():
     assert estimate([3.0]).ci_low == estimate([3.0]).ci_high == 3.0
 
 
-def make_run(verdict: str, samples: dict[str, list[float]]) -> Run:
+def make_run(verdict: str, samples: dict[str, list[float]], busy: str | None = None) -> Run:
     return Run(
         "2026-11-24T00:00:00+00:00",
         "2026-11-24T00:05:00+00:00",
         "quick",
         "abc123",
-        {"load_start": [0.5, 0.4, 0.3], "steal_fraction": 0.01},
+        {"load_start": [0.5, 0.4, 0.3], "steal_fraction": 0.01, "busy": busy},
         verdict,
         samples,
     )
@@ -112,15 +124,60 @@ def test_history_round_trip(tmp_path):
     path = tmp_path / "h.sqlite"
     store = History(path)
     first = store.append(make_run("baseline", {"a": [1.0, 2.0, 3.0], "b": [5.0]}))
-    store.append(make_run("noisy", {"a": [100.0]}))
+    store.append(make_run("noisy", {"a": [100.0]}, busy="steal time 30% of CPU time"))
     store.append(make_run("clean", {"a": [4.0, 5.0]}))
+    store.append(make_run("noisy", {"a": [6.0]}))
     store.close()
     store = History(path)
     runs = store.runs()
-    assert [r.verdict for r in runs] == ["baseline", "noisy", "clean"]
+    assert [r.verdict for r in runs] == ["baseline", "noisy", "clean", "noisy"]
     assert runs[0].id == first and runs[0].samples == {"a": [1.0, 2.0, 3.0], "b": [5.0]}
     assert runs[0].host["load_start"] == [0.5, 0.4, 0.3] and runs[0].mode == "quick"
-    assert store.series("a") == [[1.0, 2.0, 3.0], [4.0, 5.0]]  # the noisy run is left out
+    # A busy host's run is left out; one whose suspects the host explained counts.
+    assert store.series("a") == [[1.0, 2.0, 3.0], [4.0, 5.0], [6.0]]
+    assert store.previous_noisy("a") and not store.previous_noisy("b")
+    store.close()
+
+
+HOST_SHIFT = Spec(
+    1,
+    {},
+    [Metric("host_nginx", "higher", host=True), Metric("incore", "higher", host_ref="host_nginx")],
+)
+
+
+def night(store: History, seed: int, host: float, incore: float) -> tuple[str, int]:
+    """One nightly judged against `store` and appended to it: the host reference and the in-core
+    metric measured at the given levels, 1% noise."""
+    rng = np.random.default_rng(seed)
+    samples = {"host_nginx": list(rng.normal(host, 0.01 * host, TRIALS))}
+    samples["incore"] = list(rng.normal(incore, 0.01 * incore, TRIALS))
+    names = [m.name for m in HOST_SHIFT.metrics]
+    verdict, code = decide(gate(HOST_SHIFT, judge(HOST_SHIFT, names, [samples], store)), None)
+    store.append(make_run(verdict, samples))
+    return verdict, code
+
+
+def test_a_lasting_host_slowdown_becomes_the_history(tmp_path):
+    """The host measures 6% slower from one night on, and the in-core point 10% slower with it:
+    the first two nights are too noisy to judge, then the host's new level is the history (before,
+    every later night was judged against the old host and reported too noisy for good)."""
+    store = History(tmp_path / "h.sqlite")
+    for seed in range(5):
+        assert night(store, seed, 100.0, 100.0)[1] == EXIT_CLEAN
+    verdicts = [night(store, 10 + seed, 94.0, 90.0)[1] for seed in range(4)]
+    assert verdicts == [EXIT_NOISY, EXIT_NOISY, EXIT_CLEAN, EXIT_CLEAN]
+    store.close()
+
+
+def test_a_step_the_host_hid_is_reported_once_the_host_recovers(tmp_path):
+    """A 10% step lands on a night the host measured 6% slower (too noisy to judge); the next
+    night the host is back and the step stayed: the build's, reported then."""
+    store = History(tmp_path / "h.sqlite")
+    for seed in range(5):
+        night(store, seed, 100.0, 100.0)
+    assert night(store, 10, 94.0, 90.0) == ("noisy", EXIT_NOISY)
+    assert night(store, 11, 100.0, 90.0) == ("regression", EXIT_REGRESSION)
     store.close()
 
 

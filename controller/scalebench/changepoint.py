@@ -5,7 +5,8 @@ signal-processing-algorithms package).
 A metric's history is a list of runs, each a list of trial values (oldest first). E-Divisive runs
 on the trial values laid end to end; a regression is a change point that lands on the newest
 run (within PLACEMENT trials of its start: the estimator places a step to within a trial or
-two) or inside the run before it (past its first PLACEMENT trials), whose change is in the
+two) or inside the run before it (past its first PLACEMENT trials; anywhere in it if that run was
+judged too noisy, since its own steps were not reported then), whose change is in the
 metric's bad direction, larger than NOISE_FACTOR times the metric's own run-to-run noise (the
 spread of the earlier runs' medians since the previous change point, or of all earlier runs when
 fewer than MIN_RUNS follow it), and whose newest-run confidence interval excludes the median of
@@ -108,8 +109,11 @@ def run_noise(medians: list[float]) -> float:
     return 1.4826 * mad / abs(center) if center else 0.0
 
 
-def assess(metric: str, runs: list[list[float]], higher_is_better: bool) -> Finding:
-    """Is the newest run of `runs` a regression of `metric`?"""
+def assess(
+    metric: str, runs: list[list[float]], higher_is_better: bool, previous_noisy: bool = False
+) -> Finding:
+    """Is the newest run of `runs` a regression of `metric`? `previous_noisy`: the run before it
+    was judged too noisy, so a step at its start was not reported then."""
     if len(runs) <= MIN_RUNS:
         return Finding(metric, False, f"{TOO_SHORT} ({len(runs) - 1} earlier run(s))")
     series = [v for run in runs for v in run]
@@ -118,8 +122,13 @@ def assess(metric: str, runs: list[list[float]], higher_is_better: bool) -> Find
     cps = change_points(series)
     # A step the estimator places inside the previous run (its later rounds already shifted)
     # counts too: judged on the newest run alone, it would never be raised on any later night.
-    # A step at the start of the previous run was that run's to report.
-    landed = [c for c in cps if c >= min(previous_start + PLACEMENT + 1, newest_start - PLACEMENT)]
+    # A step at the start of the previous run was that run's to report, unless the host explained
+    # it then: if the host has recovered since and the step stayed, it is the build's.
+    if previous_noisy:
+        first = previous_start - PLACEMENT
+    else:
+        first = min(previous_start + PLACEMENT + 1, newest_start - PLACEMENT)
+    landed = [c for c in cps if c >= first]
     newest = estimate(runs[-1])
     if not landed:
         return Finding(metric, False, "no change point on the newest run", newest=newest)
@@ -147,6 +156,8 @@ def assess(metric: str, runs: list[list[float]], higher_is_better: bool) -> Find
         reason = f"change within {NOISE_FACTOR:g}x the metric's noise ({noise:.1%})"
     elif not outside:
         reason = "the newest confidence interval holds the earlier median"
+    elif cp <= previous_start + PLACEMENT:
+        reason = "change point where the previous, too noisy run began; beyond the noise now"
     elif cp < newest_start - PLACEMENT:
         reason = "change point in the previous run, beyond the metric's noise in the newest"
     else:

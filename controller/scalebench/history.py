@@ -35,8 +35,7 @@ CREATE TABLE IF NOT EXISTS samples (
 );
 """
 
-# Verdicts of runs whose samples count as history (a too-noisy run's do not).
-COUNTED = ("clean", "regression", "baseline")
+NOISY = "noisy"  # the verdict of a run whose suspects the host explained, or of a busy host
 
 
 def default_path() -> Path:
@@ -112,6 +111,21 @@ class History:
 
     def series(self, metric: str) -> list[list[float]]:
         """The trial values of `metric` in every counted run, oldest first."""
-        return [
-            r.samples[metric] for r in self.runs() if r.verdict in COUNTED and metric in r.samples
-        ]
+        return [r.samples[metric] for r in self.counted(metric)]
+
+    def previous_noisy(self, metric: str) -> bool:
+        """Whether the newest counted run with `metric` was judged too noisy: a step at its start
+        was not reported then, so the next run judges it."""
+        runs = self.counted(metric)
+        return bool(runs) and runs[-1].verdict == NOISY
+
+    def counted(self, metric: str) -> list[Run]:
+        return [r for r in self.runs() if counts(r) and metric in r.samples]
+
+
+def counts(run: Run) -> bool:
+    """Whether a run's samples are history. A busy host's are not: they measure other tenants.
+    A run whose suspects the host references explained counts: its values are the host's level
+    that night, and a host that stays there must become the history, or every later run is
+    judged against a host that no longer exists and reported too noisy for good."""
+    return not run.host.get("busy")

@@ -35,7 +35,7 @@ from .changepoint import (
 from .changepoint import assess as assess_history
 from .config import REPO_ROOT, ConfigError
 from .diskbench import ScratchFile, random_io_rate
-from .history import History, Run, default_path
+from .history import NOISY, History, Run, default_path
 from .progress import Reporter
 from .scaling import TICKS, Build, LoadTarget, NginxReference, Session
 from .units import parse_size
@@ -409,8 +409,12 @@ def judge(
             finding, ab = assess_ab(metric, new, samples[1][name], past)
             outcomes.append(Outcome(name, estimate(new), finding, ab, metric.host))
         else:
-            assess = assess_host if metric.host else assess_history
-            finding = assess(name, [*past, new], metric.higher_is_better)
+            if metric.host:
+                finding = assess_host(name, [*past, new], metric.higher_is_better)
+            else:
+                finding = assess_history(
+                    name, [*past, new], metric.higher_is_better, history.previous_noisy(name)
+                )
             outcomes.append(Outcome(name, estimate(new), finding, host=metric.host))
     return outcomes
 
@@ -461,7 +465,7 @@ def decide(outcomes: list[Outcome], busy: str | None) -> tuple[str, int]:
     if suspects and not busy and any(not o.host_slower for o in suspects):
         return "regression", EXIT_REGRESSION
     if suspects:
-        return "noisy", EXIT_NOISY
+        return NOISY, EXIT_NOISY
     if all(o.finding.reason.startswith(TOO_SHORT) for o in outcomes):
         return "baseline", EXIT_CLEAN
     return "clean", EXIT_CLEAN

@@ -91,7 +91,7 @@ def render_history(history_file: Path, directory: Path) -> Path:
     """Write DIR/index.html: every nightly metric's series (samples, median, confidence band,
     change points) and the runs' table; return its path."""
     from .changepoint import change_points, estimate
-    from .history import COUNTED, History
+    from .history import History, counts
 
     store = History(history_file)
     runs = store.runs()
@@ -101,14 +101,14 @@ def render_history(history_file: Path, directory: Path) -> Path:
     parts = [
         f"<h1>Nightly history: {html.escape(str(history_file))}</h1>",
         '<p id="imgstatus">checking images...</p>',
-        "<p>Dots: samples (grey: runs too noisy to judge, left out of detection); line: medians;"
+        "<p>Dots: samples (grey: runs on a busy host, left out of detection); line: medians;"
         " band: 95% bootstrap CI; dashed: change points found by E-Divisive.</p>",
     ]
     for metric in metrics:
         series = [(r, r.samples[metric]) for r in runs if metric in r.samples]
-        counted = [s for r, s in series if r.verdict in COUNTED]
+        counted = [s for r, s in series if counts(r)]
         cps = change_points([v for s in counted for v in s])
-        counted_x = [x for x, (r, _) in enumerate(series) if r.verdict in COUNTED]
+        counted_x = [x for x, (r, _) in enumerate(series) if counts(r)]
         first = [sum(len(s) for s in counted[:k]) for k in range(len(counted))]
         boundaries = []
         for cp in cps:  # a change at a run's first sample sits between runs, else on the run
@@ -117,7 +117,7 @@ def render_history(history_file: Path, directory: Path) -> Path:
         rows = []
         for r, s in series:
             e = estimate(s)
-            rows.append((r.id or 0, s, e.median, e.ci_low, e.ci_high, r.verdict not in COUNTED))
+            rows.append((r.id or 0, s, e.median, e.ci_low, e.ci_high, not counts(r)))
         png = f"{metric}.png"
         history_plot(metric, rows, boundaries, directory / png)
         parts.append(f'<h2>{html.escape(metric)}</h2><img src="{png}" alt="{html.escape(metric)}">')
@@ -157,8 +157,8 @@ def history_plot(
     path: Path,
 ) -> None:
     """A nightly metric's series: every sample, each run's median with its confidence band, runs
-    judged too noisy in grey, and change points as vertical lines. `runs` holds (run id, samples,
-    median, CI low, CI high, noisy); `boundaries` are x positions between runs."""
+    on a busy host in grey, and change points as vertical lines. `runs` holds (run id, samples,
+    median, CI low, CI high, left out of detection); `boundaries` are x positions between runs."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only
@@ -166,9 +166,9 @@ def history_plot(
 
     fig, ax = plt.subplots(figsize=(9, 3.5))
     xs = list(range(len(runs)))
-    for x, (_, samples, _, _, _, noisy) in zip(xs, runs, strict=True):
+    for x, (_, samples, _, _, _, left_out) in zip(xs, runs, strict=True):
         ax.scatter(
-            [x] * len(samples), samples, s=8, color="grey" if noisy else "tab:blue", alpha=0.4
+            [x] * len(samples), samples, s=8, color="grey" if left_out else "tab:blue", alpha=0.4
         )
     ax.fill_between(xs, [r[3] for r in runs], [r[4] for r in runs], alpha=0.2, label="95% CI")
     ax.plot(xs, [r[2] for r in runs], marker="o", color="tab:blue", label="median")
