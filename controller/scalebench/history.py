@@ -64,6 +64,7 @@ class History:
         except sqlite3.DatabaseError as e:
             raise ValueError(f"{path} is not a nightly history (SQLite): {e}") from None
         self.path = path
+        self.loaded: list[Run] | None = None  # read once: judging asks per metric, twice a run
 
     def close(self) -> None:
         self.db.close()
@@ -92,10 +93,18 @@ class History:
                 ],
             )
         run.id = run_id
+        if self.loaded is not None:
+            self.loaded.append(run)
         return run_id
 
     def runs(self) -> list[Run]:
         """Every run, oldest first, with its samples."""
+        if self.loaded is None:
+            self.loaded = self.read()
+        return list(self.loaded)
+
+    def read(self) -> list[Run]:
+        """Every run in the file, oldest first, with its samples."""
         runs = {
             row[0]: Run(row[1], row[2], row[3], row[4], json.loads(row[5]), row[6], {}, row[0])
             for row in self.db.execute(
@@ -120,6 +129,7 @@ class History:
         return bool(runs) and runs[-1].verdict == NOISY
 
     def counted(self, metric: str) -> list[Run]:
+        """The runs whose samples are history and hold `metric`, oldest first."""
         return [r for r in self.runs() if counts(r) and metric in r.samples]
 
 
