@@ -11,7 +11,7 @@ use crate::cpu_governor::CpuGovernor;
 use crate::framing::{FrameError, LineStream};
 use crate::pager_link::PagerLink;
 use crate::protocol::{FromCell, ToCell, MAX_LINK_LINE};
-use crate::proxy::{self, Drained, Proxy, MIN_REQUEST_BYTES};
+use crate::proxy::{self, Drained, Proxy, Readiness, MIN_REQUEST_BYTES};
 use crate::stats;
 use crate::vm::{self, BuildContext, MicroVm, DOORBELL_GROUP};
 use crate::vmtable::{DeadVm, VmEntry, VmState, VmTable};
@@ -243,9 +243,11 @@ impl Monitor {
                             KIND_CONN => self.proxy.ready(
                                 &mut self.vms,
                                 index,
-                                event.is_readable(),
-                                event.is_writable(),
-                                registry,
+                                Readiness {
+                                    readable: event.is_readable(),
+                                    writable: event.is_writable(),
+                                    read_closed: event.is_read_closed() || event.is_error(),
+                                },
                             ),
                             _ => {}
                         }
@@ -265,8 +267,7 @@ impl Monitor {
             self.govern_cpu();
             if self.last_sweep.elapsed() >= PINNED_SWEEP {
                 self.last_sweep = Instant::now();
-                self.proxy
-                    .expire_pinned(self.last_sweep, self.poll.registry());
+                self.proxy.expire_pinned(self.last_sweep);
             }
             self.parent.report_access(false);
             // What the socket did not take before (the parent was busy) goes now.
@@ -364,8 +365,7 @@ impl Monitor {
             self.parent.requests_served(id, new_requests);
             self.spend_injected_work(new_requests);
         }
-        let registry = self.poll.registry();
-        match self.proxy.drain_tx(&mut self.vms, index, registry) {
+        match self.proxy.drain_tx(&mut self.vms, index) {
             Ok(Drained::All) => {}
             Ok(Drained::More) => {
                 if !std::mem::replace(&mut self.in_backlog[index], true) {
@@ -382,7 +382,8 @@ impl Monitor {
                 return;
             }
         }
-        self.proxy.retry_waiting(&mut self.vms, index, registry);
+        self.proxy
+            .retry_waiting(&mut self.vms, index, self.poll.registry());
         proxy::kick(&mut self.vms, index);
     }
 
@@ -425,10 +426,9 @@ impl Monitor {
             return;
         };
         vm.vcpu.stop();
-        let registry = self.poll.registry();
-        let _ = registry.deregister(&mut vm.listener);
+        let _ = self.poll.registry().deregister(&mut vm.listener);
         for key in vm.slots.iter().flatten().copied().collect::<Vec<_>>() {
-            self.proxy.close(&mut self.vms, key, registry);
+            self.proxy.close(&mut self.vms, key);
         }
         // The vCPU no longer runs: the pager may free the VM's memory.
         self.parent.vm_stopped(dead.id);

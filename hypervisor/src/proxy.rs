@@ -43,6 +43,17 @@ pub const FIN_GRACE: Duration = Duration::from_secs(5);
 /// requests a guest can claim to have served by the bytes it was sent.
 pub const MIN_REQUEST_BYTES: u64 = 18;
 
+/// What an event said about a connection's socket.
+#[derive(Debug, Clone, Copy)]
+pub struct Readiness {
+    /// Bytes (or EOF) to read.
+    pub readable: bool,
+    /// Room to write.
+    pub writable: bool,
+    /// The client's FIN or an error arrived: read to the end.
+    pub read_closed: bool,
+}
+
 /// What [`Proxy::drain_tx`] left behind.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Drained {
@@ -105,6 +116,14 @@ struct Conn {
     broken: bool,
     /// The guest released the slot: close once the output is flushed.
     guest_closed: bool,
+    /// An event reported the client's FIN (or an error): read to the end.
+    /// Until then a short read means the socket is drained, since any byte
+    /// that arrives later raises a new edge.
+    read_closed: bool,
+    /// The last read found the socket empty (or at EOF) and no readable
+    /// event came since: closing cannot reset the connection over unread
+    /// request bytes.
+    drained: bool,
 }
 
 impl Conn {
@@ -163,6 +182,12 @@ impl Proxy {
 
     /// Accepts connections on VM `index`'s listener while it has a free slot
     /// and room in its rx ring for the OPEN record.
+    ///
+    /// The socket is neither read nor the guest kicked here: registering a
+    /// connected socket reports it ready at once (it is writable, and
+    /// readable if the request came with the handshake), so that first event
+    /// reads the request and kicks the guest once for OPEN and data together.
+    /// TCP_NODELAY comes from the listener.
     pub fn accept(&mut self, vms: &mut VmTable, index: usize, registry: &Registry) {
         loop {
             let Some(vm) = vms.live(index) else { return };
@@ -184,7 +209,6 @@ impl Proxy {
                     return;
                 }
             };
-            let _ = stream.set_nodelay(true);
             let entry = self.conns.vacant_entry();
             let key = entry.key();
             if registry
@@ -206,25 +230,27 @@ impl Proxy {
                 fin_sent: None,
                 broken: false,
                 guest_closed: false,
+                read_closed: false,
+                drained: false,
             });
             vm.slots[slot] = Some(key);
             vm.stream.rx_control(&vm.sys, slot, abi::REC_OPEN);
-            self.pump_rx(vms, key);
-            kick(vms, index);
         }
     }
 
     /// A connection's socket is ready.
-    pub fn ready(
-        &mut self,
-        vms: &mut VmTable,
-        key: usize,
-        readable: bool,
-        writable: bool,
-        registry: &Registry,
-    ) {
+    pub fn ready(&mut self, vms: &mut VmTable, key: usize, readiness: Readiness) {
+        let Readiness {
+            readable,
+            writable,
+            read_closed,
+        } = readiness;
+        if let Some(conn) = self.conns.get_mut(key) {
+            conn.read_closed |= read_closed;
+            conn.drained &= !readable;
+        }
         if writable {
-            self.flush(vms, key, registry);
+            self.flush(vms, key);
         }
         if readable {
             self.pump_rx(vms, key);
@@ -254,13 +280,25 @@ impl Proxy {
                 return;
             };
             // SAFETY: the space is filled before the record is committed.
-            match nonblocking(|| stream.read(unsafe { space.as_mut_slice() })) {
-                Ok(Some(0)) => break,
+            let buffer = unsafe { space.as_mut_slice() };
+            let room = buffer.len();
+            match nonblocking(|| stream.read(buffer)) {
+                Ok(Some(0)) => {
+                    conn.drained = true;
+                    break;
+                }
                 Ok(Some(n)) => {
                     vm.stream.rx_commit(&vm.sys, slot, abi::REC_DATA, n as u32);
                     vm.rx_bytes += n as u64;
+                    if n < room && !conn.read_closed {
+                        conn.drained = true;
+                        return;
+                    }
                 }
-                Ok(None) => return,
+                Ok(None) => {
+                    conn.drained = true;
+                    return;
+                }
                 Err(_) => {
                     conn.broken = true;
                     conn.out.clear();
@@ -280,12 +318,7 @@ impl Proxy {
     /// Takes in what the guest put in its tx ring, up to [`TX_BUDGET`]
     /// bytes: data goes to its connections, CLOSE records release slots.
     /// Err: a malformed record, or response bytes past the slot's window.
-    pub fn drain_tx(
-        &mut self,
-        vms: &mut VmTable,
-        index: usize,
-        registry: &Registry,
-    ) -> Result<Drained, String> {
+    pub fn drain_tx(&mut self, vms: &mut VmTable, index: usize) -> Result<Drained, String> {
         let mut taken = 0u64;
         let now = Instant::now();
         loop {
@@ -334,7 +367,7 @@ impl Proxy {
                             conn.slot = None;
                             conn.guest_closed = true;
                         }
-                        self.finish_if_done(vms, key, registry);
+                        self.finish_if_done(vms, key);
                     }
                 }
             }
@@ -355,7 +388,7 @@ impl Proxy {
         }
     }
 
-    fn flush(&mut self, vms: &mut VmTable, key: usize, registry: &Registry) {
+    fn flush(&mut self, vms: &mut VmTable, key: usize) {
         let Some(conn) = self.conns.get_mut(key) else {
             return;
         };
@@ -378,26 +411,29 @@ impl Proxy {
                 vm.stream.ack(&vm.sys, slot, buffered);
             }
         }
-        self.finish_if_done(vms, key, registry);
+        self.finish_if_done(vms, key);
     }
 
     /// Closes a connection the guest released once its output is out.
-    fn finish_if_done(&mut self, vms: &mut VmTable, key: usize, registry: &Registry) {
+    fn finish_if_done(&mut self, vms: &mut VmTable, key: usize) {
         let Some(conn) = self.conns.get(key) else {
             return;
         };
         if conn.guest_closed && (conn.buffered() == 0 || conn.broken) {
-            self.close(vms, key, registry);
+            self.close(vms, key);
         }
     }
 
-    /// Closes a connection and frees its slot.
-    pub fn close(&mut self, vms: &mut VmTable, key: usize, registry: &Registry) {
-        let Some(mut conn) = self.conns.try_remove(key) else {
+    /// Closes a connection and frees its slot. Closing the socket takes it
+    /// out of the event loop's set (no other descriptor refers to it), so
+    /// there is no deregistration call. On a drained socket it sends the FIN
+    /// after the response; with request bytes possibly unread it would send
+    /// a reset that can overtake the response, so the FIN goes first.
+    pub fn close(&mut self, vms: &mut VmTable, key: usize) {
+        let Some(conn) = self.conns.try_remove(key) else {
             return;
         };
-        if let Some(stream) = conn.stream.as_mut() {
-            let _ = registry.deregister(stream);
+        if let (false, Some(stream)) = (conn.drained, conn.stream.as_ref()) {
             let _ = stream.shutdown(std::net::Shutdown::Write);
         }
         if let (Some(slot), Some(vm)) = (conn.slot, vms.live(conn.vm)) {
@@ -410,15 +446,14 @@ impl Proxy {
     /// Closes the host sockets of connections whose guest kept the slot
     /// more than [`FIN_GRACE`] after the client's FIN, so a guest cannot pin
     /// host descriptors. Returns how many it closed.
-    pub fn expire_pinned(&mut self, now: Instant, registry: &Registry) -> usize {
+    pub fn expire_pinned(&mut self, now: Instant) -> usize {
         let mut closed = 0;
         for (_, conn) in self.conns.iter_mut() {
             let Some(fin) = conn.fin_sent else { continue };
             if conn.guest_closed || now.duration_since(fin) < FIN_GRACE {
                 continue;
             }
-            if let Some(mut stream) = conn.stream.take() {
-                let _ = registry.deregister(&mut stream);
+            if conn.stream.take().is_some() {
                 conn.broken = true;
                 conn.out = Vec::new();
                 conn.out_start = 0;
@@ -438,7 +473,8 @@ fn wait_for_room(vm: &mut MicroVm, key: usize) {
 /// Interrupts VM `index` if it is idle and the host gave it something.
 pub fn kick(vms: &mut VmTable, index: usize) {
     let Some(vm) = vms.live(index) else { return };
-    if vm.stream.take_kick(&vm.sys) {
+    let holds_slots = vm.slots.iter().any(Option::is_some);
+    if vm.stream.take_kick(&vm.sys, holds_slots) {
         let _ = vm.irq.write(1);
     }
 }

@@ -69,8 +69,11 @@ pub struct StreamDevice {
     rx_sent: [u32; abi::MAX_SLOTS],
     tx_received: [u32; abi::MAX_SLOTS],
     last_kick_gen: Option<u32>,
-    /// The host changed something the guest reads since the last kick check.
+    /// The host put something in the rx ring since the last kick check.
     changed: bool,
+    /// The host retired tx records or acknowledged response bytes since the
+    /// last kick check: news only to a guest that still holds a slot.
+    tx_progress: bool,
 }
 
 impl Default for StreamDevice {
@@ -82,6 +85,7 @@ impl Default for StreamDevice {
             tx_received: [0; abi::MAX_SLOTS],
             last_kick_gen: None,
             changed: false,
+            tx_progress: false,
         }
     }
 }
@@ -140,12 +144,15 @@ impl StreamDevice {
             self.rx_sent[slot] = self.rx_sent[slot].wrapping_add(len);
         }
         self.publish_rx(sys);
+        // An OPEN alone asks nothing of the guest (an HTTP server speaks
+        // second): it rides along with the request's kick.
+        self.changed |= kind != abi::REC_OPEN;
     }
 
-    fn publish_rx(&mut self, sys: &Mapping) {
+    /// Moves the guest-visible producer index; a padding record alone is no news.
+    fn publish_rx(&self, sys: &Mapping) {
         sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::RX_PROD)
             .store(self.rx_prod, Ordering::Release);
-        self.changed = true;
     }
 
     /// Sends a payload-less record (OPEN or FIN); false when the ring is full.
@@ -215,7 +222,7 @@ impl StreamDevice {
         self.tx_cons = self.tx_cons.wrapping_add(HEADER + round8(len));
         sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::TX_CONS)
             .store(self.tx_cons, Ordering::Release);
-        self.changed = true;
+        self.tx_progress = true;
     }
 
     /// Acknowledges every response byte of `slot` except `still_buffered`.
@@ -224,7 +231,7 @@ impl StreamDevice {
         let word =
             sys.atomic_u32(abi::CREDIT_GPA + credit::STRIDE * slot as u64 + credit::TX_ACKED);
         if word.swap(acked, Ordering::Release) != acked {
-            self.changed = true;
+            self.tx_progress = true;
         }
     }
 
@@ -232,8 +239,14 @@ impl StreamDevice {
     /// reads, and it is (about to be) halted without having been kicked in
     /// this idle period. Marks it kicked. A guest that is not idle sees the
     /// change itself before it halts, so the change is consumed either way.
-    pub fn take_kick(&mut self, sys: &Mapping) -> bool {
-        if !std::mem::take(&mut self.changed) {
+    ///
+    /// Tx progress (ring room, acknowledgements) counts only while the guest
+    /// `holds_slots`: a guest whose connections are all closed waits for
+    /// nothing on the tx side, and waking it after every response it
+    /// finished would cost a vCPU switch per request for nothing.
+    pub fn take_kick(&mut self, sys: &Mapping, holds_slots: bool) -> bool {
+        let tx_news = std::mem::take(&mut self.tx_progress) && holds_slots;
+        if !(std::mem::take(&mut self.changed) || tx_news) {
             return false;
         }
         fence(Ordering::SeqCst);
@@ -384,26 +397,57 @@ mod tests {
         let mut dev = StreamDevice::default();
         dev.rx_control(&sys, 0, abi::REC_OPEN);
         assert!(
-            !dev.take_kick(&sys),
+            !dev.take_kick(&sys, true),
             "busy guest: it sees the record itself"
         );
         sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::IDLE_GEN)
             .store(1, Ordering::Release);
         sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::GUEST_IDLE)
             .store(1, Ordering::Release);
-        assert!(!dev.take_kick(&sys), "idle, but nothing new for it");
+        assert!(!dev.take_kick(&sys, true), "idle, but nothing new for it");
         dev.rx_control(&sys, 0, abi::REC_FIN);
-        assert!(dev.take_kick(&sys));
+        assert!(dev.take_kick(&sys, true));
         dev.ack(&sys, 0, 0);
         assert!(
-            !dev.take_kick(&sys),
+            !dev.take_kick(&sys, true),
             "an unchanged acknowledgement is no news"
         );
         dev.rx_control(&sys, 0, abi::REC_FIN);
-        assert!(!dev.take_kick(&sys), "already kicked in this idle period");
+        assert!(
+            !dev.take_kick(&sys, true),
+            "already kicked in this idle period"
+        );
         sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::IDLE_GEN)
             .store(2, Ordering::Release);
         dev.rx_control(&sys, 0, abi::REC_FIN);
-        assert!(dev.take_kick(&sys));
+        assert!(dev.take_kick(&sys, true));
+    }
+
+    #[test]
+    fn an_open_alone_does_not_wake_the_guest_its_request_does() {
+        let sys = sys();
+        let mut dev = StreamDevice::default();
+        sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::GUEST_IDLE)
+            .store(1, Ordering::Release);
+        dev.rx_control(&sys, 0, abi::REC_OPEN);
+        assert!(!dev.take_kick(&sys, true));
+        dev.rx_reserve(&sys, 16).expect("room");
+        dev.rx_commit(&sys, 0, abi::REC_DATA, 16);
+        assert!(dev.take_kick(&sys, true));
+    }
+
+    #[test]
+    fn tx_progress_kicks_only_a_guest_that_holds_a_slot() {
+        let sys = sys();
+        let mut dev = StreamDevice::default();
+        sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::GUEST_IDLE)
+            .store(1, Ordering::Release);
+        dev.ack(&sys, 0, 10);
+        assert!(
+            !dev.take_kick(&sys, false),
+            "every connection closed: ring room is no news"
+        );
+        dev.ack(&sys, 0, 20);
+        assert!(dev.take_kick(&sys, true), "an open slot may wait for it");
     }
 }
