@@ -29,11 +29,21 @@ def cell_pids(pid: int) -> list[int]:
 
 
 def alive(pid: int) -> bool:
+    """Whether any thread of `pid` still runs: a leader that exited shows as a
+    zombie while another thread (stuck in the kernel, say) holds the process's
+    descriptors."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
+        tasks = os.listdir(f"/proc/{pid}/task")
     except FileNotFoundError:
         return False
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                if f.read().rsplit(") ", 1)[1][0] != "Z":
+                    return True
+        except FileNotFoundError:
+            continue
+    return False
 
 
 def wait_for(predicate, timeout: float = 10) -> bool:

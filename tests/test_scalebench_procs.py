@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 
 import pytest
-from scalebench.procs import Terminated, install_signal_handlers, stop_signals_deferred
+from scalebench.procs import (
+    Child,
+    Terminated,
+    group_members,
+    install_signal_handlers,
+    stop_signals_deferred,
+    wait_until,
+)
 
 
 @pytest.fixture
@@ -37,3 +45,16 @@ def test_without_a_signal_the_block_ends_normally(scalebench_handlers):
     with pytest.raises(Terminated):
         os.kill(os.getpid(), signal.SIGTERM)
         signal.sigtimedwait([], 0.1)  # a point where Python runs the pending handler
+
+
+def test_stop_returns_once_nothing_of_the_group_runs():
+    # A helper that ignores SIGTERM and outlives its leader, as a densevm cell
+    # does while its parent tears down.
+    child = Child(
+        ["sh", "-c", "(trap '' TERM; sleep 60) & trap '' TERM; sleep 60"],
+        subprocess.DEVNULL,
+        subprocess.DEVNULL,
+    )
+    assert wait_until(lambda: len(group_members(child.pid)) == 3, 10.0)
+    child.stop(grace_s=0.5)
+    assert group_members(child.pid) == []

@@ -16,6 +16,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import IO
 
 
@@ -98,13 +99,38 @@ class Child:
         except subprocess.TimeoutExpired:
             self._signal_group(signal.SIGKILL)
             code = self.popen.wait()
-        # The leader is gone; anything else left in its group goes too.
+        # The leader is gone; anything else left in its group goes too, and
+        # is waited for: a process killed with thousands of KVM VMs takes
+        # seconds to exit, and until it has, its sockets (a next run's
+        # addresses) are still bound.
         self._signal_group(signal.SIGKILL)
+        wait_until(lambda: not group_members(self.pid), GROUP_EXIT_TIMEOUT_S)
         return code
 
     def _signal_group(self, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, sig)
+
+
+GROUP_EXIT_TIMEOUT_S = 60.0
+
+
+def group_members(pgid: int) -> list[int]:
+    """Processes of process group `pgid` that have not exited (zombies have
+    released everything, so they do not count)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        # The command name may hold spaces and parentheses: fields follow the last ')'.
+        state, _ppid, pgrp = stat[stat.rindex(")") + 2 :].split()[:3]
+        if int(pgrp) == pgid and state != "Z":
+            members.append(int(entry.name))
+    return members
 
 
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:

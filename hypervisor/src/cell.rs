@@ -47,7 +47,7 @@ fn serve_cell(link: UnixStream) -> Result<(), String> {
     })();
     let (ctx, crashed, waker_slot) = setup.map_err(|ConfigError(e)| e)?;
     let memory = ctx.ram.memory();
-    let handoff = memory.handoff().map_err(|e| e.to_string())?;
+    let handoff = memory.hand_over().map_err(|e| e.to_string())?;
     let hello = Hello {
         pid: std::process::id(),
         base: memory.as_ptr() as usize,

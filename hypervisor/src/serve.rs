@@ -437,6 +437,11 @@ pub fn run(args: ServeArgs) -> i32 {
                 );
                 std::process::exit(1);
             });
+            // Nothing is measured any more, and a vCPU blocked in a fault
+            // can only wait for the pager: its modeled disk time (a wsswap
+            // swap-in on `hdd` is hundreds of ms, queued behind others) would
+            // hold the cells' exit for tens of seconds.
+            pager.set_disk_modeled(false);
             supervisor.shutdown();
             pager.shutdown();
             emit(&json!({ "event": "exit", "reason": "signal", "signal": signal }));

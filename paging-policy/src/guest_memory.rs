@@ -9,6 +9,7 @@
 
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::ptr::NonNull;
+use std::sync::Mutex;
 
 use crate::error::PagerError;
 use crate::uffd::Uffd;
@@ -34,7 +35,8 @@ pub struct SpaceHandoff {
 #[derive(Debug)]
 pub struct GuestMemory {
     memfd: OwnedFd,
-    uffd: Uffd,
+    /// `None` once [`GuestMemory::hand_over`] gave it to the pager.
+    uffd: Mutex<Option<Uffd>>,
     base: NonNull<u8>,
     len: usize,
 }
@@ -44,6 +46,17 @@ pub struct GuestMemory {
 unsafe impl Send for GuestMemory {}
 // SAFETY: as above.
 unsafe impl Sync for GuestMemory {}
+
+fn dup(op: &'static str) -> impl Fn(std::io::Error) -> PagerError {
+    move |source| PagerError::Mm { op, source }
+}
+
+fn handed_over() -> PagerError {
+    PagerError::Mm {
+        op: "userfaultfd",
+        source: std::io::Error::other("already handed over to the pager"),
+    }
+}
 
 fn mm_error(op: &'static str) -> PagerError {
     PagerError::Mm {
@@ -93,14 +106,14 @@ impl GuestMemory {
         // Huge pages would turn one block's eviction into splitting a 2 MiB page.
         // SAFETY: advice on our own mapping.
         unsafe { libc::madvise(ptr, len, libc::MADV_NOHUGEPAGE) };
-        let memory = GuestMemory {
+        let uffd = Uffd::new()?;
+        uffd.register(ptr as usize, len)?;
+        Ok(GuestMemory {
             memfd,
-            uffd: Uffd::new()?,
+            uffd: Mutex::new(Some(uffd)),
             base,
             len,
-        };
-        memory.uffd.register(ptr as usize, len)?;
-        Ok(memory)
+        })
     }
 
     /// Address of the first byte.
@@ -119,10 +132,33 @@ impl GuestMemory {
     }
 
     /// Duplicates of the descriptors and the mapping's address, for the pager.
+    /// This process keeps its userfaultfd (one process, threads as vCPUs).
     pub fn handoff(&self) -> Result<SpaceHandoff, PagerError> {
-        let dup = |op| move |source| PagerError::Mm { op, source };
+        let uffd = self.uffd.lock().expect("uffd");
+        let uffd = uffd.as_ref().ok_or_else(handed_over)?;
+        self.handoff_with(uffd.try_clone().map_err(dup("dup(userfaultfd)"))?)
+    }
+
+    /// Like [`GuestMemory::handoff`], but this process gives its userfaultfd
+    /// away: the pager's copy is the only one. Should the pager go away, the
+    /// registration ends and faults in flight complete, where they would
+    /// otherwise wait forever; KVM's teardown of a VM waits for its
+    /// asynchronous page faults, so a process that kept the descriptor could
+    /// never finish exiting (seen: cells stuck in `kvm_destroy_vm`, their
+    /// listeners bound until reboot).
+    pub fn hand_over(&self) -> Result<SpaceHandoff, PagerError> {
+        let uffd = self
+            .uffd
+            .lock()
+            .expect("uffd")
+            .take()
+            .ok_or_else(handed_over)?;
+        self.handoff_with(uffd.into_fd())
+    }
+
+    fn handoff_with(&self, uffd: OwnedFd) -> Result<SpaceHandoff, PagerError> {
         Ok(SpaceHandoff {
-            uffd: self.uffd.try_clone().map_err(dup("dup(userfaultfd)"))?,
+            uffd,
             memfd: self.memfd.try_clone().map_err(dup("dup(memfd)"))?,
             base: self.base.as_ptr() as usize,
             len: self.len,
@@ -164,5 +200,31 @@ mod tests {
             0
         );
         assert_eq!(st.st_size, 64 << 10);
+    }
+
+    #[test]
+    fn a_fault_completes_once_the_pager_closes_the_handed_over_descriptor() {
+        let memory = std::sync::Arc::new(GuestMemory::new(64 << 10).unwrap());
+        let handoff = memory.hand_over().unwrap();
+        assert!(
+            memory.handoff().is_err(),
+            "this process kept no userfaultfd"
+        );
+        let (done, finished) = std::sync::mpsc::channel();
+        let toucher = std::sync::Arc::clone(&memory);
+        std::thread::spawn(move || {
+            // SAFETY: inside the mapping; nobody serves the fault until the
+            // registration ends.
+            let byte = unsafe { std::ptr::read_volatile(toucher.as_ptr().add(4096)) };
+            let _ = done.send(byte);
+        });
+        let waited = std::time::Duration::from_millis(200);
+        assert!(
+            finished.recv_timeout(waited).is_err(),
+            "the fault waits for the pager"
+        );
+        drop(handoff);
+        let byte = finished.recv_timeout(std::time::Duration::from_secs(10));
+        assert_eq!(byte, Ok(0), "the pager went away: the fault completes");
     }
 }

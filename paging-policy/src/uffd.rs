@@ -158,6 +158,11 @@ impl Uffd {
         Uffd { fd }
     }
 
+    /// The descriptor itself, for another process.
+    pub fn into_fd(self) -> OwnedFd {
+        self.fd
+    }
+
     /// A second descriptor for the same userfaultfd.
     pub fn try_clone(&self) -> io::Result<OwnedFd> {
         self.fd.try_clone()
