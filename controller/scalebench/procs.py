@@ -116,21 +116,30 @@ GROUP_EXIT_TIMEOUT_S = 60.0
 
 
 def group_members(pgid: int) -> list[int]:
-    """Processes of process group `pgid` that have not exited (zombies have
-    released everything, so they do not count)."""
+    """Processes of process group `pgid` that still run a thread. A zombie
+    counts only while another of its threads lives (stuck in the kernel, say):
+    until then it holds the process's descriptors."""
     members = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
+            state, pgrp = _state_and_group(entry / "stat")
+            if pgrp == pgid and (
+                state != "Z"
+                or any(_state_and_group(t / "stat")[0] != "Z" for t in (entry / "task").iterdir())
+            ):
+                members.append(int(entry.name))
         except OSError:
             continue  # gone meanwhile
-        # The command name may hold spaces and parentheses: fields follow the last ')'.
-        state, _ppid, pgrp = stat[stat.rindex(")") + 2 :].split()[:3]
-        if int(pgrp) == pgid and state != "Z":
-            members.append(int(entry.name))
     return members
+
+
+def _state_and_group(stat: Path) -> tuple[str, int]:
+    text = stat.read_text()
+    # The command name may hold spaces and parentheses: fields follow the last ')'.
+    state, _ppid, pgrp = text[text.rindex(")") + 2 :].split()[:3]
+    return state, int(pgrp)
 
 
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:

@@ -240,19 +240,14 @@ impl Proxy {
 
     /// A connection's socket is ready.
     pub fn ready(&mut self, vms: &mut VmTable, key: usize, readiness: Readiness) {
-        let Readiness {
-            readable,
-            writable,
-            read_closed,
-        } = readiness;
         if let Some(conn) = self.conns.get_mut(key) {
-            conn.read_closed |= read_closed;
-            conn.drained &= !readable;
+            conn.read_closed |= readiness.read_closed;
+            conn.drained &= !readiness.readable;
         }
-        if writable {
+        if readiness.writable {
             self.flush(vms, key);
         }
-        if readable {
+        if readiness.readable {
             self.pump_rx(vms, key);
         }
         if let Some(index) = self.vm_of(key) {

@@ -423,12 +423,17 @@ mod tests {
         assert!(dev.take_kick(&sys, true));
     }
 
-    #[test]
-    fn an_open_alone_does_not_wake_the_guest_its_request_does() {
+    /// A guest that announced it is idle, and its fresh host side.
+    fn idle_guest() -> (Mapping, StreamDevice) {
         let sys = sys();
-        let mut dev = StreamDevice::default();
         sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::GUEST_IDLE)
             .store(1, Ordering::Release);
+        (sys, StreamDevice::default())
+    }
+
+    #[test]
+    fn an_open_alone_does_not_wake_the_guest_its_request_does() {
+        let (sys, mut dev) = idle_guest();
         dev.rx_control(&sys, 0, abi::REC_OPEN);
         assert!(!dev.take_kick(&sys, true));
         dev.rx_reserve(&sys, 16).expect("room");
@@ -438,10 +443,7 @@ mod tests {
 
     #[test]
     fn tx_progress_kicks_only_a_guest_that_holds_a_slot() {
-        let sys = sys();
-        let mut dev = StreamDevice::default();
-        sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::GUEST_IDLE)
-            .store(1, Ordering::Release);
+        let (sys, mut dev) = idle_guest();
         dev.ack(&sys, 0, 10);
         assert!(
             !dev.take_kick(&sys, false),
