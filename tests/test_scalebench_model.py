@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections import OrderedDict
 
@@ -11,6 +12,7 @@ from scalebench.disks import disk_model, drive
 from scalebench.model import (
     ModelInput,
     che_hit_ratio,
+    closed_loop_misses,
     estimate_footprint,
     estimate_written,
     miss_sqrt_distance,
@@ -44,6 +46,61 @@ def simulated_lru_hit_ratio(n: int, k: int, alpha: float, requests: int, seed: i
 def test_che_matches_brute_force_lru(n, k, alpha):
     simulated = simulated_lru_hit_ratio(n, k, alpha, 200_000)
     assert che_hit_ratio(n, k, alpha) == pytest.approx(simulated, abs=0.015)
+
+
+def simulated_closed_loop_misses(
+    n: int, k: int, alpha: float, clients: int, requests: int
+) -> float:
+    """Brute force: `clients` requests in flight over an LRU cache of k VMs whose misses queue
+    on one drive (1 s each, so it stays busy). A VM enters the cache when its miss is served;
+    requests that reach it meanwhile wait and then hit. Hits take 0.1 ms."""
+    rng = np.random.default_rng(3)
+    picks = iter(rng.choice(n, size=requests + clients, p=zipf_popularity(n, alpha)).tolist())
+    cache: OrderedDict[int, None] = OrderedDict()
+    waiting: dict[int, list[int]] = {}
+    events = [(0.0, client, -1) for client in range(clients)]  # (time, client, paged-in VM)
+    drive_free, served, misses = 0.0, 0, 0
+    while served < requests:
+        t, client, vm = heapq.heappop(events)
+        if vm >= 0:
+            cache[vm] = None
+            if len(cache) > k:
+                cache.popitem(last=False)
+            for waiter in waiting.pop(vm):
+                heapq.heappush(events, (t + 1e-4, waiter, -1))
+                served += 1
+            continue
+        vm = next(picks)
+        if vm in cache:
+            cache.move_to_end(vm)
+            heapq.heappush(events, (t + 1e-4, client, -1))
+            served += 1
+        elif vm in waiting:
+            waiting[vm].append(client)
+        else:
+            misses += 1
+            waiting[vm] = [client]
+            drive_free = max(drive_free, t) + 1.0
+            heapq.heappush(events, (drive_free, -1, vm))
+    return misses / served
+
+
+@pytest.mark.parametrize("n,k,clients", [(400, 340, 16), (400, 360, 32)])
+def test_closed_loop_misses_match_a_simulated_closed_loop(n, k, clients):
+    simulated = simulated_closed_loop_misses(n, k, 1.0, clients, 300_000)
+    assert closed_loop_misses(n, k, 1.0, clients, 0.0) == pytest.approx(simulated, rel=0.15)
+    # Che alone (no requests wait on a miss) overstates the misses near the cliff.
+    assert 1 - che_hit_ratio(n, k, 1.0) > 1.15 * simulated
+
+
+def test_closed_loop_limits():
+    assert closed_loop_misses(100, 100, 1.0, 64, 0.0) == 0.0
+    # Few requests in flight: hardly any wait, Che's misses.
+    assert closed_loop_misses(1000, 800, 1.0, 1, 0.0) == pytest.approx(
+        1 - che_hit_ratio(1000, 800, 1.0), rel=0.02
+    )
+    # A VM that holds memory while it pages in leaves less room for the others.
+    assert closed_loop_misses(1000, 800, 1.0, 64, 0.5) > closed_loop_misses(1000, 800, 1.0, 64, 0)
 
 
 def test_che_limits():

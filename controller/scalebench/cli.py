@@ -225,6 +225,7 @@ def cmd_model(argv: list[str]) -> int:
             bench,
             fault_us * 1e-6,
             estimate_written(cfg.ws_bytes, cfg.block_bytes),
+            in_flight=cfg.concurrency,
         )
     )
     if args.json:
@@ -248,7 +249,10 @@ def cmd_model(argv: list[str]) -> int:
         f"  footprint {footprint / 2**20:.2f} MiB per VM -> {pred.cache_vms} VMs fit; "
         f"throughput halves at {pred.cliff_vms} VMs (the cliff)"
     )
-    print(f"  hit ratio {pred.hit_ratio:.4f} (Che's approximation of LRU under Zipf)")
+    print(
+        f"  hit ratio {pred.hit_ratio:.4f} (LRU under Zipf: Che's approximation, "
+        "closed-loop when disk-bound)"
+    )
     print(
         f"  miss: read {pred.miss_read_s * 1e3:.2f} ms + write {pred.miss_write_s * 1e3:.2f} ms"
         + (

@@ -31,7 +31,26 @@ per miss for wsswap) and by the swap I/O (as many requests in flight as
 drives, up to the pager's service threads):
 
     X = min(1 / (cpu_s + (1 - h) * faults_per_miss * fault_s),
-            min(drives, threads) / ((1 - h) * miss_s))
+            min(drives, threads) / (misses_per_request * miss_s))
+
+When the swap I/O bounds it, the client's C requests in flight (a closed loop)
+nearly all wait on misses, and a miss takes seconds (W) to be served. A VM
+being paged in neither holds memory nor misses again: the requests that reach
+it meanwhile wait and then hit. Per VM (rate l = p_i X, m = exp(-p_i T)) a
+cycle is a miss, W of paging in, then hits until a gap longer than T, so
+
+    misses per request  sum_i p_i m / (1 + m p_i u)
+    occupancy           sum_i (1 - m) / (1 + m p_i u) = k
+    requests waiting    u sum_i p_i m (1 + p_i u / 2) / (1 + m p_i u) = C
+
+with u = X W, the requests that arrive during one miss. The last line fixes u
+(Little's law over the requests that wait), the second T, and saturation then
+gives X. A VM paging in holds part of its footprint meanwhile (`demand` half
+on average, as its blocks arrive one by one; `wsswap` its single faults until
+the set comes in one read), so the occupancy counts f m p_i u / (1 + m p_i u)
+more for it. Near the cliff this is worth up to 2x: Fig 8's wsswap at 1,100
+VMs measured 2,407 requests/s where Che alone (u = 0) gave 977, and the
+measured misses per request by popularity band matched the formula at W = 2 s.
 """
 
 from __future__ import annotations
@@ -95,12 +114,14 @@ def che_hit_ratio(n: int, k: float, alpha: float) -> float:
     return float(np.sum(p * -np.expm1(-p * t)))
 
 
-def che_time(p: np.ndarray, k: float) -> float:
+def che_time(p: np.ndarray, k: float, u: float = 0.0, paging_in: float = 0.0) -> float:
     """The characteristic time T of an LRU cache of k items under popularities p (0 < k <
-    len(p))."""
+    len(p)), in requests; u: the requests that arrive while a miss is paged in, during which
+    an item holds the share `paging_in` of its size."""
 
     def occupancy(t: float) -> float:
-        return float(np.sum(-np.expm1(-p * t)))
+        m = np.exp(-p * t)
+        return float(np.sum((1.0 - m + paging_in * m * p * u) / (1.0 + m * p * u)))
 
     # occupancy(T) rises from 0 to n: bracket k, then bisect on log T.
     lo, hi = 1.0, 2.0
@@ -117,6 +138,31 @@ def che_time(p: np.ndarray, k: float) -> float:
         if hi / lo < 1 + 1e-10:
             break
     return math.sqrt(lo * hi)
+
+
+def closed_loop_misses(n: int, k: float, alpha: float, in_flight: int, paging_in: float) -> float:
+    """Misses per request of an LRU cache of k of n VMs under Zipf(alpha) when the swap
+    I/O is saturated and `in_flight` requests (a closed loop) wait on misses that take a
+    while to serve, a VM holding the share `paging_in` of its footprint meanwhile (the
+    module docstring's three equations)."""
+    if k >= n:
+        return 0.0
+    p = zipf_popularity(n, alpha)
+
+    def parts(u: float) -> tuple[float, float]:
+        m = np.exp(-p * che_time(p, k, u, paging_in))
+        stretch = 1.0 + m * p * u
+        return float(np.sum(p * m / stretch)), u * float(np.sum(p * m * (1 + p * u / 2) / stretch))
+
+    lo, hi = 0.0, float(in_flight)
+    while parts(hi)[1] < in_flight:
+        lo, hi = hi, hi * 2.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if parts(mid)[1] < in_flight else (lo, mid)
+        if hi - lo < 1e-6 * hi:
+            break
+    return parts((lo + hi) / 2)[0]
 
 
 def miss_sqrt_distance(n: int, k: float, alpha: float, samples: int = 100_000) -> float:
@@ -201,6 +247,7 @@ class ModelInput:
     swap_bytes: int | None = (
         None  # the swap device the drives' seeks span (None: as densevm sizes it)
     )
+    in_flight: int = 64  # the client's requests in flight (zipfperf --concurrency)
 
     def used_fraction(self, used_bytes: int) -> float:
         """The share of the swap device's span that `used_bytes` from its start fill."""
@@ -303,18 +350,18 @@ def _bounds(inp: ModelInput) -> _Bounds:
     faults_per_miss = (
         inp.single_faults + 1 if inp.policy == "wsswap" else inp.footprint_bytes // inp.block_bytes
     )
-    cpu_per_request = inp.cpu_s + misses * faults_per_miss * inp.fault_s
-    io_per_request = misses * (read + write)
+    cpu_rps = 1.0 / (inp.cpu_s + misses * faults_per_miss * inp.fault_s)
     # The pager's service threads bound the swap I/Os in flight, whatever the drives.
     parallel = min(inp.disk.parallelism, fact("pager.service_threads"))
-    return _Bounds(
-        k,
-        hit,
-        read,
-        write,
-        1.0 / cpu_per_request,
-        parallel / io_per_request if io_per_request > 0 else math.inf,
+    if misses <= 0 or parallel / (misses * (read + write)) >= cpu_rps:
+        # The CPU binds: misses are served as they come, without the closed loop's waits.
+        disk_rps = parallel / (misses * (read + write)) if misses > 0 else math.inf
+        return _Bounds(k, hit, read, write, cpu_rps, disk_rps)
+    paging_in = (
+        inp.single_faults * inp.block_bytes / inp.footprint_bytes if inp.policy == "wsswap" else 0.5
     )
+    misses = closed_loop_misses(inp.vms, k, inp.alpha, inp.in_flight, paging_in)
+    return _Bounds(k, 1.0 - misses, read, write, cpu_rps, parallel / (misses * (read + write)))
 
 
 def cliff_vms(inp: ModelInput) -> int:

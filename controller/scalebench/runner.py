@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import statistics
 import time
 import traceback
 from collections import Counter
@@ -40,12 +41,16 @@ from .result import RunResult, now_iso
 from .touch import lru_order, touch_all
 from .zipfperf import OBJECT_URI, LoadSpec, ZipfperfError, run_load
 
-# The regime is disk-bound when, over the measurement phase, swap reads flowed
-# and requests caused at least one block fault per 20 requests on average. At
-# 32k blocks a miss is ~28 faults, so that is one miss per ~560 requests: enough
-# that, on the modeled 7,200 RPM disk, paging time exceeds the CPU time of the
-# requests (and even on a fast SSD, a visible share of it).
-FAULTS_PER_REQUEST_DISK_BOUND = 0.05
+# The regime is disk-bound when, over the measurement phase, requests missed (a
+# miss reads a footprint back from swap) at least once per 500 requests. On the
+# modeled 7,200 RPM disk a miss costs 50-350 ms of disk against the ~35 ms of CPU
+# 500 in-core requests take, so paging time exceeds the requests' CPU time; on
+# --disk none a 32k demand miss's ~31 faults are a visible share of it. Misses,
+# not faults: a wsswap miss is 3 faults where a demand miss is 31 (at 32k).
+MISSES_PER_REQUEST_DISK_BOUND = 1 / 500
+# A phase whose CPU cost per request is taken as in-core pages at most this much:
+# a phase that faulted more measured the pager's CPU as well.
+FAULTS_PER_REQUEST_IN_CORE = 0.05
 # Calibration phase: how many resident VMs it drives and for how long.
 CALIBRATION_MAX_VMS = 256
 SAMPLE_INTERVAL_S = 1.0
@@ -85,16 +90,17 @@ def new_run_id(cfg: RunConfig) -> str:
     return f"{stamp}-{cfg.vms}vm-{cfg.block}-{cfg.policy}-{os.getpid()}"
 
 
-def classify(faults: int, requests: int, swap_read_bytes: int) -> str:
-    """The measured regime, defined in RESULTS.md."""
-    if swap_read_bytes > 0 and faults >= FAULTS_PER_REQUEST_DISK_BOUND * max(requests, 1):
+def classify(requests: int, swap_read_bytes: int, footprint_bytes: int) -> str:
+    """The measured regime, defined in RESULTS.md: misses (footprints read back) per request."""
+    misses = swap_read_bytes / footprint_bytes
+    if swap_read_bytes > 0 and misses >= MISSES_PER_REQUEST_DISK_BOUND * max(requests, 1):
         return "disk-bound"
     return "in-core"
 
 
 def hot_footprint(vms: list[dict]) -> int | None:
-    """The per-VM footprint: the most common resident size, among the sizes of the VMs that hold
-    at least half of the 90th-percentile size.
+    """The per-VM footprint: the mean size of the VMs whose size is within 10% of the most
+    common one, among the sizes of the VMs that hold at least half of the 90th-percentile size.
 
     Most VMs that are resident hold exactly what a request touches. The rest
     are noise to leave out: evicted VMs keep the couple of blocks the monitor
@@ -102,7 +108,10 @@ def hot_footprint(vms: list[dict]) -> int | None:
     in, and in core a few busy VMs hold extra connection state they touched
     once (the largest sizes are no guide: they made the model see 204 VMs fit
     where 264 did). The busiest VMs are no guide out of core either: they too
-    are evicted and paged back in.
+    are evicted and paged back in. The mean, not the most common size: the
+    budget over it is how many VMs fit, and near the cliff that decides the
+    throughput (Fig 8's wsswap at 1,100 VMs: 720 VMs held 32 blocks and 286 held
+    31; 32 blocks made 1,024 VMs fit where 1,032 did).
     """
     sizes = sorted(
         v["resident_bytes"] for v in vms if v.get("requests", 0) > 0 and v.get("resident_bytes")
@@ -111,7 +120,8 @@ def hot_footprint(vms: list[dict]) -> int | None:
         return None
     floor = 0.5 * sizes[int(0.9 * (len(sizes) - 1))]
     counts = Counter(s for s in sizes if s >= floor)
-    return max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0]
+    mode = max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0]
+    return round(statistics.fmean(s for s in sizes if abs(s - mode) <= 0.1 * mode))
 
 
 def resident_mass(vms: list[dict], footprint: int, alpha: float) -> float:
@@ -164,8 +174,8 @@ class Sampler:
         if time.monotonic() - self.last >= SAMPLE_INTERVAL_S:
             self.sample(phase)
 
-    def late_window(self, phase: str) -> tuple[float, float] | None:
-        """(requests/s, faults per request) over the second half of a phase, or None."""
+    def late_window(self, phase: str) -> Window | None:
+        """Requests and paging over the second half of a phase, or None."""
         at = [i for i, r in enumerate(self.samples) if r["phase"] == phase]
         if not at:
             return None
@@ -179,7 +189,26 @@ class Sampler:
         dt, dreq = last["t"] - first["t"], last["requests"] - first["requests"]
         if dt <= 0 or dreq <= 0:
             return None
-        return dreq / dt, (last["faults"] - first["faults"]) / dreq
+        return Window(
+            dreq / dt,
+            (last["faults"] - first["faults"]) / dreq,
+            last["swap_read_bytes"] - first["swap_read_bytes"],
+        )
+
+
+@dataclass(frozen=True)
+class Window:
+    """The late half of a phase (Sampler.late_window)."""
+
+    rps: float
+    faults_per_request: float
+    swap_read_bytes: int
+
+    @property
+    def in_core(self) -> bool:
+        """Its throughput measured the in-core CPU cost: nothing came back from swap (on a
+        modeled disk even a few misses per thousand requests bound it) and few faults."""
+        return self.swap_read_bytes == 0 and self.faults_per_request < FAULTS_PER_REQUEST_IN_CORE
 
 
 def drive_usage(delta: dict, wall: float) -> dict:
@@ -535,12 +564,11 @@ class Run:
         window = self.sampler.late_window("calibrate")
         if window is None:
             raise DenseVMError("the calibration phase served no requests")
-        rps, faults_per_request = window
         self.calibration = {
-            "cpu_us": 1e6 / rps,
+            "cpu_us": 1e6 / window.rps,
             "source": f"calibration phase ({width} VMs, before the touch)",
-            "faults_per_request": faults_per_request,
-            "paged": faults_per_request >= FAULTS_PER_REQUEST_DISK_BOUND,
+            "faults_per_request": window.faults_per_request,
+            "paged": not window.in_core,
         }
         if not self.calibration["paged"]:
             calibration.store_cpu_us(
@@ -548,7 +576,8 @@ class Run:
             )
         else:
             self.result.warnings.append(
-                f"the calibration phase paged ({faults_per_request:.2f} faults per request): "
+                f"the calibration phase paged ({window.faults_per_request:.2f} faults per request, "
+                f"{window.swap_read_bytes} bytes from swap): "
                 "its CPU cost is an overestimate and was not stored"
             )
 
@@ -560,8 +589,8 @@ class Run:
         if cfg.cpu_us is not None:
             return cfg.cpu_us, "flag"
         window = self.sampler.late_window("warmup")
-        if window and window[1] < FAULTS_PER_REQUEST_DISK_BOUND:
-            cpu_us = 1e6 / window[0]
+        if window and window.in_core:
+            cpu_us = 1e6 / window.rps
             calibration.store_cpu_us(cfg.object, cpu_us, cfg.vms, "warm-up")
             return cpu_us, "warm-up"
         if self.calibration and not self.calibration["paged"]:
@@ -592,8 +621,8 @@ class Run:
         if cfg.fault_us is not None:
             return cfg.fault_us, "flag"
         window = self.sampler.late_window("settle")
-        if window and cpu_us is not None and window[1] > 0:
-            rps, faults_per_request = window
+        if window and cpu_us is not None and window.faults_per_request > 0:
+            rps, faults_per_request = window.rps, window.faults_per_request
             spare = 1.0 - rps * cpu_us * 1e-6
             if spare > 0:
                 fault_us = spare / (rps * faults_per_request) * 1e6
@@ -646,7 +675,7 @@ class Run:
             # Each miss reads the whole footprint back (demand block by block, wsswap at once).
             r.hit_ratio = max(0.0, 1.0 - d["swap_read_bytes"] / r.footprint_bytes / d["requests"])
             r.resident_mass = resident_mass(stats.get("vms", []), r.footprint_bytes, self.cfg.alpha)
-        r.regime = classify(d["faults"], d["requests"], d["swap_read_bytes"])
+        r.regime = classify(d["requests"], d["swap_read_bytes"], footprint_of(r, self.cfg))
         connections = (doc.get("connections") or {}).get("total") or 0
         if self.cfg.calls_per_conn == 1 and r.replies and connections < 0.9 * r.replies:
             # Each connection is bound to one VM: Zipf then chose VMs per connection,
@@ -673,9 +702,14 @@ class Run:
         c.remove()
 
 
+def footprint_of(r: RunResult, cfg: RunConfig) -> int:
+    """The footprint the run measured, else the estimate from the guest's layout."""
+    return r.footprint_bytes or estimate_footprint(cfg.ws_bytes, cfg.block_bytes)
+
+
 def apply_model(r: RunResult, cfg: RunConfig, cpu_us: float, bench: diskbench.DiskBench) -> None:
     """The model's prediction for a measured run, from what the run recorded, into `r`."""
-    footprint = r.footprint_bytes or estimate_footprint(cfg.ws_bytes, cfg.block_bytes)
+    footprint = footprint_of(r, cfg)
     if cfg.policy not in ("demand", "wsswap"):
         r.model = {"error": f"no model for policy {cfg.policy}"}
         return
@@ -693,6 +727,7 @@ def apply_model(r: RunResult, cfg: RunConfig, cpu_us: float, bench: diskbench.Di
             fault_s=recorded_fault_us(r, cfg) * 1e-6,
             written_bytes=estimate_written(cfg.ws_bytes, cfg.block_bytes),
             swap_bytes=(r.pager.get("pager") or {}).get("swap_bytes"),
+            in_flight=cfg.concurrency,
         )
     )
     r.model = p.as_dict()
@@ -712,15 +747,18 @@ def recorded_fault_us(r: RunResult, cfg: RunConfig) -> float:
 
 
 def remodel(path: Path) -> RunResult | None:
-    """Re-evaluate the model of the run stored at `path` (result.json) with this version of
-    the model, from the inputs the run recorded; rewrite it. None if it has no model to redo
-    (a failed run, or one that never had an in-core CPU cost)."""
+    """Re-evaluate the model and the regime of the run stored at `path` (result.json) with
+    this version of them, from the inputs and counters the run recorded; rewrite it. None if
+    it has no model to redo (a failed run, or one that never had an in-core CPU cost)."""
     r = RunResult(**json.loads(path.read_text()))
     cpu_us = (r.calibration or {}).get("cpu_us")
     if r.status != "ok" or cpu_us is None or not r.diskbench:
         return None
     cfg = RunConfig(**{k: v for k, v in r.config.items() if k in RunConfig.field_names()})
     before = r.model_rps
+    requests = (r.phases.get("measure") or {}).get("requests")
+    if requests is not None and r.swap_read_bytes is not None:
+        r.regime = classify(requests, r.swap_read_bytes, footprint_of(r, cfg))
     apply_model(r, cfg, cpu_us, diskbench.DiskBench(**r.diskbench))
     r.model["remodeled"] = {"at": now_iso(), "model_rps_before": before}
     r.write(path)

@@ -85,6 +85,7 @@ def main() -> None:
                     None,
                     args.fault_us * 1e-6,
                     estimate_written(896 * KIB, b),
+                    in_flight=1,  # pagesim replays one request after another
                 )
             )
             print(
