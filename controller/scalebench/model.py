@@ -148,21 +148,33 @@ def closed_loop_misses(n: int, k: float, alpha: float, in_flight: int, paging_in
     if k >= n:
         return 0.0
     p = zipf_popularity(n, alpha)
+    return float(np.sum(p * closed_loop_miss_profile(n, k, alpha, in_flight, paging_in)))
 
-    def parts(u: float) -> tuple[float, float]:
+
+def closed_loop_miss_profile(
+    n: int, k: float, alpha: float, in_flight: int, paging_in: float
+) -> np.ndarray:
+    """Per VM (by popularity rank), the share of its requests that miss, in the closed loop
+    of closed_loop_misses (k < n)."""
+    p = zipf_popularity(n, alpha)
+
+    def profile(u: float) -> np.ndarray:
         m = np.exp(-p * che_time(p, k, u, paging_in))
-        stretch = 1.0 + m * p * u
-        return float(np.sum(p * m / stretch)), u * float(np.sum(p * m * (1 + p * u / 2) / stretch))
+        return m / (1.0 + m * p * u)
+
+    def waiting(u: float) -> float:
+        # Per VM, a miss and the requests that join it wait W and W/2: in requests, u (1 + p u/2).
+        return u * float(np.sum(p * profile(u) * (1 + p * u / 2)))
 
     lo, hi = 0.0, float(in_flight)
-    while parts(hi)[1] < in_flight:
+    while waiting(hi) < in_flight:
         lo, hi = hi, hi * 2.0
     for _ in range(60):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if parts(mid)[1] < in_flight else (lo, mid)
+        lo, hi = (mid, hi) if waiting(mid) < in_flight else (lo, mid)
         if hi - lo < 1e-6 * hi:
             break
-    return parts((lo + hi) / 2)[0]
+    return profile((lo + hi) / 2)
 
 
 def miss_sqrt_distance(n: int, k: float, alpha: float, samples: int = 100_000) -> float:
@@ -262,6 +274,14 @@ class ModelInput:
         )
 
     @property
+    def paging_in(self) -> float:
+        """The share of its footprint a VM holds while it pages in: demand's blocks arrive one
+        by one (half on average), wsswap's single faults come before the set."""
+        if self.policy == "wsswap":
+            return self.single_faults * self.block_bytes / self.footprint_bytes
+        return 0.5
+
+    @property
     def single_faults(self) -> int:
         """wsswap: block faults served one by one before the prefetch."""
         after = self.after or fact("pager.policy.wsswap_after_default")
@@ -357,10 +377,7 @@ def _bounds(inp: ModelInput) -> _Bounds:
         # The CPU binds: misses are served as they come, without the closed loop's waits.
         disk_rps = parallel / (misses * (read + write)) if misses > 0 else math.inf
         return _Bounds(k, hit, read, write, cpu_rps, disk_rps)
-    paging_in = (
-        inp.single_faults * inp.block_bytes / inp.footprint_bytes if inp.policy == "wsswap" else 0.5
-    )
-    misses = closed_loop_misses(inp.vms, k, inp.alpha, inp.in_flight, paging_in)
+    misses = closed_loop_misses(inp.vms, k, inp.alpha, inp.in_flight, inp.paging_in)
     return _Bounds(k, 1.0 - misses, read, write, cpu_rps, parallel / (misses * (read + write)))
 
 
