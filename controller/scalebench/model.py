@@ -373,12 +373,15 @@ def _bounds(inp: ModelInput) -> _Bounds:
     cpu_rps = 1.0 / (inp.cpu_s + misses * faults_per_miss * inp.fault_s)
     # The pager's service threads bound the swap I/Os in flight, whatever the drives.
     parallel = min(inp.disk.parallelism, fact("pager.service_threads"))
-    if misses <= 0 or parallel / (misses * (read + write)) >= cpu_rps:
+
+    def disk_rps(misses: float) -> float:
+        return parallel / (misses * (read + write)) if misses > 0 else math.inf
+
+    if disk_rps(misses) >= cpu_rps:
         # The CPU binds: misses are served as they come, without the closed loop's waits.
-        disk_rps = parallel / (misses * (read + write)) if misses > 0 else math.inf
-        return _Bounds(k, hit, read, write, cpu_rps, disk_rps)
+        return _Bounds(k, hit, read, write, cpu_rps, disk_rps(misses))
     misses = closed_loop_misses(inp.vms, k, inp.alpha, inp.in_flight, inp.paging_in)
-    return _Bounds(k, 1.0 - misses, read, write, cpu_rps, parallel / (misses * (read + write)))
+    return _Bounds(k, 1.0 - misses, read, write, cpu_rps, disk_rps(misses))
 
 
 def cliff_vms(inp: ModelInput) -> int:

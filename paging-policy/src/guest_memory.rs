@@ -47,7 +47,7 @@ unsafe impl Send for GuestMemory {}
 // SAFETY: as above.
 unsafe impl Sync for GuestMemory {}
 
-fn dup(op: &'static str) -> impl Fn(std::io::Error) -> PagerError {
+fn io_error(op: &'static str) -> impl Fn(std::io::Error) -> PagerError {
     move |source| PagerError::Mm { op, source }
 }
 
@@ -136,7 +136,7 @@ impl GuestMemory {
     pub fn handoff(&self) -> Result<SpaceHandoff, PagerError> {
         let uffd = self.uffd.lock().expect("uffd");
         let uffd = uffd.as_ref().ok_or_else(handed_over)?;
-        self.handoff_with(uffd.try_clone().map_err(dup("dup(userfaultfd)"))?)
+        self.handoff_with(uffd.try_clone().map_err(io_error("dup(userfaultfd)"))?)
     }
 
     /// Like [`GuestMemory::handoff`], but this process gives its userfaultfd
@@ -159,7 +159,7 @@ impl GuestMemory {
     fn handoff_with(&self, uffd: OwnedFd) -> Result<SpaceHandoff, PagerError> {
         Ok(SpaceHandoff {
             uffd,
-            memfd: self.memfd.try_clone().map_err(dup("dup(memfd)"))?,
+            memfd: self.memfd.try_clone().map_err(io_error("dup(memfd)"))?,
             base: self.base.as_ptr() as usize,
             len: self.len,
         })
