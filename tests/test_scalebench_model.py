@@ -12,6 +12,7 @@ from scalebench.disks import disk_model, drive
 from scalebench.model import (
     ModelInput,
     che_hit_ratio,
+    che_time,
     closed_loop_misses,
     estimate_footprint,
     estimate_written,
@@ -101,6 +102,17 @@ def test_closed_loop_limits():
     )
     # A VM that holds memory while it pages in leaves less room for the others.
     assert closed_loop_misses(1000, 800, 1.0, 64, 0.5) > closed_loop_misses(1000, 800, 1.0, 64, 0)
+
+
+def test_vms_paging_in_can_fill_the_cache_on_their_own():
+    # 64 requests in flight on 16 VMs, room for 2: the VMs paging in hold more than the
+    # cache, so nothing stays between requests. Each VM then misses once per burst of
+    # requests that wait on it (1 + p u of them), not on every request.
+    p = zipf_popularity(16, 1.0)
+    assert che_time(p, 2, 1_000.0, 0.5) == 0.0
+    misses = closed_loop_misses(16, 2, 1.0, 64, 0.5)
+    assert 0.0 < misses < 1.0
+    assert misses > closed_loop_misses(16, 2, 1.0, 64, 0.0)
 
 
 def test_che_limits():

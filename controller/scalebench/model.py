@@ -123,7 +123,11 @@ def che_time(p: np.ndarray, k: float, u: float = 0.0, paging_in: float = 0.0) ->
         m = np.exp(-p * t)
         return float(np.sum((1.0 - m + paging_in * m * p * u) / (1.0 + m * p * u)))
 
-    # occupancy(T) rises from 0 to n: bracket k, then bisect on log T.
+    # occupancy(T) rises from occupancy(0) to n. VMs paging in may fill k on their own
+    # (many requests in flight on few VMs): then nothing stays cached between requests.
+    if occupancy(0.0) >= k:
+        return 0.0
+    # Bracket k, then bisect on log T.
     lo, hi = 1.0, 2.0
     while occupancy(hi) < k:
         lo, hi = hi, hi * 2.0
