@@ -104,6 +104,19 @@ def test_closed_loop_limits():
     assert closed_loop_misses(1000, 800, 1.0, 64, 0.5) > closed_loop_misses(1000, 800, 1.0, 64, 0)
 
 
+@pytest.mark.parametrize("paging_in", [0.0, 0.03, 0.5, 1.0])
+@pytest.mark.parametrize("in_flight", [1, 64, 512])
+@pytest.mark.parametrize("n", [3, 16, 2000])
+def test_closed_loop_misses_fall_as_the_cache_grows(n, in_flight, paging_in):
+    # Every input a run can record: a share of requests, never rising with the room.
+    misses = [
+        closed_loop_misses(n, max(1.0, n * share), 1.0, in_flight, paging_in)
+        for share in (0.05, 0.3, 0.7, 0.95)
+    ]
+    assert all(0.0 <= m <= 1.0 for m in misses)
+    assert misses == sorted(misses, reverse=True)
+
+
 def test_vms_paging_in_can_fill_the_cache_on_their_own():
     # 64 requests in flight on 16 VMs, room for 2: the VMs paging in hold more than the
     # cache, so nothing stays between requests. Each VM then misses once per burst of

@@ -133,6 +133,8 @@ def che_time(p: np.ndarray, k: float, u: float = 0.0, paging_in: float = 0.0) ->
         lo, hi = hi, hi * 2.0
     while occupancy(lo) > k:
         lo /= 2.0
+        if lo < 1e-12:  # k sits at occupancy(0) within rounding
+            return 0.0
     for _ in range(100):
         mid = math.sqrt(lo * hi)
         if occupancy(mid) < k:

@@ -9,18 +9,26 @@ measures it. Rounds alternate the order (densevm, nginx, nginx, densevm, ...)
 so a drifting host load favours neither. The cells issue asks for densevm >=
 0.7 of nginx.
 
-Usage: experiments/bench/incore_vs_nginx.py [--vms 4000] [--rounds 2] [--seconds 30] [--json
-out.json]
+Each round also prints where the machine's CPU went per request served, from
+/proc/stat over the load window (guest code, other user code, kernel, softirq,
+idle) and the share of it the host's DAMON monitor (kdamond) took: its access
+checks visit every KVM VM of the process that maps a page, so its cost grows
+with the VMs per cell (`--cell-vms`, docs/host-facts.md).
+
+Usage: experiments/bench/incore_vs_nginx.py [--vms 4000] [--rounds 2] [--seconds 30]
+[--cell-vms K] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +43,57 @@ ADDR_BASE = "127.6.0.0"
 PORT = 8080
 
 
-def zipfperf(vms: int, seconds: float) -> float:
+# /proc/stat's CPU columns; `user` and `nice` include `guest` and `guest_nice`.
+STAT_COLUMNS = (
+    "user",
+    "nice",
+    "system",
+    "idle",
+    "iowait",
+    "irq",
+    "softirq",
+    "steal",
+    "guest",
+    "guest_nice",
+)
+
+
+@dataclass
+class Round:
+    """One server's load window: its rate and the machine's CPU per request, in µs."""
+
+    rate: float
+    guest_us: float
+    user_us: float
+    system_us: float
+    softirq_us: float
+    idle_us: float
+    kdamond_us: float
+
+
+def cpu_ticks() -> dict[str, int]:
+    with open("/proc/stat") as f:
+        fields = f.readline().split()[1:]
+    return dict(zip(STAT_COLUMNS, map(int, fields[: len(STAT_COLUMNS)]), strict=True))
+
+
+def kdamond_ticks() -> int:
+    """User and system ticks of the host's DAMON threads (none: 0)."""
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if stat[stat.index("(") + 1 :].startswith("kdamond"):
+            fields = stat[stat.rindex(")") + 2 :].split()
+            total += int(fields[11]) + int(fields[12])
+    return total
+
+
+def zipfperf(vms: int, seconds: float) -> Round:
+    before, kdamond_before = cpu_ticks(), kdamond_ticks()
     out = subprocess.run(
         [
             str(ZIPFPERF),
@@ -60,13 +118,28 @@ def zipfperf(vms: int, seconds: float) -> float:
         text=True,
         check=True,
     )
+    after, kdamond_after = cpu_ticks(), kdamond_ticks()
     doc = json.loads(out.stdout)
     if doc["errors"]["total"]:
         print(f"  zipfperf errors: {doc['errors']}", flush=True)
-    return doc["replies"]["rate"]
+    rate = doc["replies"]["rate"]
+    ticks = {k: after[k] - before[k] for k in STAT_COLUMNS}
+    # A column's share of all cores' time, times the cores' µs per request served.
+    guest = ticks["guest"] + ticks["guest_nice"]
+    total = max(1, sum(ticks.values()) - guest)
+    per_request = (os.cpu_count() or 1) * 1e6 / max(rate, 1.0) / total
+    return Round(
+        rate=rate,
+        guest_us=guest * per_request,
+        user_us=(ticks["user"] + ticks["nice"] - guest) * per_request,
+        system_us=(ticks["system"] + ticks["irq"]) * per_request,
+        softirq_us=ticks["softirq"] * per_request,
+        idle_us=(ticks["idle"] + ticks["iowait"] + ticks["steal"]) * per_request,
+        kdamond_us=(kdamond_after - kdamond_before) * per_request,
+    )
 
 
-def densevm_round(vms: int, seconds: float, workdir: Path) -> float:
+def densevm_round(vms: int, cell_vms: int | None, seconds: float, workdir: Path) -> Round:
     api = workdir / "densevm.sock"
     proc = subprocess.Popen(
         [
@@ -84,6 +157,7 @@ def densevm_round(vms: int, seconds: float, workdir: Path) -> float:
             str(vms * 2 << 20),
             "--boot-timeout",
             "600",
+            *(["--cell-vms", str(cell_vms)] if cell_vms else []),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -97,19 +171,31 @@ def densevm_round(vms: int, seconds: float, workdir: Path) -> float:
         if failed:
             raise SystemExit(f"{len(failed)} VMs did not answer the touch")
         before = control(api, {"cmd": "stats", "vms": False})["totals"]["faults"]
-        rate = zipfperf(vms, seconds)
+        result = zipfperf(vms, seconds)
         faults = control(api, {"cmd": "stats", "vms": False})["totals"]["faults"] - before
-        if faults > 0.05 * rate * seconds:
+        if faults > 0.05 * result.rate * seconds:
             print(f"  warning: densevm paged during the window ({faults} faults)", flush=True)
-        return rate
+        return result
     finally:
         proc.terminate()
         proc.wait(300)
 
 
-def nginx_round(vms: int, seconds: float) -> float:
+def nginx_round(vms: int, seconds: float) -> Round:
     with NginxServer(PORT, extra_targets=vms, workers=2, addr_base=ADDR_BASE):
         return zipfperf(vms, seconds)
+
+
+def describe(server: str, r: Round) -> str:
+    return (
+        f"{server:<8} {r.rate:>9,.0f} requests/s; CPU µs per request: guest {r.guest_us:.0f}, "
+        f"user {r.user_us:.0f}, kernel {r.system_us:.0f}, softirq {r.softirq_us:.0f}, "
+        f"idle {r.idle_us:.0f} (kdamond {r.kdamond_us:.0f})"
+    )
+
+
+def mean_round(rounds: list[Round]) -> Round:
+    return Round(**{k: statistics.mean(getattr(r, k) for r in rounds) for k in asdict(rounds[0])})
 
 
 def main() -> None:
@@ -117,28 +203,37 @@ def main() -> None:
     parser.add_argument("--vms", type=int, default=4000)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--cell-vms", type=int, help="densevm's --cell-vms (default: its own)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    results: dict[str, list[float]] = {"densevm": [], "nginx": []}
+    results: dict[str, list[Round]] = {"densevm": [], "nginx": []}
     with tempfile.TemporaryDirectory(prefix="incore-bench-") as tmp:
         for r in range(args.rounds):
             order = ("densevm", "nginx") if r % 2 == 0 else ("nginx", "densevm")
             for server in order:
-                rate = (
-                    densevm_round(args.vms, args.seconds, Path(tmp))
+                result = (
+                    densevm_round(args.vms, args.cell_vms, args.seconds, Path(tmp))
                     if server == "densevm"
                     else nginx_round(args.vms, args.seconds)
                 )
-                results[server].append(rate)
-                print(f"round {r + 1}: {server:<8} {rate:>9,.0f} requests/s", flush=True)
-    d, n = statistics.mean(results["densevm"]), statistics.mean(results["nginx"])
+                results[server].append(result)
+                print(f"round {r + 1}: {describe(server, result)}", flush=True)
+    d, n = mean_round(results["densevm"]), mean_round(results["nginx"])
+    print(f"mean:    {describe('densevm', d)}")
+    print(f"mean:    {describe('nginx', n)}")
     print(
         f"{args.vms} VMs in core, Zipf 1.0, 64 in flight, a connection per request: densevm "
-        f"{d:,.0f} requests/s, "
-        f"nginx (2 workers) {n:,.0f}: ratio {d / n:.2f} (target >= 0.7)"
+        f"{d.rate:,.0f} requests/s, "
+        f"nginx (2 workers) {n.rate:,.0f}: ratio {d.rate / n.rate:.2f} (target >= 0.7)"
     )
     if args.json:
-        args.json.write_text(json.dumps({"vms": args.vms, **results, "ratio": d / n}, indent=2))
+        doc = {
+            "vms": args.vms,
+            "cell_vms": args.cell_vms,
+            **{server: [asdict(r) for r in rounds] for server, rounds in results.items()},
+            "ratio": d.rate / n.rate,
+        }
+        args.json.write_text(json.dumps(doc, indent=2))
 
 
 if __name__ == "__main__":
