@@ -24,23 +24,43 @@ use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 const KVM_MAX_CPUID_ENTRIES: usize = 256;
 
+/// Why a cell stopped before the parent told it to.
+#[derive(Debug)]
+enum CellError {
+    /// The parent closed or reset the link: it is going away and says why
+    /// itself, so the cell (one of hundreds) adds nothing.
+    ParentGone,
+    /// The cell cannot go on.
+    Failed(String),
+}
+
+impl From<String> for CellError {
+    fn from(message: String) -> Self {
+        CellError::Failed(message)
+    }
+}
+
 /// Runs a cell; returns the exit code.
 pub fn run() -> i32 {
     // SAFETY: fd 0 is the link the parent gave us; we own it from here on.
     let link = unsafe { UnixStream::from_raw_fd(0) };
-    match serve_cell(link) {
+    let (cell, result) = match read_message::<CellConfig>(&link) {
+        Ok(config) => (Some(config.cell), serve_cell(link, config)),
+        Err(e) => (None, Err(e)),
+    };
+    match result {
         Ok(()) => 0,
-        Err(message) => {
-            eprintln!("densevm: error: cell: {message}");
+        Err(CellError::ParentGone) => 1,
+        Err(CellError::Failed(message)) => {
+            let cell = cell.map(|c| format!(" {c}")).unwrap_or_default();
+            eprintln!("densevm: error: cell{cell}: {message}");
             1
         }
     }
 }
 
-fn serve_cell(link: UnixStream) -> Result<(), String> {
-    let config: CellConfig = read_message(&link)?;
+fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
     stay_with_parent(config.parent_pid)?;
-    let cell = config.cell;
     let setup = (|| -> Result<_, ConfigError> {
         serve::ensure_fd_budget(config.capacity, serve::fds_per_vm(&config.args))?;
         build_context(&config)
@@ -60,11 +80,11 @@ fn serve_cell(link: UnixStream) -> Result<(), String> {
         &[&line[..]],
         &[handoff.uffd.as_raw_fd(), handoff.memfd.as_raw_fd()],
     )
-    .map_err(|e| format!("hand the guest memory to the parent: {e}"))?;
+    .map_err(|e| link_error("hand the guest memory to the parent", e.into()))?;
     drop(handoff);
     match read_message::<ToCell>(&link)? {
         ToCell::Go => {}
-        other => return Err(format!("expected go, got {other:?}")),
+        other => return Err(format!("expected go, got {other:?}").into()),
     }
     let boot_started = Instant::now();
     let groups = config.count.div_ceil(DOORBELL_GROUP);
@@ -95,8 +115,8 @@ fn serve_cell(link: UnixStream) -> Result<(), String> {
             Ok(())
         }
         // The parent died without a word: PDEATHSIG ends us anyway.
-        Ok(Exit::ParentGone) => Err(format!("cell {cell}: the parent went away")),
-        Err(message) => Err(report(&link, message)),
+        Ok(Exit::ParentGone) => Err(CellError::ParentGone),
+        Err(message) => Err(report(&link, message).into()),
     }
 }
 
@@ -111,24 +131,36 @@ fn report(mut link: &UnixStream, error: String) -> String {
     error
 }
 
+/// A failed read or write on the link: a reset or broken pipe means the
+/// parent is going away.
+fn link_error(what: &str, e: std::io::Error) -> CellError {
+    match e.kind() {
+        std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe => {
+            CellError::ParentGone
+        }
+        _ => CellError::Failed(format!("{what}: {e}")),
+    }
+}
+
 /// Reads one handshake line, a byte at a time: nothing after it may be
 /// taken from the socket, since the monitor reads the rest.
-fn read_message<T: serde::de::DeserializeOwned>(mut link: &UnixStream) -> Result<T, String> {
+fn read_message<T: serde::de::DeserializeOwned>(mut link: &UnixStream) -> Result<T, CellError> {
     let mut line = Vec::new();
     let mut byte = [0u8];
     loop {
         match link.read(&mut byte) {
-            Ok(0) => return Err("the parent closed the link".into()),
+            Ok(0) => return Err(CellError::ParentGone),
             Ok(_) if byte[0] == b'\n' => break,
             Ok(_) => line.push(byte[0]),
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(format!("link: {e}")),
+            Err(e) => return Err(link_error("link", e)),
         }
         if line.len() > MAX_LINK_LINE {
-            return Err("handshake line too long".into());
+            return Err(CellError::Failed("handshake line too long".into()));
         }
     }
-    serde_json::from_slice(&line).map_err(|e| format!("bad message from the parent: {e}"))
+    serde_json::from_slice(&line)
+        .map_err(|e| CellError::Failed(format!("bad message from the parent: {e}")))
 }
 
 /// The cell dies with its parent (SIGKILL), and leaves SIGINT/SIGTERM to

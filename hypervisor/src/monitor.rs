@@ -446,7 +446,9 @@ impl Monitor {
         let mut lines = Vec::new();
         let closed = match self.parent.link.read_lines(&mut lines) {
             Ok(()) => false,
+            // A reset link is the parent going away; it says why itself.
             Err(FrameError::Closed) => true,
+            Err(FrameError::Io(e)) if e.kind() == io::ErrorKind::ConnectionReset => true,
             Err(e) => {
                 eprintln!("densevm: cell link: {e}");
                 true
