@@ -7,6 +7,7 @@
 //! pager, boots its VMs once the pager knows them, and then runs the monitor
 //! until the parent says stop or goes away.
 
+use crate::framing::peer_gone;
 use crate::monitor::{Exit, Monitor, MonitorSetup};
 use crate::protocol::{CellConfig, FromCell, Hello, ToCell, MAX_LINK_LINE};
 use crate::serve::{self, ConfigError};
@@ -131,14 +132,12 @@ fn report(mut link: &UnixStream, error: String) -> String {
     error
 }
 
-/// A failed read or write on the link: a reset or broken pipe means the
-/// parent is going away.
+/// A failed read or write on the link.
 fn link_error(what: &str, e: std::io::Error) -> CellError {
-    match e.kind() {
-        std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe => {
-            CellError::ParentGone
-        }
-        _ => CellError::Failed(format!("{what}: {e}")),
+    if peer_gone(&e) {
+        CellError::ParentGone
+    } else {
+        CellError::Failed(format!("{what}: {e}"))
     }
 }
 
@@ -165,14 +164,14 @@ fn read_message<T: serde::de::DeserializeOwned>(mut link: &UnixStream) -> Result
 
 /// The cell dies with its parent (SIGKILL), and leaves SIGINT/SIGTERM to
 /// the parent, which stops the cells in order.
-fn stay_with_parent(parent_pid: u32) -> Result<(), String> {
+fn stay_with_parent(parent_pid: u32) -> Result<(), CellError> {
     // SAFETY: plain prctl/signal calls on our own process.
     unsafe {
         libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
         libc::signal(libc::SIGINT, libc::SIG_IGN);
         libc::signal(libc::SIGTERM, libc::SIG_IGN);
         if libc::getppid() as u32 != parent_pid {
-            return Err("the parent is already gone".into());
+            return Err(CellError::ParentGone);
         }
     }
     Ok(())

@@ -15,6 +15,12 @@ pub fn nonblocking<T>(mut op: impl FnMut() -> io::Result<T>) -> io::Result<Optio
     }
 }
 
+/// Whether a failed read or write means the peer went away (reset, broken
+/// pipe) rather than a fault of this side.
+pub fn peer_gone(e: &io::Error) -> bool {
+    matches!(e.kind(), ErrorKind::ConnectionReset | ErrorKind::BrokenPipe)
+}
+
 /// Why a framed stream cannot be used any more.
 #[derive(Debug, thiserror::Error)]
 pub enum FrameError {

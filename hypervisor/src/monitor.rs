@@ -448,7 +448,7 @@ impl Monitor {
             Ok(()) => false,
             // A reset link is the parent going away; it says why itself.
             Err(FrameError::Closed) => true,
-            Err(FrameError::Io(e)) if e.kind() == io::ErrorKind::ConnectionReset => true,
+            Err(FrameError::Io(e)) if crate::framing::peer_gone(&e) => true,
             Err(e) => {
                 eprintln!("densevm: cell link: {e}");
                 true
