@@ -185,9 +185,10 @@ impl Proxy {
     ///
     /// The socket is neither read nor the guest kicked here: registering a
     /// connected socket reports it ready at once (it is writable, and
-    /// readable if the request came with the handshake), so that first event
-    /// reads the request and kicks the guest once for OPEN and data together.
-    /// TCP_NODELAY comes from the listener.
+    /// readable, since the listener defers a connection until its request
+    /// arrives), so that first event reads the request and kicks the guest
+    /// once for OPEN and data together. TCP_NODELAY and the deferral come
+    /// from the listener (`vm::listen`).
     pub fn accept(&mut self, vms: &mut VmTable, index: usize, registry: &Registry) {
         loop {
             let Some(vm) = vms.live(index) else { return };
