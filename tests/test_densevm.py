@@ -222,6 +222,25 @@ def test_stats_report_each_vm(monitor):
     assert light["totals"]["running"] == reply["totals"]["running"]
 
 
+def test_a_busy_vm_keeps_reusing_the_front_of_its_rings(monitor):
+    """An empty ring starts again at its front: the system pages a VM holds
+    do not grow with the requests it serves (every ring page touched for the
+    first time is a host fault and stays host memory)."""
+    addr = monitor.addr(3)
+
+    def sys_resident() -> int:
+        vms = monitor.control({"cmd": "stats"})["vms"]
+        return next(v["sys_resident_bytes"] for v in vms if v["id"] == 3)
+
+    assert get(addr).body == SMALL
+    before = sys_resident()
+    for _ in range(300):
+        assert get(addr).body == SMALL
+    # ~700 KiB of responses: walking the rings would touch all 320 KiB of them.
+    grown = sys_resident() - before
+    assert grown <= 64 << 10, f"system pages grew by {grown} bytes"
+
+
 def test_a_crashing_guest_stops_only_its_vm(tmp_path):
     m = start(tmp_path, 4, "127.202.0.0")
     try:

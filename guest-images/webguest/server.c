@@ -16,6 +16,8 @@
 
 #define RECORD_HEADER 8u
 #define MIN_CHUNK 1024u
+/* An empty tx ring starts again at its first byte once past this. */
+#define TX_RESTART (16u << 10)
 
 struct response {
     char header[256];
@@ -56,7 +58,11 @@ static uint32_t tx_free_bytes(void)
 /* Reserves a record for up to want payload bytes: on success sets the
  * payload address and the length granted (at least 1 when want > 0) and
  * returns 1; returns 0 when there is no room now. Pads to the ring's end when
- * the contiguous tail is too short to be worth a record. */
+ * the contiguous tail is too short to be worth a record, and when the ring
+ * is empty and past TX_RESTART: it then starts again at its first byte, so a
+ * VM that answers now and then reuses its first few pages instead of
+ * touching its whole ring (every page touched for the first time is a host
+ * fault and stays host memory). */
 static int tx_reserve(uint32_t want, uint8_t **payload, uint32_t *granted)
 {
     struct dv_ring_hdr *r = ring_hdr();
@@ -65,16 +71,23 @@ static int tx_reserve(uint32_t want, uint8_t **payload, uint32_t *granted)
         uint32_t free = tx_free_bytes();
         uint32_t pos = r->tx_prod % DV_TX_RING_BYTES;
         uint32_t contig = DV_TX_RING_BYTES - pos;
-        uint32_t room = free < contig ? free : contig;
         uint32_t needed = RECORD_HEADER + (want < MIN_CHUNK ? round8(want) : MIN_CHUNK);
-        if (room >= needed) {
-            uint32_t len = room - RECORD_HEADER;
-            *granted = len > want ? want : len;
-            *payload = ring + pos + RECORD_HEADER;
-            return 1;
+        /* Until the host consumes the pad only the bytes before pos are
+         * free: restart only where the whole record and the next few fit
+         * there (a pad alone is no news to the host, so nothing would wake
+         * this guest to retry, and a split response leaves as two segments). */
+        uint32_t whole = RECORD_HEADER + round8(want);
+        if (free < DV_TX_RING_BYTES || pos < (whole > TX_RESTART ? whole : TX_RESTART)) {
+            uint32_t room = free < contig ? free : contig;
+            if (room >= needed) {
+                uint32_t len = room - RECORD_HEADER;
+                *granted = len > want ? want : len;
+                *payload = ring + pos + RECORD_HEADER;
+                return 1;
+            }
+            if (contig >= free)
+                return 0; /* the consumer has to make room first */
         }
-        if (contig >= free)
-            return 0; /* the consumer has to make room first */
         struct dv_rec *pad = (struct dv_rec *)(ring + pos);
         *pad = (struct dv_rec){.type = DV_REC_PAD, .len = contig - RECORD_HEADER};
         store_release(&r->tx_prod, r->tx_prod + contig);

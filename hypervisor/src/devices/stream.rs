@@ -13,6 +13,9 @@ const TX_SIZE: u32 = abi::TX_RING_BYTES as u32;
 const HEADER: u32 = abi::RECORD_HEADER;
 /// Tails shorter than this are padded over rather than filled.
 const MIN_CHUNK: u32 = 1024;
+/// An empty rx ring starts again at its first byte once its position is
+/// past this ([`StreamDevice::rx_reserve`]).
+const RX_RESTART: u32 = 16 << 10;
 
 fn round8(n: u32) -> u32 {
     (n + 7) & !7
@@ -107,22 +110,35 @@ impl StreamDevice {
     /// Reserves an rx record for up to `want` payload bytes (`want` may be
     /// 0 for OPEN and FIN); returns where its payload goes, or `None` when
     /// the ring has no room now.
+    ///
+    /// An empty ring past [`RX_RESTART`] starts again at its first byte (a
+    /// padding record skips the rest): a VM that gets a request now and
+    /// then reuses its first few pages instead of walking its whole ring,
+    /// whose every page touched for the first time costs a fault and stays
+    /// host memory.
     pub fn rx_reserve(&mut self, sys: &Mapping, want: u32) -> Option<RingSpace> {
         for _ in 0..2 {
             let free = RX_SIZE - self.rx_prod.wrapping_sub(Self::rx_cons(sys));
             let pos = self.rx_prod % RX_SIZE;
             let contig = RX_SIZE - pos;
-            let room = free.min(contig);
             let needed = HEADER + round8(want.min(MIN_CHUNK));
-            if room >= needed {
-                let len = (room - HEADER).min(want);
-                return Some(RingSpace {
-                    ptr: sys.at(abi::RX_RING_GPA + (pos + HEADER) as u64),
-                    len: len as usize,
-                });
-            }
-            if contig >= free {
-                return None;
+            // Until the guest consumes the padding, only the bytes before
+            // `pos` are free: restart only where the whole record and the
+            // next few fit there (a padding record alone does not wake the
+            // guest to consume it).
+            let restart = free == RX_SIZE && pos >= RX_RESTART.max(HEADER + round8(want));
+            if !restart {
+                let room = free.min(contig);
+                if room >= needed {
+                    let len = (room - HEADER).min(want);
+                    return Some(RingSpace {
+                        ptr: sys.at(abi::RX_RING_GPA + (pos + HEADER) as u64),
+                        len: len as usize,
+                    });
+                }
+                if contig >= free {
+                    return None;
+                }
             }
             self.write_rx_header(sys, pos, 0, abi::REC_PAD, contig - HEADER);
             self.rx_prod = self.rx_prod.wrapping_add(contig);
@@ -306,6 +322,33 @@ mod tests {
             .store(dev.rx_prod, Ordering::Release);
         let space = dev.rx_reserve(&sys, 5000).expect("room after consumption");
         assert_eq!(space.len, 5000);
+    }
+
+    #[test]
+    fn an_empty_rx_ring_past_its_restart_point_starts_again_at_the_front() {
+        let sys = sys();
+        let mut dev = StreamDevice::default();
+        let consume_all = |dev: &StreamDevice| {
+            sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::RX_CONS)
+                .store(dev.rx_prod, Ordering::Release)
+        };
+        let send = |dev: &mut StreamDevice| {
+            let ptr = dev.rx_reserve(&sys, 5000).unwrap().ptr;
+            dev.rx_commit(&sys, 1, abi::REC_DATA, 5000);
+            ptr
+        };
+        let front = send(&mut dev);
+        // Emptied before the restart point: records go on from there.
+        for n in 1..4 {
+            consume_all(&dev);
+            assert_eq!(send(&mut dev), front.wrapping_add(5008 * n));
+        }
+        // Past it (20,032 bytes in) but not empty: still on from there.
+        assert_eq!(send(&mut dev), front.wrapping_add(5008 * 4));
+        consume_all(&dev);
+        // Past it and empty: back to the front.
+        assert_eq!(send(&mut dev), front);
+        assert_eq!(send(&mut dev), front.wrapping_add(5008));
     }
 
     #[test]
