@@ -61,7 +61,7 @@
 #define DV_REC_OPEN         2 /* host -> guest: a new connection on slot */
 #define DV_REC_FIN          3 /* host -> guest: the client sent EOF or failed */
 #define DV_REC_CLOSE        4 /* guest -> host: slot released; close after flushing */
-#define DV_REC_PAD          0xff /* skip to the end of the ring */
+#define DV_REC_PAD          0xff /* skip to the end of the ring (a producer also pads to restart an empty ring at its front) */
 
 /* Guest states in the control page. */
 #define DV_STATE_BOOTING    0
