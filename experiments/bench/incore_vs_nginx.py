@@ -60,7 +60,9 @@ STAT_COLUMNS = (
 
 @dataclass
 class Round:
-    """One server's load window: its rate and the machine's CPU per request, in µs."""
+    """One server's load window: its rate, the machine's CPU per request in µs,
+    and (densevm only, else 0) how often its cells' event loops and vCPU
+    threads went to sleep per request."""
 
     rate: float
     guest_us: float
@@ -69,6 +71,8 @@ class Round:
     softirq_us: float
     idle_us: float
     kdamond_us: float
+    loop_sleeps: float = 0.0
+    vcpu_sleeps: float = 0.0
 
 
 def cpu_ticks() -> dict[str, int]:
@@ -92,8 +96,34 @@ def kdamond_ticks() -> int:
     return total
 
 
-def zipfperf(vms: int, seconds: float) -> Round:
+def voluntary_switches(pid: int) -> tuple[int, int]:
+    """Voluntary context switches so far of the cells' event loops (each
+    cell's main thread) and of their vCPU threads, under densevm `pid`."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        cells = [int(c) for c in f.read().split()]
+    loops = vcpus = 0
+    for cell in cells:
+        try:
+            tasks = os.listdir(f"/proc/{cell}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{cell}/task/{tid}/status") as f:
+                    status = dict(line.split(":\t", 1) for line in f if ":\t" in line)
+            except OSError:
+                continue
+            switches = int(status["voluntary_ctxt_switches"])
+            if int(tid) == cell:
+                loops += switches
+            elif status["Name"].startswith("vcpu"):
+                vcpus += switches
+    return loops, vcpus
+
+
+def zipfperf(vms: int, seconds: float, densevm_pid: int | None = None) -> Round:
     before, kdamond_before = cpu_ticks(), kdamond_ticks()
+    switches_before = voluntary_switches(densevm_pid) if densevm_pid else (0, 0)
     out = subprocess.run(
         [
             str(ZIPFPERF),
@@ -119,6 +149,7 @@ def zipfperf(vms: int, seconds: float) -> Round:
         check=True,
     )
     after, kdamond_after = cpu_ticks(), kdamond_ticks()
+    switches_after = voluntary_switches(densevm_pid) if densevm_pid else (0, 0)
     doc = json.loads(out.stdout)
     if doc["errors"]["total"]:
         print(f"  zipfperf errors: {doc['errors']}", flush=True)
@@ -136,6 +167,8 @@ def zipfperf(vms: int, seconds: float) -> Round:
         softirq_us=ticks["softirq"] * per_request,
         idle_us=(ticks["idle"] + ticks["iowait"] + ticks["steal"]) * per_request,
         kdamond_us=(kdamond_after - kdamond_before) * per_request,
+        loop_sleeps=(switches_after[0] - switches_before[0]) / max(doc["replies"]["total"], 1),
+        vcpu_sleeps=(switches_after[1] - switches_before[1]) / max(doc["replies"]["total"], 1),
     )
 
 
@@ -171,7 +204,7 @@ def densevm_round(vms: int, cell_vms: int | None, seconds: float, workdir: Path)
         if failed:
             raise SystemExit(f"{len(failed)} VMs did not answer the touch")
         before = control(api, {"cmd": "stats", "vms": False})["totals"]["faults"]
-        result = zipfperf(vms, seconds)
+        result = zipfperf(vms, seconds, proc.pid)
         faults = control(api, {"cmd": "stats", "vms": False})["totals"]["faults"] - before
         if faults > 0.05 * result.rate * seconds:
             print(f"  warning: densevm paged during the window ({faults} faults)", flush=True)
@@ -187,10 +220,15 @@ def nginx_round(vms: int, seconds: float) -> Round:
 
 
 def describe(server: str, r: Round) -> str:
+    sleeps = (
+        f"; sleeps per request: cell loops {r.loop_sleeps:.2f}, vCPUs {r.vcpu_sleeps:.2f}"
+        if server == "densevm"
+        else ""
+    )
     return (
         f"{server:<8} {r.rate:>9,.0f} requests/s; CPU µs per request: guest {r.guest_us:.0f}, "
         f"user {r.user_us:.0f}, kernel {r.system_us:.0f}, softirq {r.softirq_us:.0f}, "
-        f"idle {r.idle_us:.0f} (kdamond {r.kdamond_us:.0f})"
+        f"idle {r.idle_us:.0f} (kdamond {r.kdamond_us:.0f}){sleeps}"
     )
 
 
