@@ -304,7 +304,7 @@ impl Outcome {
             "pagesim: policy {}, disk {}, {} VMs x {} KiB, budget {} MiB, block {} KiB, {} blocks per request\n\
              requests {} (warm-up {}), block touches {}, faults {}\n\
              hit ratio {:.4} (requests entirely in core {:.4})\n\
-             blocks in {}, blocks out {}\n\
+             blocks in {}, blocks out {}, requests whose VM was evicted mid page-in {}\n\
              swap read {:.1} MiB, swap written {:.1} MiB\n\
              disk busy {:.3} s, cpu {:.3} s\n\
              predicted throughput {:.1} requests/s\n\
@@ -324,6 +324,7 @@ impl Outcome {
             r.request_hit_ratio,
             r.blocks_in,
             r.blocks_out,
+            r.interrupted_requests,
             mib(r.swap_read_bytes),
             mib(r.swap_write_bytes),
             r.disk_seconds,

@@ -86,6 +86,10 @@ pub struct SimReport {
     pub blocks_in: u64,
     /// Blocks evicted.
     pub blocks_out: u64,
+    /// Requests that lost blocks they had faulted in to another VM's
+    /// eviction before they were done: their VM was evicted mid page-in,
+    /// so they fault the same blocks again (a policy thrashing).
+    pub interrupted_requests: u64,
     /// Bytes read from swap.
     pub swap_read_bytes: u64,
     /// Bytes written to swap.
@@ -106,9 +110,20 @@ struct Counts {
     faults: u64,
     blocks_in: u64,
     blocks_out: u64,
+    interrupted: u64,
     read: u64,
     written: u64,
     disk: f64,
+}
+
+/// A request still paging in.
+#[derive(Debug, Clone, Copy)]
+struct InFlight {
+    vm: VmId,
+    /// Index of the next request block to touch.
+    next: usize,
+    /// Another VM's eviction took blocks of this VM meanwhile.
+    interrupted: bool,
 }
 
 /// A simulator instance.
@@ -126,8 +141,8 @@ pub struct Simulator {
     base: Counts,
     plan: Vec<PlanBlock>,
     wakes: Wakes,
-    /// In-flight requests: (VM, index of the next request block to touch).
-    active: Vec<(VmId, usize)>,
+    /// In-flight requests.
+    active: Vec<InFlight>,
     turn: usize,
     order: Vec<usize>,
     runs: Vec<(usize, usize)>,
@@ -255,7 +270,11 @@ impl Simulator {
             while self.active.len() >= self.cfg.concurrency.max(1) {
                 self.step()?;
             }
-            self.active.push((vm, 0));
+            self.active.push(InFlight {
+                vm,
+                next: 0,
+                interrupted: false,
+            });
         }
         if self.counts.requests == self.cfg.warmup {
             self.base = self.counts;
@@ -278,7 +297,7 @@ impl Simulator {
         if self.turn >= self.active.len() {
             self.turn = 0;
         }
-        let (vm, mut next) = self.active[self.turn];
+        let InFlight { vm, mut next, .. } = self.active[self.turn];
         let n = self.req_blocks.len();
         while next < n {
             let b = self.req_blocks[next];
@@ -289,9 +308,10 @@ impl Simulator {
             }
         }
         if next >= n {
-            self.active.swap_remove(self.turn);
+            let done = self.active.swap_remove(self.turn);
+            self.counts.interrupted += done.interrupted as u64;
         } else {
-            self.active[self.turn].1 = next;
+            self.active[self.turn].next = next;
             self.turn += 1;
         }
         Ok(())
@@ -326,6 +346,11 @@ impl Simulator {
                     for v in &victims {
                         if self.in_req[v.block as usize] {
                             self.req_resident[v.vm as usize] -= 1;
+                        }
+                    }
+                    for request in self.active.iter_mut() {
+                        if request.vm != vm && victims.iter().any(|v| v.vm == request.vm) {
+                            request.interrupted = true;
                         }
                     }
                 }
@@ -385,6 +410,7 @@ impl Simulator {
             },
             blocks_in: c.blocks_in - b.blocks_in,
             blocks_out: c.blocks_out - b.blocks_out,
+            interrupted_requests: c.interrupted - b.interrupted,
             swap_read_bytes: c.read - b.read,
             swap_write_bytes: c.written - b.written,
             disk_seconds,
@@ -512,6 +538,18 @@ mod tests {
             (demand.faults, demand.blocks_in, demand.blocks_out),
             (8, 8, 4)
         );
+    }
+
+    #[test]
+    fn a_request_whose_vm_is_evicted_while_it_pages_in_is_counted() {
+        // Two requests in flight, one VM's room: VM 0's second fault evicts
+        // VM 1, whose request has faulted one of its two blocks in so far.
+        let mut cfg = config(2, "demand", "none");
+        cfg.concurrency = 2;
+        assert_eq!(replay(cfg.clone(), &[0, 1]).interrupted_requests, 1);
+        // One at a time, each request is done before the next evicts it.
+        cfg.concurrency = 1;
+        assert_eq!(replay(cfg, &[0, 1]).interrupted_requests, 0);
     }
 
     #[test]
