@@ -154,6 +154,7 @@ def zipfperf(vms: int, seconds: float, densevm_pid: int | None = None) -> Round:
     if doc["errors"]["total"]:
         print(f"  zipfperf errors: {doc['errors']}", flush=True)
     rate = doc["replies"]["rate"]
+    replies = max(doc["replies"]["total"], 1)
     ticks = {k: after[k] - before[k] for k in STAT_COLUMNS}
     # A column's share of all cores' time, times the cores' µs per request served.
     guest = ticks["guest"] + ticks["guest_nice"]
@@ -167,8 +168,8 @@ def zipfperf(vms: int, seconds: float, densevm_pid: int | None = None) -> Round:
         softirq_us=ticks["softirq"] * per_request,
         idle_us=(ticks["idle"] + ticks["iowait"] + ticks["steal"]) * per_request,
         kdamond_us=(kdamond_after - kdamond_before) * per_request,
-        loop_sleeps=(switches_after[0] - switches_before[0]) / max(doc["replies"]["total"], 1),
-        vcpu_sleeps=(switches_after[1] - switches_before[1]) / max(doc["replies"]["total"], 1),
+        loop_sleeps=(switches_after[0] - switches_before[0]) / replies,
+        vcpu_sleeps=(switches_after[1] - switches_before[1]) / replies,
     )
 
 

@@ -86,9 +86,9 @@ pub struct SimReport {
     pub blocks_in: u64,
     /// Blocks evicted.
     pub blocks_out: u64,
-    /// Requests that lost blocks they had faulted in to another VM's
-    /// eviction before they were done: their VM was evicted mid page-in,
-    /// so they fault the same blocks again (a policy thrashing).
+    /// Requests whose VM another VM's eviction took blocks from while they
+    /// were still paging in: such a request faults again what it, or its
+    /// VM's last request, had brought in (a policy thrashing).
     pub interrupted_requests: u64,
     /// Bytes read from swap.
     pub swap_read_bytes: u64,
