@@ -159,3 +159,62 @@ def test_a_reader_that_went_away_does_not_crash_the_monitor(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0
     assert b"panicked" not in proc.stderr.read()
+
+
+def thread_cpus(pid: int) -> list[set[int]]:
+    """The CPUs each thread of process `pid` may run on."""
+    cpus = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/status") as f:
+            line = next(x for x in f if x.startswith("Cpus_allowed_list:"))
+        ranges = line.split(":", 1)[1].strip().split(",")
+        cpus.append(
+            {c for r in ranges for c in range(int(r.split("-")[0]), int(r.split("-")[-1]) + 1)}
+        )
+    return cpus
+
+
+def test_pinned_cells_go_round_robin_over_the_cpus_densevm_may_use(tmp_path):
+    allowed = sorted(os.sched_getaffinity(0))
+    m = start(tmp_path, 6, "127.234.0.0", "--cell-vms", "2")
+    try:
+        assert m.ready["cell_placement"] == "pinned"
+        cells = cell_pids(m.proc.pid)
+        assert len(cells) == 3
+        for index, pid in enumerate(cells):
+            # The loop, the vCPU threads, every thread: on the cell's one CPU.
+            threads = thread_cpus(pid)
+            assert len(threads) >= 3  # the loop and two vCPUs at least
+            assert all(t == {allowed[index % len(allowed)]} for t in threads), threads
+        # The parent (API, pager) stays free to run anywhere.
+        assert all(t == set(allowed) for t in thread_cpus(m.proc.pid))
+        for vm in range(6):
+            assert get(m.addr(vm)).body == SMALL
+    finally:
+        assert m.stop() == 0
+
+
+def test_cells_stay_within_the_cpus_densevm_was_given(tmp_path):
+    allowed = os.sched_getaffinity(0)
+    only = max(allowed)
+    os.sched_setaffinity(0, {only})  # as `taskset -c N densevm ...` would
+    try:
+        m = start(tmp_path, 4, "127.235.0.0", "--cell-vms", "2")
+    finally:
+        os.sched_setaffinity(0, allowed)
+    try:
+        assert all(t == {only} for pid in cell_pids(m.proc.pid) for t in thread_cpus(pid))
+        assert get(m.addr(3)).body == SMALL
+    finally:
+        assert m.stop() == 0
+
+
+def test_floating_cells_leave_placement_to_the_scheduler(tmp_path):
+    allowed = os.sched_getaffinity(0)
+    m = start(tmp_path, 4, "127.236.0.0", "--cell-vms", "2", "--cell-placement", "floating")
+    try:
+        assert m.ready["cell_placement"] == "floating"
+        assert all(t == allowed for pid in cell_pids(m.proc.pid) for t in thread_cpus(pid))
+        assert get(m.addr(3)).body == SMALL
+    finally:
+        assert m.stop() == 0

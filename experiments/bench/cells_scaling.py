@@ -10,8 +10,8 @@ none`, 32k blocks), and divides the CPU time of densevm's whole process tree
 measurement of the cells issue's table; the acceptance is that kernel CPU per
 fault at 4,000 VMs stays within 1.5x of that at 250, at >= 5,000 faults/s.
 
-Usage: experiments/bench/cells_scaling.py [--vms 250,4000] [--cell-vms 250] [--window 30] [--json
-out.json]
+Usage: experiments/bench/cells_scaling.py [--vms 250,4000] [--cell-vms 250] [--window 30]
+[--cell-placement pinned|floating] [--json out.json]
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ class Point:
     load_before: float
 
 
-def measure(vms: int, cell_vms: int, window: float, workdir: Path, addr_base: str) -> Point:
+def measure(
+    vms: int, cell_vms: int, placement: list[str], window: float, workdir: Path, addr_base: str
+) -> Point:
     load_before = os.getloadavg()[0]
     budget = vms * WS_BYTES // 4
     with Session(
@@ -56,6 +58,7 @@ def measure(vms: int, cell_vms: int, window: float, workdir: Path, addr_base: st
         addr_base,
         *("--cell-vms", str(cell_vms), "--mem", str(budget), "--block", "32k"),
         *("--disk", "none", "--boot-timeout", "600"),
+        *placement,
     ) as session:
         # Prime: every VM's working set goes through the pager once.
         session.load(max(10.0, vms / 400), 0.0)
@@ -80,13 +83,19 @@ def main() -> None:
     parser.add_argument("--vms", default="250,4000", help="VM counts, comma-separated")
     parser.add_argument("--cell-vms", default="250", help="VMs per cell, comma-separated")
     parser.add_argument("--window", type=float, default=30.0, help="measurement window, seconds")
+    parser.add_argument(
+        "--cell-placement",
+        choices=("pinned", "floating"),
+        help="densevm's --cell-placement (default: its own)",
+    )
     parser.add_argument("--json", type=Path, help="also write the points here")
     args = parser.parse_args()
+    placement = ["--cell-placement", args.cell_placement] if args.cell_placement else []
     points = []
     with tempfile.TemporaryDirectory(prefix="cells-bench-") as tmp:
         for cell_vms in (int(k) for k in args.cell_vms.split(",")):
             for vms in (int(n) for n in args.vms.split(",")):
-                point = measure(vms, cell_vms, args.window, Path(tmp), "127.3.0.0")
+                point = measure(vms, cell_vms, placement, args.window, Path(tmp), "127.3.0.0")
                 points.append(point)
                 print(
                     f"{vms:>6} VMs  cells of {cell_vms:>4} ({point.cells:>3}): "

@@ -13,10 +13,11 @@ Each round also prints where the machine's CPU went per request served, from
 /proc/stat over the load window (guest code, other user code, kernel, softirq,
 idle) and the share of it the host's DAMON monitor (kdamond) took: its access
 checks visit every KVM VM of the process that maps a page, so its cost grows
-with the VMs per cell (`--cell-vms`, docs/host-facts.md).
+with the VMs per cell (`--cell-vms`, docs/host-facts.md). `--cell-placement`
+compares pinned cells with floating ones (hypervisor/README.md, "Pinned cells").
 
 Usage: experiments/bench/incore_vs_nginx.py [--vms 4000] [--rounds 2] [--seconds 30]
-[--cell-vms K] [--json out.json]
+[--cell-vms K] [--cell-placement pinned|floating] [--json out.json]
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def zipfperf(vms: int, seconds: float, densevm_pid: int | None = None) -> Round:
     )
 
 
-def densevm_round(vms: int, cell_vms: int | None, seconds: float, workdir: Path) -> Round:
+def densevm_round(vms: int, flags: list[str], seconds: float, workdir: Path) -> Round:
     api = workdir / "densevm.sock"
     proc = subprocess.Popen(
         [
@@ -191,7 +192,7 @@ def densevm_round(vms: int, cell_vms: int | None, seconds: float, workdir: Path)
             str(vms * 2 << 20),
             "--boot-timeout",
             "600",
-            *(["--cell-vms", str(cell_vms)] if cell_vms else []),
+            *flags,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -243,15 +244,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--cell-vms", type=int, help="densevm's --cell-vms (default: its own)")
+    parser.add_argument(
+        "--cell-placement",
+        choices=("pinned", "floating"),
+        help="densevm's --cell-placement (default: its own)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    flags = [
+        *(["--cell-vms", str(args.cell_vms)] if args.cell_vms else []),
+        *(["--cell-placement", args.cell_placement] if args.cell_placement else []),
+    ]
     results: dict[str, list[Round]] = {"densevm": [], "nginx": []}
     with tempfile.TemporaryDirectory(prefix="incore-bench-") as tmp:
         for r in range(args.rounds):
             order = ("densevm", "nginx") if r % 2 == 0 else ("nginx", "densevm")
             for server in order:
                 result = (
-                    densevm_round(args.vms, args.cell_vms, args.seconds, Path(tmp))
+                    densevm_round(args.vms, flags, args.seconds, Path(tmp))
                     if server == "densevm"
                     else nginx_round(args.vms, args.seconds)
                 )
@@ -269,6 +279,7 @@ def main() -> None:
         doc = {
             "vms": args.vms,
             "cell_vms": args.cell_vms,
+            "cell_placement": args.cell_placement,
             **{server: [asdict(r) for r in rounds] for server, rounds in results.items()},
             "ratio": d.rate / n.rate,
         }

@@ -14,6 +14,7 @@ mod loader;
 mod memory;
 mod monitor;
 mod pager_link;
+mod placement;
 mod platform;
 mod protocol;
 mod proxy;

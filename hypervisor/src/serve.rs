@@ -4,6 +4,7 @@
 use crate::boot::RamLayout;
 use crate::cells::PendingCell;
 use crate::loader::{self, GuestImage};
+use crate::placement::CellPlacement;
 use crate::platform;
 use crate::supervisor::{Exit, Supervisor, SupervisorSetup};
 use clap::Args;
@@ -42,6 +43,10 @@ pub struct ServeArgs {
     /// so a change to guest memory visits only its VMs' MMU notifiers.
     #[arg(long, default_value_t = 100)]
     pub cell_vms: u32,
+    /// Where cells run: pinned (cell i and all its threads on one CPU, round
+    /// robin over the CPUs densevm may use) or floating (the scheduler's choice).
+    #[arg(long, value_enum, default_value_t = CellPlacement::Pinned)]
+    pub cell_placement: CellPlacement,
     /// Address of VM 0; VM i listens on this address plus i.
     #[arg(long, default_value = "127.1.0.0")]
     pub addr_base: Ipv4Addr,
@@ -409,6 +414,7 @@ pub fn run(args: ServeArgs) -> i32 {
         "pid": std::process::id(),
         "cells": cells.len(),
         "cell_vms": args.cell_vms,
+        "cell_placement": args.cell_placement.name(),
     });
     let setup = SupervisorSetup {
         args,

@@ -1,0 +1,100 @@
+//! Which CPUs a cell's threads run on (`--cell-placement`).
+//!
+//! Serving a request takes two wake-ups inside a cell: its event loop kicks
+//! the VM's vCPU thread through the irqfd, and the guest rings the loop's
+//! doorbell when its response is out. When the two threads sit on different
+//! cores, each wake-up is an inter-processor interrupt, and on a host that is
+//! itself a VM an IPI to an idle core goes through the hypervisor below. A
+//! pinned cell keeps both ends of every such wake-up on one core.
+
+use serde::{Deserialize, Serialize};
+use std::io;
+
+/// Where a cell's threads may run.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CellPlacement {
+    /// Every thread of cell i on one CPU: the i-th, round robin, of the CPUs
+    /// densevm was allowed to run on.
+    Pinned,
+    /// The scheduler places every thread.
+    Floating,
+}
+
+impl CellPlacement {
+    /// The flag's value, as the ready line reports it.
+    pub fn name(self) -> &'static str {
+        match self {
+            CellPlacement::Pinned => "pinned",
+            CellPlacement::Floating => "floating",
+        }
+    }
+}
+
+/// The CPU cell `index` runs on, given the CPUs allowed: round robin, so
+/// neighbouring cells land on different CPUs.
+pub fn cpu_for_cell(index: u32, allowed: &[usize]) -> Option<usize> {
+    (!allowed.is_empty()).then(|| allowed[index as usize % allowed.len()])
+}
+
+/// The CPUs the calling thread may run on, in increasing order.
+pub fn allowed_cpus() -> io::Result<Vec<usize>> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set, and the kernel writes
+    // at most its size.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let rc = unsafe { libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((0..libc::CPU_SETSIZE as usize)
+        // SAFETY: `cpu` is below CPU_SETSIZE.
+        .filter(|&cpu| unsafe { libc::CPU_ISSET(cpu, &set) })
+        .collect())
+}
+
+/// Binds the calling thread to cell `index`'s CPU. Threads it starts
+/// afterwards inherit the binding, so a cell calls this before it starts
+/// any. Returns the CPU.
+pub fn pin_cell(index: u32) -> io::Result<usize> {
+    let cpu =
+        cpu_for_cell(index, &allowed_cpus()?).ok_or_else(|| io::Error::other("no CPU allowed"))?;
+    // SAFETY: as above; `cpu` came from the allowed set, so it is below
+    // CPU_SETSIZE.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cpu)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cells_go_round_robin_over_the_allowed_cpus() {
+        let allowed = [2, 3, 5];
+        let cpus: Vec<_> = (0..7).map(|i| cpu_for_cell(i, &allowed).unwrap()).collect();
+        assert_eq!(cpus, [2, 3, 5, 2, 3, 5, 2]);
+        assert_eq!(cpu_for_cell(0, &[]), None);
+    }
+
+    #[test]
+    fn a_pinned_thread_and_the_threads_it_starts_run_only_on_its_cell_cpu() {
+        let allowed = allowed_cpus().unwrap();
+        assert!(!allowed.is_empty());
+        // A thread of its own, so the test harness's other threads keep their CPUs.
+        let (cpu, own, child) = std::thread::spawn(|| {
+            let cpu = pin_cell(1).unwrap();
+            let child = std::thread::spawn(|| allowed_cpus().unwrap());
+            (cpu, allowed_cpus().unwrap(), child.join().unwrap())
+        })
+        .join()
+        .unwrap();
+        assert_eq!(cpu, cpu_for_cell(1, &allowed).unwrap());
+        assert_eq!(own, [cpu]);
+        assert_eq!(child, [cpu]);
+    }
+}
