@@ -186,8 +186,12 @@ def test_pinned_cells_go_round_robin_over_the_cpus_densevm_may_use(tmp_path):
             threads = thread_cpus(pid)
             assert len(threads) >= 3  # the loop and two vCPUs at least
             assert all(t == {allowed[index % len(allowed)]} for t in threads), threads
-        # The parent (API, pager) stays free to run anywhere.
+            # ... and under SCHED_BATCH, so a kicked vCPU does not preempt its loop.
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+            assert {os.sched_getscheduler(t) for t in tids} == {os.SCHED_BATCH}
+        # The parent (API, pager) stays free to run anywhere, as a normal process.
         assert all(t == set(allowed) for t in thread_cpus(m.proc.pid))
+        assert os.sched_getscheduler(m.proc.pid) == os.SCHED_OTHER
         for vm in range(6):
             assert get(m.addr(vm)).body == SMALL
     finally:

@@ -9,8 +9,8 @@
 
 use crate::framing::peer_gone;
 use crate::monitor::{Exit, Monitor, MonitorSetup};
-use crate::placement::{self, CellPlacement};
 use crate::protocol::{CellConfig, FromCell, Hello, ToCell, MAX_LINK_LINE};
+use crate::scheduling::{self, CellPlacement};
 use crate::serve::{self, ConfigError};
 use crate::vm::{self, BuildContext, MicroVm, DOORBELL_GROUP};
 use crate::vstate::vm::VmCaps;
@@ -63,10 +63,12 @@ pub fn run() -> i32 {
 
 fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
     stay_with_parent(config.parent_pid)?;
-    // Before any thread starts: the vCPU and boot threads inherit the CPU.
+    // Before any thread starts: the vCPU and boot threads inherit the CPU
+    // and the policy.
     if config.args.cell_placement == CellPlacement::Pinned {
-        placement::pin_cell(config.cell).map_err(|e| format!("pin to a CPU: {e}"))?;
+        scheduling::pin_cell(config.cell).map_err(|e| format!("pin to a CPU: {e}"))?;
     }
+    scheduling::use_cell_policy().map_err(|e| format!("scheduling policy: {e}"))?;
     let setup = (|| -> Result<_, ConfigError> {
         serve::ensure_fd_budget(config.capacity, serve::fds_per_vm(&config.args))?;
         build_context(&config)

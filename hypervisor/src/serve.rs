@@ -4,8 +4,8 @@
 use crate::boot::RamLayout;
 use crate::cells::PendingCell;
 use crate::loader::{self, GuestImage};
-use crate::placement::CellPlacement;
 use crate::platform;
+use crate::scheduling::CellPlacement;
 use crate::supervisor::{Exit, Supervisor, SupervisorSetup};
 use clap::Args;
 use kvm_ioctls::Kvm;

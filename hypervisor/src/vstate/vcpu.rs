@@ -326,7 +326,8 @@ impl VcpuHandle {
     }
 
     /// Runs the thread as SCHED_IDLE (`true`: it gets only CPU time nobody
-    /// else wants, and any waking thread preempts it) or as a normal thread.
+    /// else wants, and any waking thread preempts it) or under the cell's
+    /// own policy.
     pub fn set_background(&self, background: bool) -> std::io::Result<()> {
         let Some(thread) = self.thread else {
             return Ok(());
@@ -334,7 +335,7 @@ impl VcpuHandle {
         let policy = if background {
             libc::SCHED_IDLE
         } else {
-            libc::SCHED_OTHER
+            crate::scheduling::CELL_POLICY
         };
         let param = libc::sched_param { sched_priority: 0 };
         // SAFETY: the thread has not been joined, so its pthread_t is valid.

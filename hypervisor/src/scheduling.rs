@@ -1,4 +1,5 @@
-//! Which CPUs a cell's threads run on (`--cell-placement`).
+//! Where and how a cell's threads run: on which CPU (`--cell-placement`)
+//! and under which scheduling policy.
 //!
 //! Serving a request takes two wake-ups inside a cell: its event loop kicks
 //! the VM's vCPU thread through the irqfd, and the guest rings the loop's
@@ -6,6 +7,14 @@
 //! cores, each wake-up is an inter-processor interrupt, and on a host that is
 //! itself a VM an IPI to an idle core goes through the hypervisor below. A
 //! pinned cell keeps both ends of every such wake-up on one core.
+//!
+//! On one core, a woken thread would preempt the one that woke it: the vCPU
+//! the loop just kicked, half-way through the loop's batch of events, and
+//! the loop again when the guest rings, just before the guest halts. Under
+//! SCHED_BATCH a wake-up never preempts, so each thread runs until it
+//! blocks: the loop finishes its batch, then the guests it kicked run. Every
+//! thread of a cell runs SCHED_BATCH; threads of other processes (the
+//! client, the parent's pager) still preempt them as usual.
 
 use serde::{Deserialize, Serialize};
 use std::io;
@@ -52,6 +61,21 @@ pub fn allowed_cpus() -> io::Result<Vec<usize>> {
         .collect())
 }
 
+/// The policy of every cell thread, vCPUs included unless demoted to
+/// SCHED_IDLE by the CPU governor.
+pub const CELL_POLICY: libc::c_int = libc::SCHED_BATCH;
+
+/// Puts the calling thread under [`CELL_POLICY`]; threads it starts
+/// afterwards inherit it.
+pub fn use_cell_policy() -> io::Result<()> {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: a plain syscall on the calling thread with a valid parameter.
+    if unsafe { libc::sched_setscheduler(0, CELL_POLICY, &param) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Binds the calling thread to cell `index`'s CPU. Threads it starts
 /// afterwards inherit the binding, so a cell calls this before it starts
 /// any. Returns the CPU.
@@ -72,6 +96,20 @@ pub fn pin_cell(index: u32) -> io::Result<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn threads_started_under_the_cell_policy_inherit_it() {
+        let (own, child) = std::thread::spawn(|| {
+            use_cell_policy().unwrap();
+            // SAFETY: plain queries of the calling thread's policy.
+            let own = unsafe { libc::sched_getscheduler(0) };
+            let child = std::thread::spawn(|| unsafe { libc::sched_getscheduler(0) });
+            (own, child.join().unwrap())
+        })
+        .join()
+        .unwrap();
+        assert_eq!((own, child), (CELL_POLICY, CELL_POLICY));
+    }
 
     #[test]
     fn cells_go_round_robin_over_the_allowed_cpus() {
