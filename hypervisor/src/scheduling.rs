@@ -30,16 +30,6 @@ pub enum CellPlacement {
     Floating,
 }
 
-impl CellPlacement {
-    /// The flag's value, as the ready line reports it.
-    pub fn name(self) -> &'static str {
-        match self {
-            CellPlacement::Pinned => "pinned",
-            CellPlacement::Floating => "floating",
-        }
-    }
-}
-
 /// The CPU cell `index` runs on, given the CPUs allowed: round robin, so
 /// neighbouring cells land on different CPUs.
 pub fn cpu_for_cell(index: u32, allowed: &[usize]) -> Option<usize> {

@@ -414,7 +414,7 @@ pub fn run(args: ServeArgs) -> i32 {
         "pid": std::process::id(),
         "cells": cells.len(),
         "cell_vms": args.cell_vms,
-        "cell_placement": args.cell_placement.name(),
+        "cell_placement": args.cell_placement,
     });
     let setup = SupervisorSetup {
         args,
