@@ -56,7 +56,8 @@ def wait_for(predicate, timeout: float = 10) -> bool:
 
 
 def test_vms_over_several_cells_answer_as_one_monitor(tmp_path):
-    m = start(tmp_path, 10, "127.221.0.0", "--cell-vms", "3")
+    # Floating cells: their layout does not depend on the machine's CPUs.
+    m = start(tmp_path, 10, "127.221.0.0", "--cell-vms", "3", "--cell-placement", "floating")
     try:
         assert m.ready["vms"] == 10 and m.ready["failed"] == 0
         assert m.ready["cells"] == 4 and m.ready["cell_vms"] == 3
@@ -75,7 +76,8 @@ def test_vms_over_several_cells_answer_as_one_monitor(tmp_path):
         assert listed[4] == "stopped" and listed[3] == "running" and len(listed) == 10
         assert "no running VM 4" in m.raw_control(b'{"cmd":"destroy","vm":4}\n')["error"]
         assert "no running VM 99" in m.raw_control(b'{"cmd":"crash","vm":99}\n')["error"]
-        # New VMs fill the last cell (VM 9 is alone in it), then a new one.
+        # Ten VMs spread evenly over four cells: 3, 3, 2, 2. New VMs fill the
+        # last cell (VMs 8 and 9), then a new one.
         assert m.control({"cmd": "create", "count": 3})["created"] == [10, 11, 12]
         assert len(cell_pids(m.proc.pid)) == 5
         for vm in (10, 11, 12):
@@ -88,7 +90,12 @@ def test_vms_over_several_cells_answer_as_one_monitor(tmp_path):
 
 def test_a_killed_cell_takes_only_its_vms_down(tmp_path):
     # A budget below what the VMs touch: the pager is busy in every cell.
-    m = start(tmp_path, 9, "127.222.0.0", "--cell-vms", "3", "--mem", "3M", "--selfcheck")
+    m = start(
+        tmp_path,
+        9,
+        "127.222.0.0",
+        *("--cell-vms", "3", "--cell-placement", "floating", "--mem", "3M", "--selfcheck"),
+    )
     try:
         for vm in range(9):
             assert get(m.addr(vm)).body == SMALL
@@ -127,7 +134,7 @@ def test_a_killed_cell_takes_only_its_vms_down(tmp_path):
 def test_a_killed_parent_takes_every_cell_with_it(tmp_path):
     m = start(tmp_path, 6, "127.223.0.0", "--cell-vms", "2")
     cells = cell_pids(m.proc.pid)
-    assert len(cells) == 3
+    assert len(cells) == m.ready["cells"] >= 3
     m.proc.kill()
     m.proc.wait(10)
     assert wait_for(lambda: not any(alive(pid) for pid in cells)), [p for p in cells if alive(p)]
@@ -180,11 +187,14 @@ def test_pinned_cells_go_round_robin_over_the_cpus_densevm_may_use(tmp_path):
     try:
         assert m.ready["cell_placement"] == "pinned"
         cells = cell_pids(m.proc.pid)
-        assert len(cells) == 3
+        # Three cells would hold the six VMs; pinned ones come in a multiple
+        # of the CPUs (at most one per VM), so every CPU serves as many VMs.
+        assert len(cells) == m.ready["cells"]
+        assert len(cells) == min(6, -(-3 // len(allowed)) * len(allowed))
         for index, pid in enumerate(cells):
             # The loop, the vCPU threads, every thread: on the cell's one CPU.
             threads = thread_cpus(pid)
-            assert len(threads) >= 3  # the loop and two vCPUs at least
+            assert len(threads) >= 2  # the loop and a vCPU at least
             assert all(t == {allowed[index % len(allowed)]} for t in threads), threads
             # ... and under SCHED_BATCH, so a kicked vCPU does not preempt its loop.
             tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]

@@ -294,7 +294,7 @@ def test_a_swap_without_room_for_every_vm_refuses_to_start(tmp_path, small_files
     ]
     done = subprocess.run(argv, capture_output=True, timeout=120, check=False)
     assert done.returncode != 0
-    # One line from the parent, none from the eleven cells it had started.
+    # One line from the parent, none from the cells it had started.
     lines = done.stderr.decode().splitlines()
     assert len(lines) == 1 and "cannot reserve" in lines[0], lines
     assert not (small_filesystem / "swap").exists(), "the swap file is removed"

@@ -10,7 +10,7 @@ none`, 32k blocks), and divides the CPU time of densevm's whole process tree
 measurement of the cells issue's table; the acceptance is that kernel CPU per
 fault at 4,000 VMs stays within 1.5x of that at 250, at >= 5,000 faults/s.
 
-Usage: experiments/bench/cells_scaling.py [--vms 250,4000] [--cell-vms 250] [--window 30]
+Usage: experiments/bench/cells_scaling.py [--vms 250,4000] [--cell-vms K,...] [--window 30]
 [--cell-placement pinned|floating] [--json out.json]
 """
 
@@ -47,7 +47,12 @@ class Point:
 
 
 def measure(
-    vms: int, cell_vms: int, placement: list[str], window: float, workdir: Path, addr_base: str
+    vms: int,
+    cell_vms: int | None,
+    placement: list[str],
+    window: float,
+    workdir: Path,
+    addr_base: str,
 ) -> Point:
     load_before = os.getloadavg()[0]
     budget = vms * WS_BYTES // 4
@@ -56,7 +61,8 @@ def measure(
         workdir,
         vms,
         addr_base,
-        *("--cell-vms", str(cell_vms), "--mem", str(budget), "--block", "32k"),
+        *(("--cell-vms", str(cell_vms)) if cell_vms else ()),
+        *("--mem", str(budget), "--block", "32k"),
         *("--disk", "none", "--boot-timeout", "600"),
         *placement,
     ) as session:
@@ -65,7 +71,7 @@ def measure(
         w = session.window(window, 0.0)
     return Point(
         vms,
-        cell_vms,
+        int(session.ready["cell_vms"]),
         session.boot.cells,
         session.boot.boot_seconds,
         w.faults,
@@ -81,7 +87,9 @@ def measure(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vms", default="250,4000", help="VM counts, comma-separated")
-    parser.add_argument("--cell-vms", default="250", help="VMs per cell, comma-separated")
+    parser.add_argument(
+        "--cell-vms", default="", help="densevm's --cell-vms, comma-separated (default: its own)"
+    )
     parser.add_argument("--window", type=float, default=30.0, help="measurement window, seconds")
     parser.add_argument(
         "--cell-placement",
@@ -93,12 +101,12 @@ def main() -> None:
     placement = ["--cell-placement", args.cell_placement] if args.cell_placement else []
     points = []
     with tempfile.TemporaryDirectory(prefix="cells-bench-") as tmp:
-        for cell_vms in (int(k) for k in args.cell_vms.split(",")):
+        for cell_vms in [int(k) for k in args.cell_vms.split(",") if k] or [None]:
             for vms in (int(n) for n in args.vms.split(",")):
                 point = measure(vms, cell_vms, placement, args.window, Path(tmp), "127.3.0.0")
                 points.append(point)
                 print(
-                    f"{vms:>6} VMs  cells of {cell_vms:>4} ({point.cells:>3}): "
+                    f"{vms:>6} VMs  cells of {point.cell_vms:>4} ({point.cells:>3}): "
                     f"{point.faults_per_s:>8,.0f} faults/s  "
                     f"CPU/fault {point.cpu_us_per_fault:6.0f} us (kernel "
                     f"{point.kernel_us_per_fault:5.0f}, "

@@ -16,6 +16,23 @@ use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 /// Longest a cell may take to start and hand over its memory.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// How many VMs each cell boots with, in ID order: `vms` spread evenly over
+/// the fewest cells that hold at most `cell_vms` each. Pinned cells go round
+/// robin over `pinned_cpus` CPUs, so their number is rounded up to a multiple
+/// of it (at most one cell per VM): every CPU then serves as many VMs, and an
+/// uneven split would leave one core with twice the load of another.
+pub fn boot_layout(vms: u32, cell_vms: u32, pinned_cpus: Option<usize>) -> Vec<u32> {
+    let cpus = u32::try_from(pinned_cpus.unwrap_or(1).max(1)).unwrap_or(u32::MAX);
+    let cells = vms
+        .div_ceil(cell_vms.max(1))
+        .div_ceil(cpus)
+        .saturating_mul(cpus)
+        .min(vms);
+    (0..cells)
+        .map(|i| vms / cells + u32::from(i < vms % cells))
+        .collect()
+}
+
 /// A cell started but not yet handed over.
 pub struct PendingCell {
     index: u32,
@@ -253,5 +270,29 @@ impl Cell {
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::boot_layout;
+
+    #[test]
+    fn vms_spread_evenly_over_the_fewest_cells_that_fit() {
+        assert_eq!(boot_layout(10, 3, None), [3, 3, 2, 2]);
+        assert_eq!(boot_layout(4000, 500, None), [500; 8]);
+        assert_eq!(boot_layout(750, 500, None), [375, 375]);
+        assert_eq!(boot_layout(7, 100, None), [7]);
+    }
+
+    #[test]
+    fn pinned_cells_give_every_cpu_the_same_share() {
+        assert_eq!(boot_layout(1100, 500, Some(2)), [275; 4]);
+        assert_eq!(boot_layout(250, 500, Some(2)), [125, 125]);
+        assert_eq!(boot_layout(4000, 500, Some(2)), [500; 8]);
+        assert_eq!(boot_layout(10, 3, Some(3)), [2, 2, 2, 2, 1, 1]);
+        // Never an empty cell, and nothing changes on one CPU.
+        assert_eq!(boot_layout(1, 500, Some(2)), [1]);
+        assert_eq!(boot_layout(10, 3, Some(1)), boot_layout(10, 3, None));
     }
 }

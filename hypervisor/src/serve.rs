@@ -2,10 +2,10 @@
 //! cells that hold the VMs, supervise them until a signal, tear down.
 
 use crate::boot::RamLayout;
-use crate::cells::PendingCell;
+use crate::cells::{boot_layout, PendingCell};
 use crate::loader::{self, GuestImage};
 use crate::platform;
-use crate::scheduling::CellPlacement;
+use crate::scheduling::{self, CellPlacement};
 use crate::supervisor::{Exit, Supervisor, SupervisorSetup};
 use clap::Args;
 use kvm_ioctls::Kvm;
@@ -39,9 +39,11 @@ pub struct ServeArgs {
     /// Number of VMs to boot.
     #[arg(long, default_value_t = 16)]
     pub vms: u32,
-    /// VMs per worker process (cell): each cell has its own address space,
-    /// so a change to guest memory visits only its VMs' MMU notifiers.
-    #[arg(long, default_value_t = 100)]
+    /// At most this many VMs per worker process (cell): each cell has its own
+    /// address space, so a change to guest memory visits only its VMs' MMU
+    /// notifiers. The VMs are spread evenly over as few cells as fit (pinned:
+    /// as many on every CPU).
+    #[arg(long, default_value_t = 500)]
     pub cell_vms: u32,
     /// Where cells run: pinned (cell i and all its threads on one CPU, round
     /// robin over the CPUs densevm may use) or floating (the scheduler's choice).
@@ -200,6 +202,8 @@ struct Prepared {
     trace: Option<TraceWriter>,
     layout: RamLayout,
     platform: &'static str,
+    /// VMs each cell boots with, in ID order.
+    cell_sizes: Vec<u32>,
 }
 
 fn check_flags(args: &ServeArgs) -> Result<(), ConfigError> {
@@ -288,8 +292,17 @@ pub fn pager_config(args: &ServeArgs, layout: &RamLayout) -> Result<PagerConfig,
 
 fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
     check_flags(args)?;
+    let pinned_cpus = match args.cell_placement {
+        CellPlacement::Pinned => Some(
+            scheduling::allowed_cpus()
+                .map_err(|e| ConfigError(format!("the CPUs densevm may use: {e}")))?
+                .len(),
+        ),
+        CellPlacement::Floating => None,
+    };
+    let cell_sizes = boot_layout(args.vms, args.cell_vms, pinned_cpus);
     // The parent holds a few descriptors per cell; each cell checks its own VMs.
-    ensure_fd_budget(args.vms.div_ceil(args.cell_vms), FDS_PER_CELL)?;
+    ensure_fd_budget(cell_sizes.len() as u32, FDS_PER_CELL)?;
     ensure_fd_budget(args.cell_vms.min(args.vms), fds_per_vm(args))
         .map_err(|ConfigError(e)| ConfigError(format!("--cell-vms {}: {e}", args.cell_vms)))?;
     let (_, layout) = load_guest(args)?;
@@ -352,6 +365,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
         trace,
         layout,
         platform,
+        cell_sizes,
     })
 }
 
@@ -378,6 +392,7 @@ pub fn run(args: ServeArgs) -> i32 {
         trace,
         layout,
         platform,
+        cell_sizes,
     } = prepared;
     let boot_started = Instant::now();
     let fail = |message: String| {
@@ -390,8 +405,7 @@ pub fn run(args: ServeArgs) -> i32 {
     // handshake.
     let mut pending = Vec::new();
     let mut first = 0;
-    while first < args.vms {
-        let count = args.cell_vms.min(args.vms - first);
+    for count in cell_sizes {
         match PendingCell::spawn(&args, pending.len() as u32, first, count, args.cell_vms) {
             Ok(cell) => pending.push(cell),
             Err(e) => return fail(e),
