@@ -43,7 +43,7 @@ pub struct ServeArgs {
     /// address space, so a change to guest memory visits only its VMs' MMU
     /// notifiers. The VMs are spread evenly over as few cells as fit (pinned:
     /// as many on every CPU).
-    #[arg(long, default_value_t = 500)]
+    #[arg(long, default_value_t = 100)]
     pub cell_vms: u32,
     /// Where cells run: pinned (cell i and all its threads on one CPU, round
     /// robin over the CPUs densevm may use) or floating (the scheduler's choice).
