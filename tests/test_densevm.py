@@ -34,6 +34,8 @@ def test_ready_line_describes_the_boot(monitor):
     assert monitor.ready["failed"] == 0
     assert monitor.ready["boot_seconds"] > 0
     assert monitor.ready["platform"] in ("pvm", "kvm")
+    # Four VMs' working sets fit in the default budget: the in-core cell size.
+    assert monitor.ready["cell_vms"] == 500
 
 
 def test_objects_are_exact_over_keep_alive(monitor):

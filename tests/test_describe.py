@@ -53,3 +53,25 @@ def test_densevm_refuses_what_it_would_refuse_to_serve():
     assert describe.describe_config("--policy", "wsswap,after=2")["config"]["policy"] == (
         "wsswap,after=2"
     )
+
+
+def _resident_bytes(doc: dict) -> int:
+    """Bytes of the blocks a request touches, from the guest's request ranges."""
+    block = doc["config"]["block_bytes"]
+    blocks = {
+        b
+        for offset, length in doc["guest"]["request_ranges"]
+        for b in range(offset // block, -(-(offset + length) // block))
+    }
+    return len(blocks) * block
+
+
+@pytest.mark.parametrize("block", ["4k", "32k", "256k"])
+def test_cells_are_large_while_the_working_sets_fit_and_small_once_they_page(block):
+    doc = describe.describe_config("--block", block)
+    fit = doc["config"]["budget_bytes"] // _resident_bytes(doc)
+    for vms, cell_vms in [(16, 500), (fit, 500), (fit + 1, 100), (4000, 100)]:
+        got = describe.describe_config("--block", block, "--vms", str(vms))["config"]["cell_vms"]
+        assert got == cell_vms, (vms, got)
+    explicit = describe.describe_config("--block", block, "--vms", "16", "--cell-vms", "7")
+    assert explicit["config"]["cell_vms"] == 7

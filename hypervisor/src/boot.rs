@@ -62,6 +62,20 @@ impl RamLayout {
     pub fn request_footprint(&self) -> u64 {
         self.request_ranges().iter().map(|(_, len)| len).sum()
     }
+
+    /// Bytes of the `block_bytes` blocks a request touches: what a VM that
+    /// has served requests holds resident under the pager.
+    pub fn request_blocks_bytes(&self, block_bytes: u64) -> u64 {
+        let mut blocks: Vec<u64> = self
+            .request_ranges()
+            .iter()
+            .filter(|(_, len)| *len > 0)
+            .flat_map(|&(offset, len)| offset / block_bytes..(offset + len).div_ceil(block_bytes))
+            .collect();
+        blocks.sort_unstable();
+        blocks.dedup();
+        blocks.len() as u64 * block_bytes
+    }
 }
 
 /// Writes page tables, GDT, TSS and boot info into a VM's system pages.
@@ -120,6 +134,21 @@ mod tests {
             RamLayout::min_ram_bytes(0x86e08, 896 << 10),
             0x87000 + (896 << 10) + abi::STACK_BYTES
         );
+    }
+
+    #[test]
+    fn request_blocks_count_each_block_a_request_overlaps_once() {
+        let layout = RamLayout::new(4 << 20, 0x86e08, 0x7000, 896 << 10).unwrap();
+        // 4k blocks: exactly the pages touched.
+        assert_eq!(
+            layout.request_blocks_bytes(4096),
+            layout.request_footprint()
+        );
+        // 256k blocks: bss and receive window share block 0, the working set
+        // spans blocks 2-5, the stack is in the last block.
+        assert_eq!(layout.request_blocks_bytes(256 << 10), 6 * (256 << 10));
+        // One block holds everything.
+        assert_eq!(layout.request_blocks_bytes(4 << 20), 4 << 20);
     }
 
     #[test]

@@ -39,6 +39,7 @@ pub fn describe(args: &ServeArgs) -> Result<Value, ConfigError> {
             "budget_bytes": pager.budget_bytes,
             "policy": pager.policy.to_string(),
             "disk": pager.disk.text,
+            "cell_vms": serve::cell_vms(args, &layout, &pager),
         },
         "swap": {
             "vms_sized_for": serve::vms_with_headroom(args.vms),

@@ -2,7 +2,7 @@
 //! cells that hold the VMs, supervise them until a signal, tear down.
 
 use crate::boot::RamLayout;
-use crate::cells::{boot_layout, PendingCell};
+use crate::cells::{boot_layout, default_cell_vms, PendingCell};
 use crate::loader::{self, GuestImage};
 use crate::platform;
 use crate::scheduling::{self, CellPlacement};
@@ -42,9 +42,10 @@ pub struct ServeArgs {
     /// At most this many VMs per worker process (cell): each cell has its own
     /// address space, so a change to guest memory visits only its VMs' MMU
     /// notifiers. The VMs are spread evenly over as few cells as fit (pinned:
-    /// as many on every CPU).
-    #[arg(long, default_value_t = 100)]
-    pub cell_vms: u32,
+    /// as many on every CPU). [default: 500 if the blocks every VM's requests
+    /// touch fit in --mem together, else 100]
+    #[arg(long)]
+    pub cell_vms: Option<u32>,
     /// Where cells run: pinned (cell i and all its threads on one CPU, round
     /// robin over the CPUs densevm may use) or floating (the scheduler's choice).
     #[arg(long, value_enum, default_value_t = CellPlacement::Pinned)]
@@ -202,6 +203,8 @@ struct Prepared {
     trace: Option<TraceWriter>,
     layout: RamLayout,
     platform: &'static str,
+    /// Most VMs a cell holds: `--cell-vms` or the default for the regime.
+    cell_vms: u32,
     /// VMs each cell boots with, in ID order.
     cell_sizes: Vec<u32>,
 }
@@ -210,7 +213,7 @@ fn check_flags(args: &ServeArgs) -> Result<(), ConfigError> {
     if args.vms == 0 {
         return Err(ConfigError("--vms must be at least 1".into()));
     }
-    if args.cell_vms == 0 {
+    if args.cell_vms == Some(0) {
         return Err(ConfigError("--cell-vms must be at least 1".into()));
     }
     if args.ws_write_stride == 0 {
@@ -290,6 +293,18 @@ pub fn pager_config(args: &ServeArgs, layout: &RamLayout) -> Result<PagerConfig,
     Ok(config)
 }
 
+/// Most VMs a cell holds: `--cell-vms`, or the default for the regime the
+/// flags put the VMs in.
+pub fn cell_vms(args: &ServeArgs, layout: &RamLayout, pager: &PagerConfig) -> u32 {
+    args.cell_vms.unwrap_or_else(|| {
+        default_cell_vms(
+            args.vms,
+            layout.request_blocks_bytes(pager.block_bytes),
+            pager.budget_bytes,
+        )
+    })
+}
+
 fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
     check_flags(args)?;
     let pinned_cpus = match args.cell_placement {
@@ -300,13 +315,14 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
         ),
         CellPlacement::Floating => None,
     };
-    let cell_sizes = boot_layout(args.vms, args.cell_vms, pinned_cpus);
-    // The parent holds a few descriptors per cell; each cell checks its own VMs.
-    ensure_fd_budget(cell_sizes.len() as u32, FDS_PER_CELL)?;
-    ensure_fd_budget(args.cell_vms.min(args.vms), fds_per_vm(args))
-        .map_err(|ConfigError(e)| ConfigError(format!("--cell-vms {}: {e}", args.cell_vms)))?;
     let (_, layout) = load_guest(args)?;
     let pager_config = pager_config(args, &layout)?;
+    let cell_vms = cell_vms(args, &layout, &pager_config);
+    let cell_sizes = boot_layout(args.vms, cell_vms, pinned_cpus);
+    // The parent holds a few descriptors per cell; each cell checks its own VMs.
+    ensure_fd_budget(cell_sizes.len() as u32, FDS_PER_CELL)?;
+    ensure_fd_budget(cell_vms.min(args.vms), fds_per_vm(args))
+        .map_err(|ConfigError(e)| ConfigError(format!("--cell-vms {cell_vms}: {e}")))?;
     let trace = match &args.record_trace {
         Some(path) => {
             let header = TraceHeader {
@@ -365,6 +381,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
         trace,
         layout,
         platform,
+        cell_vms,
         cell_sizes,
     })
 }
@@ -392,6 +409,7 @@ pub fn run(args: ServeArgs) -> i32 {
         trace,
         layout,
         platform,
+        cell_vms,
         cell_sizes,
     } = prepared;
     let boot_started = Instant::now();
@@ -406,7 +424,7 @@ pub fn run(args: ServeArgs) -> i32 {
     let mut pending = Vec::new();
     let mut first = 0;
     for count in cell_sizes {
-        match PendingCell::spawn(&args, pending.len() as u32, first, count, args.cell_vms) {
+        match PendingCell::spawn(&args, pending.len() as u32, first, count, cell_vms) {
             Ok(cell) => pending.push(cell),
             Err(e) => return fail(e),
         }
@@ -427,11 +445,12 @@ pub fn run(args: ServeArgs) -> i32 {
         "port": args.port,
         "pid": std::process::id(),
         "cells": cells.len(),
-        "cell_vms": args.cell_vms,
+        "cell_vms": cell_vms,
         "cell_placement": args.cell_placement,
     });
     let setup = SupervisorSetup {
         args,
+        cell_vms,
         cells,
         pager: Arc::clone(&pager),
         ram_bytes: layout.ram_bytes as usize,

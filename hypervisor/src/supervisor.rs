@@ -63,6 +63,8 @@ pub enum Exit {
 pub struct SupervisorSetup {
     /// The serve flags (new cells are started with them).
     pub args: ServeArgs,
+    /// Most VMs a cell holds (`--cell-vms` resolved).
+    pub cell_vms: u32,
     /// The cells, handed over and booting.
     pub cells: Vec<Cell>,
     /// The pager every cell's memory is attached to.
@@ -85,6 +87,7 @@ pub struct SupervisorSetup {
 pub struct Supervisor {
     poll: Poll,
     args: ServeArgs,
+    cell_vms: u32,
     cells: Vec<Cell>,
     pager: Arc<Pager>,
     ram_bytes: usize,
@@ -112,6 +115,7 @@ impl Supervisor {
         let mut supervisor = Supervisor {
             poll,
             args: setup.args,
+            cell_vms: setup.cell_vms,
             cells: Vec::new(),
             pager: setup.pager,
             ram_bytes: setup.ram_bytes,
@@ -584,7 +588,7 @@ impl Supervisor {
                     self.grow_cell(index, next_id, n)?
                 }
                 None => {
-                    let n = left.min(self.args.cell_vms);
+                    let n = left.min(self.cell_vms);
                     self.new_cell(next_id, n)?
                 }
             };
@@ -638,7 +642,7 @@ impl Supervisor {
 
     fn new_cell(&mut self, first: u32, count: u32) -> Result<Value, String> {
         let index = self.cells.len() as u32;
-        let cell = PendingCell::spawn(&self.args, index, first, count, self.args.cell_vms)
+        let cell = PendingCell::spawn(&self.args, index, first, count, self.cell_vms)
             .and_then(|pending| pending.handshake(&self.pager, self.ram_bytes));
         match cell {
             Ok(cell) => {
