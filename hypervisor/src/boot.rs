@@ -3,6 +3,7 @@
 
 use crate::abi::{self, BootInfo};
 use crate::memory::Mapping;
+use paging_policy::config::blocks_touched;
 
 const PAGE: u64 = 4096;
 const PTE_PRESENT: u64 = 1 << 0;
@@ -66,15 +67,7 @@ impl RamLayout {
     /// Bytes of the `block_bytes` blocks a request touches: what a VM that
     /// has served requests holds resident under the pager.
     pub fn request_blocks_bytes(&self, block_bytes: u64) -> u64 {
-        let mut blocks: Vec<u64> = self
-            .request_ranges()
-            .iter()
-            .filter(|(_, len)| *len > 0)
-            .flat_map(|&(offset, len)| offset / block_bytes..(offset + len).div_ceil(block_bytes))
-            .collect();
-        blocks.sort_unstable();
-        blocks.dedup();
-        blocks.len() as u64 * block_bytes
+        blocks_touched(&self.request_ranges(), block_bytes).len() as u64 * block_bytes
     }
 }
 

@@ -61,6 +61,20 @@ impl Default for PagerConfig {
     }
 }
 
+/// The `block_bytes` blocks that byte ranges `(offset, length)` of a VM's
+/// RAM overlap, ascending and each once: what a request touching those
+/// ranges leaves resident.
+pub fn blocks_touched(ranges: &[(u64, u64)], block_bytes: u64) -> Vec<u64> {
+    let mut blocks: Vec<u64> = ranges
+        .iter()
+        .filter(|(_, len)| *len > 0)
+        .flat_map(|&(offset, len)| offset / block_bytes..(offset + len).div_ceil(block_bytes))
+        .collect();
+    blocks.sort_unstable();
+    blocks.dedup();
+    blocks
+}
+
 /// Checks that a block size is a power of two in [4k, 256k].
 pub fn check_block(block_bytes: u64) -> Result<(), PagerError> {
     if !block_bytes.is_power_of_two() || !(MIN_BLOCK..=MAX_BLOCK).contains(&block_bytes) {

@@ -23,7 +23,7 @@
 use serde::Serialize;
 
 use crate::batching::{cluster_writes, read_runs, write_runs};
-use crate::config::{check_block, check_vm_quota};
+use crate::config::{blocks_touched, check_block, check_vm_quota};
 use crate::disk::{DiskModel, DiskSpec};
 use crate::error::PagerError;
 use crate::ledger::{Admission, Ledger, PlanBlock, Wakes};
@@ -173,8 +173,6 @@ impl Simulator {
                 block: bs,
             });
         }
-        let nblocks = (cfg.vm_ram_bytes / bs) as usize;
-        let mut in_req = vec![false; nblocks];
         for &(off, len) in &cfg.request_ranges {
             if len == 0 || off + len > cfg.vm_ram_bytes {
                 return Err(PagerError::BadVm {
@@ -185,13 +183,16 @@ impl Simulator {
                     ),
                 });
             }
-            for b in off / bs..(off + len).div_ceil(bs) {
-                in_req[b as usize] = true;
-            }
         }
-        let req_blocks: Vec<u32> = (0..nblocks as u32)
-            .filter(|&b| in_req[b as usize])
+        let nblocks = (cfg.vm_ram_bytes / bs) as usize;
+        let req_blocks: Vec<u32> = blocks_touched(&cfg.request_ranges, bs)
+            .into_iter()
+            .map(|b| b as u32)
             .collect();
+        let mut in_req = vec![false; nblocks];
+        for &b in &req_blocks {
+            in_req[b as usize] = true;
+        }
         let footprint = req_blocks.len() as u64 * bs;
         if cfg.budget_bytes < footprint {
             return Err(PagerError::BudgetTooSmall {
