@@ -51,23 +51,33 @@ fn spin_for(wall: Duration) -> bool {
     true
 }
 
+/// Bytes per read of /dev/zero. Each read's user-space part (the system
+/// call's return, the loop, the clock) is about the same whatever its
+/// size: 16 KiB reads left ~11% of the time in user space on a 2.4 GHz
+/// EPYC host, 256 KiB reads under 2%.
+const ZERO_READ_BYTES: usize = 256 << 10;
+
 /// Reads /dev/zero for `wall` of wall-clock time; false if it cannot.
 fn read_zeros_for(wall: Duration) -> bool {
     static ZERO: OnceLock<Option<std::fs::File>> = OnceLock::new();
+    thread_local! {
+        static BUF: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(vec![0; ZERO_READ_BYTES]);
+    }
     let Some(mut zero) = ZERO
         .get_or_init(|| std::fs::File::open("/dev/zero").ok())
         .as_ref()
     else {
         return false;
     };
-    let mut buf = [0u8; 16 << 10];
-    let start = Instant::now();
-    while start.elapsed() < wall {
-        if zero.read(&mut buf).is_err() {
-            return false;
+    BUF.with_borrow_mut(|buf| {
+        let start = Instant::now();
+        while start.elapsed() < wall {
+            if zero.read(buf).is_err() {
+                return false;
+            }
         }
-    }
-    true
+        true
+    })
 }
 
 /// CPU time of the calling thread (CLOCK_THREAD_CPUTIME_ID).
