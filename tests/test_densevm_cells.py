@@ -28,6 +28,11 @@ def cell_pids(pid: int) -> list[int]:
     return sorted(children)
 
 
+def cell_processes(pid: int) -> list[int]:
+    """A cell `pid` and its holders (the children that own its KVM VMs)."""
+    return [pid, *cell_pids(pid)]
+
+
 def alive(pid: int) -> bool:
     """Whether any thread of `pid` still runs: a leader that exited shows as a
     zombie while another thread (stuck in the kernel, say) holds the process's
@@ -131,20 +136,74 @@ def test_a_killed_cell_takes_only_its_vms_down(tmp_path):
     assert f"(pid {victim}) killed by signal 9" in m.stderr()
 
 
+def test_a_killed_holder_takes_only_its_vms_down(tmp_path):
+    # One cell of 40 VMs: holders of 32 and 8 (hypervisor/src/holder.rs).
+    m = start(
+        tmp_path,
+        40,
+        "127.228.0.0",
+        *("--cell-vms", "40", "--cell-placement", "floating", "--mem", "3M", "--selfcheck"),
+    )
+    try:
+        for vm in range(40):
+            assert get(m.addr(vm)).body == SMALL
+        before = m.control({"cmd": "stats"})["totals"]
+        [cell] = cell_pids(m.proc.pid)
+        holders = cell_pids(cell)
+        assert len(holders) == 2
+        victim = next(h for h in holders if "vcpu35" in thread_names(h))
+        os.kill(victim, signal.SIGKILL)
+
+        def down():
+            states = {v["id"]: v for v in m.control({"cmd": "list"})["vms"]}
+            return all(states[i]["state"] == "crashed" for i in range(32, 40)), states
+
+        assert wait_for(lambda: down()[0])
+        assert f"holder 1 (pid {victim}) killed by signal 9" in down()[1][35]["reason"]
+        for _ in range(3):
+            for vm in range(32):
+                assert get(m.addr(vm)).body == SMALL
+        with pytest.raises(OSError):
+            get(m.addr(35))
+        totals = m.control({"cmd": "stats"})["totals"]
+        assert totals["crashed"] == 8 and totals["running"] == 32
+        assert totals["selfcheck_errors"] == 0 and totals["fatal_error"] is None
+        assert totals["faults"] > before["faults"]
+        # Their budget and swap went back to the pager.
+        assert totals["resident_bytes"] <= totals["budget_bytes"] + 8 * totals["block_bytes"]
+        assert totals["swap_used_bytes"] == before["swap_used_bytes"] * 32 // 40
+    finally:
+        assert m.stop() == 0
+
+
+def thread_names(pid: int) -> set[str]:
+    """The names of the threads of process `pid`."""
+    names = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/comm") as f:
+            names.add(f.read().strip())
+    return names
+
+
 def test_a_killed_parent_takes_every_cell_with_it(tmp_path):
     m = start(tmp_path, 6, "127.223.0.0", "--cell-vms", "2")
     cells = cell_pids(m.proc.pid)
     assert len(cells) == m.ready["cells"] >= 3
+    processes = [p for cell in cells for p in cell_processes(cell)]
+    assert len(processes) == 2 * len(cells)  # each cell and its holder
     m.proc.kill()
     m.proc.wait(10)
-    assert wait_for(lambda: not any(alive(pid) for pid in cells)), [p for p in cells if alive(p)]
+    assert wait_for(lambda: not any(alive(pid) for pid in processes)), [
+        p for p in processes if alive(p)
+    ]
 
 
 def test_sigterm_stops_every_cell(tmp_path):
     m = start(tmp_path, 6, "127.224.0.0", "--cell-vms", "2")
     cells = cell_pids(m.proc.pid)
+    processes = [p for cell in cells for p in cell_processes(cell)]
     assert m.stop(30) == 0
-    assert not any(alive(pid) for pid in cells)
+    assert not any(alive(pid) for pid in processes)
     assert not list(tmp_path.glob("densevm-swap-*")) and not m.api.exists()
 
 
@@ -192,12 +251,15 @@ def test_pinned_cells_go_round_robin_over_the_cpus_densevm_may_use(tmp_path):
         assert len(cells) == m.ready["cells"]
         assert len(cells) == min(6, -(-3 // len(allowed)) * len(allowed))
         for index, pid in enumerate(cells):
-            # The loop, the vCPU threads, every thread: on the cell's one CPU.
-            threads = thread_cpus(pid)
+            # The loop, the vCPU threads in the cell's holders, every thread:
+            # on the cell's one CPU.
+            processes = cell_processes(pid)
+            assert len(processes) >= 2  # the front and a holder at least
+            threads = [t for p in processes for t in thread_cpus(p)]
             assert len(threads) >= 2  # the loop and a vCPU at least
             assert all(t == {allowed[index % len(allowed)]} for t in threads), threads
             # ... and under SCHED_BATCH, so a kicked vCPU does not preempt its loop.
-            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+            tids = [int(t) for p in processes for t in os.listdir(f"/proc/{p}/task")]
             assert {os.sched_getscheduler(t) for t in tids} == {os.SCHED_BATCH}
         # The parent (API, pager) stays free to run anywhere, as a normal process.
         assert all(t == set(allowed) for t in thread_cpus(m.proc.pid))

@@ -80,16 +80,27 @@ SCHED_IDLE = 5
 
 
 def vcpu_sched_policy(m: Monitor, vm: int) -> int:
-    """The kernel's scheduling policy of VM `vm`'s vCPU thread (in a cell,
-    a child of the monitor process)."""
+    """The kernel's scheduling policy of VM `vm`'s vCPU thread (in a holder,
+    a child of a cell, itself a child of the monitor process)."""
+    parents: dict[int, int] = {}
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            ppid = int((proc / "stat").read_text().rpartition(")")[2].split()[1])
-            if m.proc.pid not in (ppid, int(proc.name)):
+        if proc.name.isdigit():
+            try:
+                stat = (proc / "stat").read_text()
+            except (FileNotFoundError, ProcessLookupError):
                 continue
-            for task in (proc / "task").iterdir():
+            parents[int(proc.name)] = int(stat.rpartition(")")[2].split()[1])
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            if pid == m.proc.pid:
+                return True
+            pid = parents.get(pid, 0)
+        return False
+
+    for pid in filter(descends, parents):
+        try:
+            for task in Path(f"/proc/{pid}/task").iterdir():
                 if (task / "comm").read_text().strip() == f"vcpu{vm}":
                     return int((task / "stat").read_text().rpartition(")")[2].split()[38])
         except (FileNotFoundError, ProcessLookupError):

@@ -97,28 +97,37 @@ def kdamond_ticks() -> int:
     return total
 
 
+def children(pid: int) -> list[int]:
+    """The child processes of `pid`."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
 def voluntary_switches(pid: int) -> tuple[int, int]:
     """Voluntary context switches so far of the cells' event loops (each
-    cell's main thread) and of their vCPU threads, under densevm `pid`."""
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        cells = [int(c) for c in f.read().split()]
+    cell's main thread) and of the vCPU threads (in the cells' holders),
+    under densevm `pid`."""
     loops = vcpus = 0
-    for cell in cells:
-        try:
-            tasks = os.listdir(f"/proc/{cell}/task")
-        except OSError:
-            continue
-        for tid in tasks:
+    for cell in children(pid):
+        for process in [cell, *children(cell)]:
             try:
-                with open(f"/proc/{cell}/task/{tid}/status") as f:
-                    status = dict(line.split(":\t", 1) for line in f if ":\t" in line)
+                tasks = os.listdir(f"/proc/{process}/task")
             except OSError:
                 continue
-            switches = int(status["voluntary_ctxt_switches"])
-            if int(tid) == cell:
-                loops += switches
-            elif status["Name"].startswith("vcpu"):
-                vcpus += switches
+            for tid in tasks:
+                try:
+                    with open(f"/proc/{process}/task/{tid}/status") as f:
+                        status = dict(line.split(":\t", 1) for line in f if ":\t" in line)
+                except OSError:
+                    continue
+                switches = int(status["voluntary_ctxt_switches"])
+                if int(tid) == cell:
+                    loops += switches
+                elif status["Name"].startswith("vcpu"):
+                    vcpus += switches
     return loops, vcpus
 
 

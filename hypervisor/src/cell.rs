@@ -2,24 +2,27 @@
 //! VMs in an address space of their own, so that a change to guest memory
 //! visits only this cell's KVM MMU notifiers.
 //!
-//! Its standard input is the link to the parent (see `protocol`). It hands
-//! its guest RAM (a memfd registered with its userfaultfd) to the parent's
-//! pager, boots its VMs once the pager knows them, and then runs the monitor
-//! until the parent says stop or goes away.
+//! Its standard input is the link to the parent (see `protocol`). It maps
+//! its VMs' memory, forks the holders that will own them (`holder`), hands
+//! their guest RAM (memfds, each registered with its holder's userfaultfd)
+//! to the parent's pager, boots its VMs once the pager knows them, and then
+//! runs the monitor until the parent says stop or goes away.
 
 use crate::framing::peer_gone;
+use crate::holder::{self, HolderInputs};
+use crate::memory::HolderSlots;
 use crate::monitor::{Exit, Monitor, MonitorSetup};
-use crate::protocol::{CellConfig, FromCell, Hello, ToCell, MAX_LINK_LINE};
+use crate::protocol::{CellConfig, FromCell, Hello, Space, ToCell, MAX_LINK_LINE};
 use crate::scheduling::{self, CellPlacement};
 use crate::serve::{self, ConfigError};
-use crate::vm::{self, BuildContext, MicroVm, DOORBELL_GROUP};
+use crate::vm::{self, BuildContext, DOORBELL_GROUP};
 use crate::vstate::vm::VmCaps;
 use crate::{memory, platform};
 use kvm_ioctls::Kvm;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::net::UnixStream;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
@@ -63,8 +66,7 @@ pub fn run() -> i32 {
 
 fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
     stay_with_parent(config.parent_pid)?;
-    // Before any thread starts: the vCPU and boot threads inherit the CPU
-    // and the policy.
+    // Before any thread or holder starts: they inherit the CPU and the policy.
     if config.args.cell_placement == CellPlacement::Pinned {
         scheduling::pin_cell(config.cell).map_err(|e| format!("pin to a CPU: {e}"))?;
     }
@@ -73,50 +75,74 @@ fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
         serve::ensure_fd_budget(config.capacity, serve::fds_per_vm(&config.args))?;
         build_context(&config)
     })();
-    let (ctx, crashed, waker_slot) = setup.map_err(|ConfigError(e)| e)?;
-    let memory = ctx.ram.memory();
-    let handoff = memory.hand_over().map_err(|e| e.to_string())?;
+    let mut ctx = setup.map_err(|ConfigError(e)| e)?;
+    let irqs = (0..config.capacity)
+        .map(|_| EventFd::new(EFD_NONBLOCK))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("irq eventfds: {e}"))?;
+    let doorbells = (0..config.capacity.div_ceil(DOORBELL_GROUP))
+        .map(|_| EventFd::new(EFD_NONBLOCK))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("doorbell eventfds: {e}"))?;
+    // The process still has one thread: the holders may be forked.
+    let (holders, uffds) = holder::fork_all(HolderInputs {
+        ctx: &mut ctx,
+        irqs: &irqs,
+        doorbells: &doorbells,
+        parent_link: link.as_raw_fd(),
+    })?;
+    let spaces = (0..ctx.ram.parts())
+        .map(|h| {
+            let part = ctx.ram.part(h).expect("the front maps every part");
+            Space {
+                base: part.as_ptr() as usize,
+                len: part.len(),
+            }
+        })
+        .collect();
     let hello = Hello {
         pid: std::process::id(),
-        base: memory.as_ptr() as usize,
-        len: memory.len(),
+        holder_vms: ctx.ram_slots_per_holder as u32,
+        spaces,
         platform: ctx.platform.name().to_string(),
     };
     let mut line = serde_json::to_vec(&hello).expect("hello serializes");
     line.push(b'\n');
-    link.send_with_fds(
-        &[&line[..]],
-        &[handoff.uffd.as_raw_fd(), handoff.memfd.as_raw_fd()],
-    )
-    .map_err(|e| link_error("hand the guest memory to the parent", e.into()))?;
-    drop(handoff);
+    let fds: Vec<_> = uffds
+        .iter()
+        .enumerate()
+        .flat_map(|(h, uffd)| {
+            let memfd = ctx.ram.part(h).expect("the front maps every part").memfd();
+            [uffd.as_raw_fd(), memfd.as_raw_fd()]
+        })
+        .collect();
+    link.send_with_fds(&[&line[..]], &fds)
+        .map_err(|e| link_error("hand the guest memory to the parent", e.into()))?;
+    // The pager's copies of the userfaultfds must be the only ones.
+    drop(uffds);
     match read_message::<ToCell>(&link)? {
         ToCell::Go => {}
         other => return Err(format!("expected go, got {other:?}").into()),
     }
     let boot_started = Instant::now();
-    let groups = config.count.div_ceil(DOORBELL_GROUP);
-    let doorbells = (0..groups)
-        .map(|_| EventFd::new(EFD_NONBLOCK))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("doorbell eventfds: {e}"))?;
-    let vms = build_all(&ctx, &doorbells, config.count, config.args.boot_threads)
-        .map_err(|e| report(&link, e))?;
+    let (first_id, count) = (ctx.first_id, config.count);
     let setup = MonitorSetup {
         ctx,
         doorbells,
-        vms,
+        irqs: irqs.into_iter().map(Some).collect(),
+        holders,
         link: link.try_clone().map_err(|e| format!("link: {e}"))?,
-        crashed,
         boot_started,
         boot_timeout: Duration::from_secs(config.args.boot_timeout),
         inject_request: Duration::from_micros(config.args.inject_request_us),
     };
-    let (mut monitor, waker) =
-        Monitor::new(setup).map_err(|e| report(&link, format!("event loop: {e}")))?;
-    *waker_slot.lock().expect("waker") = Some(waker);
-    // A crash reported before the waker existed is still in the queue.
-    let _ = waker_slot.lock().expect("waker").as_ref().map(|w| w.wake());
+    let mut monitor = Monitor::new(setup).map_err(|e| report(&link, format!("event loop: {e}")))?;
+    let booted = monitor.create(first_id, count);
+    if let Some(error) = booted.get("error").and_then(|e| e.as_str()) {
+        let error = error.trim_start_matches("create: ").to_string();
+        monitor.shutdown();
+        return Err(report(&link, error).into());
+    }
     match monitor.run() {
         Ok(Exit::Shutdown) => {
             monitor.shutdown();
@@ -184,12 +210,7 @@ fn stay_with_parent(parent_pid: u32) -> Result<(), CellError> {
     Ok(())
 }
 
-type CrashQueue = Arc<Mutex<Vec<u32>>>;
-type WakerSlot = Arc<Mutex<Option<Arc<mio::Waker>>>>;
-
-fn build_context(
-    config: &CellConfig,
-) -> Result<(BuildContext, CrashQueue, WakerSlot), ConfigError> {
+fn build_context(config: &CellConfig) -> Result<BuildContext, ConfigError> {
     let args = &config.args;
     let (image, layout) = serve::load_guest(args)?;
     let kvm = Kvm::new().map_err(|e| ConfigError(format!("cannot open /dev/kvm: {e}")))?;
@@ -199,20 +220,12 @@ fn build_context(
     let cpuid = kvm
         .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
         .map_err(|e| ConfigError(format!("get supported CPUID: {e}")))?;
-    let ram = memory::RamSlots::new(layout.ram_bytes as usize, config.capacity as usize)
+    let per_holder = holder::holder_vms(config.capacity) as usize;
+    let slots = config.capacity as usize;
+    let ram = HolderSlots::guest_ram(layout.ram_bytes as usize, slots, per_holder)
         .map_err(|e| ConfigError(e.to_string()))?;
-    let crashed: CrashQueue = Arc::new(Mutex::new(Vec::new()));
-    let waker_slot: WakerSlot = Arc::new(Mutex::new(None));
-    let on_exit = {
-        let crashed = Arc::clone(&crashed);
-        let waker_slot = Arc::clone(&waker_slot);
-        Arc::new(move |vm: u32| {
-            crashed.lock().expect("crash queue").push(vm);
-            if let Some(waker) = waker_slot.lock().expect("waker").as_ref() {
-                let _ = waker.wake();
-            }
-        })
-    };
+    let sys = HolderSlots::system(crate::abi::SYS_BYTES as usize, slots, per_holder)
+        .map_err(|e| ConfigError(e.to_string()))?;
     let ctx = BuildContext {
         first_id: config.first_id,
         kvm,
@@ -231,74 +244,14 @@ fn build_context(
         addr_base: args.addr_base,
         port: args.port,
         halt_poll_ns: args.halt_poll_ns,
-        on_exit,
-        sys_arena: memory::Arena::new(crate::abi::SYS_BYTES as usize, vm::ARENA_CHUNK_VMS),
+        // A holder reports its crashed guests; the front runs none.
+        on_exit: Arc::new(|_, _| {}),
+        sys,
         ram,
+        ram_slots_per_holder: per_holder,
+        boot_threads: args.boot_threads,
         stack_arena: memory::Arena::new(crate::vstate::vcpu::VCPU_STACK_BYTES, vm::ARENA_CHUNK_VMS),
         vcpu_stats: args.vcpu_stats,
     };
-    Ok((ctx, crashed, waker_slot))
-}
-
-/// Builds the cell's first `count` VMs on `threads` threads, in id order.
-fn build_all(
-    ctx: &BuildContext,
-    doorbells: &[EventFd],
-    count: u32,
-    threads: u32,
-) -> Result<Vec<MicroVm>, String> {
-    let threads = threads.clamp(1, 16);
-    let ids = ctx.first_id..ctx.first_id + count;
-    // Every KVM VM is created before any vCPU maps its run page: creating
-    // one visits every VMA, so this keeps the boot linear in the VM count.
-    let kvms = ids
-        .clone()
-        .map(|id| vm::create(ctx, id))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| e.to_string())?;
-    let mut parts = Vec::with_capacity(count as usize);
-    for (id, kvm) in ids.zip(kvms) {
-        let vcpu = vm::park_vcpu(ctx, id).map_err(|e| e.to_string())?;
-        parts.push(Mutex::new(Some(vm::Prebuilt { vcpu, kvm })));
-    }
-    let next = std::sync::atomic::AtomicU32::new(0);
-    let built: Mutex<Vec<Option<MicroVm>>> = Mutex::new((0..count).map(|_| None).collect());
-    let failure: Mutex<Option<String>> = Mutex::new(None);
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            scope.spawn(|| loop {
-                if failure.lock().expect("failure").is_some() {
-                    return;
-                }
-                let index = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                if index >= count {
-                    return;
-                }
-                let prebuilt = parts[index as usize]
-                    .lock()
-                    .expect("prebuilt")
-                    .take()
-                    .expect("each VM built once");
-                let id = ctx.first_id + index;
-                match vm::build(
-                    ctx,
-                    id,
-                    prebuilt,
-                    &doorbells[(index / DOORBELL_GROUP) as usize],
-                ) {
-                    Ok(vm) => built.lock().expect("built")[index as usize] = Some(vm),
-                    Err(e) => *failure.lock().expect("failure") = Some(e.to_string()),
-                }
-            });
-        }
-    });
-    if let Some(error) = failure.into_inner().expect("failure") {
-        return Err(error);
-    }
-    Ok(built
-        .into_inner()
-        .expect("built")
-        .into_iter()
-        .map(|vm| vm.expect("every VM built"))
-        .collect())
+    Ok(ctx)
 }

@@ -113,7 +113,7 @@ impl PendingCell {
     /// cell's VMs, and lets the cell boot them.
     pub fn handshake(mut self, pager: &Pager, ram_bytes: usize) -> Result<Cell, String> {
         match self.try_handshake(pager, ram_bytes) {
-            Ok(space) => {
+            Ok((spaces, holder_vms)) => {
                 self.link
                     .set_nonblocking(true)
                     .map_err(|e| format!("cell {}: link: {e}", self.index))?;
@@ -123,7 +123,8 @@ impl PendingCell {
                     pid: self.child.id(),
                     child: self.child,
                     link: LineStream::new(link, MAX_LINK_LINE),
-                    space: Some(space),
+                    spaces,
+                    holder_vms,
                     first_id: self.first_id,
                     count: self.count,
                     capacity: self.capacity,
@@ -139,12 +140,16 @@ impl PendingCell {
         }
     }
 
-    fn try_handshake(&mut self, pager: &Pager, ram_bytes: usize) -> Result<SpaceId, String> {
+    fn try_handshake(
+        &mut self,
+        pager: &Pager,
+        ram_bytes: usize,
+    ) -> Result<(Vec<SpaceId>, u32), String> {
         self.link
             .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
             .map_err(|e| e.to_string())?;
         let mut buf = vec![0u8; 4096];
-        let mut fds = [-1; 2];
+        let mut fds = [-1; MAX_HELLO_FDS];
         let mut iov = [libc::iovec {
             iov_base: buf.as_mut_ptr().cast(),
             iov_len: buf.len(),
@@ -178,22 +183,41 @@ impl PendingCell {
             return Err(error);
         }
         let hello: Hello = serde_json::from_slice(&hello).map_err(|e| format!("bad hello: {e}"))?;
-        let [uffd, memfd]: [OwnedFd; 2] = received
-            .try_into()
-            .map_err(|_| "its hello lacks the guest-memory descriptors".to_string())?;
-        let space = pager
-            .attach_space(SpaceHandoff {
+        if received.len() != 2 * hello.spaces.len() || hello.holder_vms == 0 {
+            return Err("its hello lacks the guest-memory descriptors".into());
+        }
+        let mut spaces = Vec::with_capacity(hello.spaces.len());
+        let mut fds = received.into_iter();
+        for space in &hello.spaces {
+            let (Some(uffd), Some(memfd)) = (fds.next(), fds.next()) else {
+                unreachable!("two descriptors a space, checked above")
+            };
+            let handoff = SpaceHandoff {
                 uffd,
                 memfd,
-                base: hello.base,
-                len: hello.len,
-            })
-            .map_err(|e| e.to_string())?;
+                base: space.base,
+                len: space.len,
+            };
+            match pager.attach_space(handoff) {
+                Ok(id) => spaces.push(id),
+                Err(e) => {
+                    spaces.iter().for_each(|&s| pager.detach_space(s));
+                    return Err(e.to_string());
+                }
+            }
+        }
         for i in 0..self.count {
-            let id = self.first_id + i;
-            if let Err(e) = pager.register_vm(id, space, i as usize * ram_bytes, ram_bytes) {
-                pager.detach_space(space);
-                return Err(e.to_string());
+            let (space, offset) = space_of(&spaces, hello.holder_vms, i, ram_bytes);
+            let registered = space
+                .ok_or_else(|| format!("VM {}: no space", self.first_id + i))
+                .and_then(|space| {
+                    pager
+                        .register_vm(self.first_id + i, space, offset, ram_bytes)
+                        .map_err(|e| e.to_string())
+                });
+            if let Err(e) = registered {
+                spaces.iter().for_each(|&s| pager.detach_space(s));
+                return Err(e);
             }
         }
         let mut go = serde_json::to_vec(&ToCell::Go).expect("serializes");
@@ -201,7 +225,7 @@ impl PendingCell {
         self.link
             .write_all(&go)
             .map_err(|e| format!("start it: {e}"))?;
-        Ok(space)
+        Ok((spaces, hello.holder_vms))
     }
 
     fn exit_reason(&mut self) -> Option<String> {
@@ -214,6 +238,20 @@ impl PendingCell {
         }
         None
     }
+}
+
+/// Descriptors a cell's hello may carry (SCM_RIGHTS takes at most 253).
+const MAX_HELLO_FDS: usize = 253;
+
+/// The space holding a cell's slot `slot`, and the slot's offset in it.
+fn space_of(
+    spaces: &[SpaceId],
+    holder_vms: u32,
+    slot: u32,
+    ram_bytes: usize,
+) -> (Option<SpaceId>, usize) {
+    let space = spaces.get((slot / holder_vms) as usize).copied();
+    (space, (slot % holder_vms) as usize * ram_bytes)
 }
 
 /// How a cell process ended, in words.
@@ -234,8 +272,10 @@ pub struct Cell {
     child: Child,
     /// The link (registered with the parent's event loop).
     pub link: LineStream<mio::net::UnixStream>,
-    /// Its guest memory in the pager, until it is detached.
-    pub space: Option<SpaceId>,
+    /// Its holders' guest memory in the pager, until it is detached.
+    pub spaces: Vec<SpaceId>,
+    /// VMs per holder: slot `i` is in `spaces[i / holder_vms]`.
+    pub holder_vms: u32,
     /// Id of its first VM.
     pub first_id: u32,
     /// VMs it holds (ids `first_id..first_id + count`).
@@ -249,6 +289,11 @@ pub struct Cell {
 }
 
 impl Cell {
+    /// The pager space and offset of the cell's VM `id`.
+    pub fn space_of(&self, id: u32, ram_bytes: usize) -> (Option<SpaceId>, usize) {
+        space_of(&self.spaces, self.holder_vms, id - self.first_id, ram_bytes)
+    }
+
     /// Whether VM `id` is one of this cell's.
     pub fn holds(&self, id: u32) -> bool {
         id >= self.first_id && id < self.first_id + self.count

@@ -5,9 +5,12 @@
 //! A web guest spends its CPU on requests, tens of microseconds each. A
 //! guest that spins, floods its ring or rewrites its memory in a loop uses
 //! whole cores and serves nothing. Every [`PERIOD`] each live vCPU's thread
-//! CPU time is read (one clock read per VM) and set against the requests the
-//! VM served; a thread is demoted when it used more than [`DEMOTE_SHARE`] of
-//! a core at more than [`HOG_CPU_PER_REQUEST`] per request. A demoted thread
+//! CPU time is read and set against the requests the VM served; a thread is
+//! demoted when it used more than [`DEMOTE_SHARE`] of a core at more than
+//! [`HOG_CPU_PER_REQUEST`] per request. The threads live in the holders,
+//! where a read costs a file of /proc: a holder whose whole process used
+//! less than [`DEMOTE_SHARE`] in the period can hold no hog, so its
+//! threads are not read (their next read only sets a new baseline). A demoted thread
 //! is judged by the time it was runnable (on a CPU or waiting for one, from
 //! the kernel's schedstat): a spinner starved by busy neighbours uses little
 //! CPU but still wants all of it, and must not be restored for that. It is
@@ -20,7 +23,7 @@ use std::time::{Duration, Instant};
 /// How often the vCPUs' CPU use is looked at.
 pub const PERIOD: Duration = Duration::from_millis(250);
 /// Share of a core above which a vCPU that serves little is demoted.
-const DEMOTE_SHARE: f64 = 0.5;
+pub const DEMOTE_SHARE: f64 = 0.5;
 /// Share of a core below which a demoted vCPU is restored.
 const RESTORE_SHARE: f64 = 0.25;
 /// CPU per served request above which a busy vCPU counts as not serving
@@ -82,11 +85,12 @@ impl CpuGovernor {
     }
 
     /// Looks at every VM if a period has passed. `vm(index)` gives the live
-    /// VM at `index` and the requests it has served in all.
+    /// VM at `index`, the requests it has served in all, and whether its
+    /// holder was busy enough in the period to hold a hog.
     pub fn tick<'a>(
         &mut self,
         count: usize,
-        mut vm: impl FnMut(usize) -> Option<(&'a MicroVm, u64)>,
+        mut vm: impl FnMut(usize) -> Option<(&'a MicroVm, u64, bool)>,
     ) {
         let now = Instant::now();
         let elapsed = now.duration_since(self.last);
@@ -96,9 +100,13 @@ impl CpuGovernor {
         self.last = now;
         self.samples.resize(count, Sample::default());
         for (index, sample) in self.samples.iter_mut().enumerate() {
-            let Some((live, requests)) = vm(index) else {
+            let Some((live, requests, may_hog)) = vm(index) else {
                 continue;
             };
+            if !may_hog && !sample.background {
+                sample.cpu = Duration::ZERO;
+                continue;
+            }
             let Some(cpu) = live.vcpu.cpu_time() else {
                 continue;
             };

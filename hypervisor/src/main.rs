@@ -10,6 +10,7 @@ mod cpu_governor;
 mod describe;
 mod devices;
 mod framing;
+mod holder;
 mod loader;
 mod memory;
 mod monitor;

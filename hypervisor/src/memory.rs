@@ -1,10 +1,11 @@
 //! Host mappings that back guest memory.
 //!
 //! A VM has three regions (see `abi`): its private system pages, the image
-//! shared read-only by every VM, and its RAM. System pages and vCPU stacks
-//! are anonymous mappings with MAP_NORESERVE: nothing is allocated until
-//! touched. RAM is a slot of the cell's memfd-backed [`GuestMemory`], which
-//! the pager (in the parent process) holds too and alone frees.
+//! shared read-only by every VM, and its RAM. RAM and system pages are
+//! slots of memfd mappings that the cell's front and the VM's holder share
+//! ([`HolderSlots`]); the pager (in the parent process) holds the RAM too
+//! and alone frees it. vCPU stacks are anonymous mappings of the holder. All
+//! are MAP_NORESERVE: nothing is allocated until touched.
 
 use std::io;
 use std::ptr::NonNull;
@@ -19,12 +20,16 @@ enum Release {
     Unmap,
     /// A slot of an [`Arena`]: its pages go back to the kernel.
     DontNeed,
-    /// A slot of [`RamSlots`]: the pager frees it when the VM is unregistered.
+    /// A slot of shared memory another process frees (guest RAM: the
+    /// pager, when the VM is unregistered).
     Pager,
+    /// A slot of shared memory: its pages go back (MADV_DONTNEED would only
+    /// unmap them).
+    Remove,
 }
 
 /// Host memory: a mapping of its own, a slot of an [`Arena`], or a VM's
-/// slot of the cell's guest RAM.
+/// slot of [`HolderSlots`].
 #[derive(Debug)]
 pub struct Mapping {
     base: NonNull<u8>,
@@ -168,6 +173,9 @@ impl Drop for Mapping {
                 Release::DontNeed => {
                     libc::madvise(self.base.as_ptr().cast(), self.len, libc::MADV_DONTNEED)
                 }
+                Release::Remove => {
+                    libc::madvise(self.base.as_ptr().cast(), self.len, libc::MADV_REMOVE)
+                }
                 Release::Pager => 0,
             };
         }
@@ -221,41 +229,103 @@ impl Arena {
     }
 }
 
-/// The cell's guest RAM: one memfd-backed mapping registered with the cell's
-/// userfaultfd, cut into one slot per VM (VM `first_id + i` in slot `i`).
+/// Equal slots of memory that a cell's front and one of its holders both
+/// map: one memfd mapping per holder, `slots_per_holder` slots each (VM
+/// `first_id + i` in slot `i`).
 ///
-/// One mapping for all VMs keeps the VMA count constant, and the memfd lets
-/// the pager in the parent process read, protect and free the VMs' blocks.
-pub struct RamSlots {
-    memory: GuestMemory,
+/// The front maps every holder's part before it forks them; each holder
+/// then unmaps the others' ([`HolderSlots::keep_only`]), so a page of a
+/// holder's VMs is mapped in no other holder and a kernel walk over its
+/// mappings meets only that holder's KVM notifiers. One mapping per holder
+/// keeps the VMA count constant.
+pub struct HolderSlots {
+    memories: Vec<Option<GuestMemory>>,
     slot_bytes: usize,
+    slots_per_holder: usize,
+    release: Release,
 }
 
-impl RamSlots {
-    /// Room for `slots` VMs of `slot_bytes` each.
-    pub fn new(slot_bytes: usize, slots: usize) -> Result<Self, paging_policy::PagerError> {
-        Ok(RamSlots {
-            memory: GuestMemory::new(slot_bytes * slots)?,
+impl HolderSlots {
+    /// Guest RAM: room for `slots` VMs of `slot_bytes` each. Each part goes
+    /// to the pager with a userfaultfd its holder registers; the pager alone
+    /// frees it.
+    pub fn guest_ram(
+        slot_bytes: usize,
+        slots: usize,
+        slots_per_holder: usize,
+    ) -> Result<Self, paging_policy::PagerError> {
+        Self::new(slot_bytes, slots, slots_per_holder, Release::Pager)
+    }
+
+    /// System pages (rings, control page): never paged, written by the
+    /// front and the guest; a VM's slot is freed when the front drops it.
+    pub fn system(
+        slot_bytes: usize,
+        slots: usize,
+        slots_per_holder: usize,
+    ) -> Result<Self, paging_policy::PagerError> {
+        Self::new(slot_bytes, slots, slots_per_holder, Release::Remove)
+    }
+
+    fn new(
+        slot_bytes: usize,
+        slots: usize,
+        slots_per_holder: usize,
+        release: Release,
+    ) -> Result<Self, paging_policy::PagerError> {
+        let slots_per_holder = slots_per_holder.max(1);
+        let memories = (0..slots.div_ceil(slots_per_holder))
+            .map(|h| {
+                let held = slots_per_holder.min(slots - h * slots_per_holder);
+                GuestMemory::unregistered(slot_bytes * held).map(Some)
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(HolderSlots {
+            memories,
             slot_bytes,
+            slots_per_holder,
+            release,
         })
     }
 
-    /// The memory itself, for the hand-over to the pager.
-    pub fn memory(&self) -> &GuestMemory {
-        &self.memory
+    /// Holder `holder`'s part, if this process maps it.
+    pub fn part(&self, holder: usize) -> Option<&GuestMemory> {
+        self.memories.get(holder)?.as_ref()
     }
 
-    /// Slot `index`; `None` past the end.
+    /// Number of parts (holders).
+    pub fn parts(&self) -> usize {
+        self.memories.len()
+    }
+
+    /// Unmaps every part but `holder`'s (in a holder, just after the fork).
+    pub fn keep_only(&mut self, holder: usize) {
+        for (h, memory) in self.memories.iter_mut().enumerate() {
+            if h != holder {
+                memory.take();
+            }
+        }
+    }
+
+    /// Slot `index`; `None` past the end or in a part this process dropped.
     pub fn slot(&self, index: usize) -> Option<Mapping> {
-        let offset = index
-            .checked_mul(self.slot_bytes)
-            .filter(|o| o + self.slot_bytes <= self.memory.len())?;
-        // SAFETY: in bounds of the mapping, which lives as long as the cell.
-        let base = unsafe { self.memory.as_ptr().add(offset) };
-        Some(Mapping {
+        let memory = self.part(index / self.slots_per_holder)?;
+        let offset = (index % self.slots_per_holder) * self.slot_bytes;
+        // SAFETY: in bounds of the part (which holds `slots_per_holder`
+        // slots, or the rest), which lives as long as the cell.
+        let base = unsafe { memory.as_ptr().add(offset) };
+        (offset + self.slot_bytes <= memory.len()).then(|| Mapping {
             base: NonNull::new(base).expect("non-null slot"),
             len: self.slot_bytes,
-            release: Release::Pager,
+            release: self.release,
         })
+    }
+
+    /// The same slot, for a process that must leave its freeing to another
+    /// (a holder: the front or the pager frees it).
+    pub fn borrowed_slot(&self, index: usize) -> Option<Mapping> {
+        let mut mapping = self.slot(index)?;
+        mapping.release = Release::Pager;
+        Some(mapping)
     }
 }

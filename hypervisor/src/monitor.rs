@@ -1,5 +1,6 @@
-//! A cell's event loop: its VMs' listeners and connections on one side,
-//! their rings on the other, and the link to the parent process, which
+//! A cell's event loop (its front): its VMs' listeners and connections on
+//! one side, their rings on the other, the links to its holders (which own
+//! the KVM VMs, see `holder`) and the link to the parent process, which
 //! holds the pager and the control API.
 //!
 //! One thread does all host-side I/O of the cell. Guests notify it through
@@ -9,29 +10,31 @@
 use crate::abi;
 use crate::cpu_governor::CpuGovernor;
 use crate::framing::{FrameError, LineStream};
+use crate::holder::{FromHolder, Holder};
 use crate::pager_link::PagerLink;
 use crate::protocol::{FromCell, ToCell, MAX_LINK_LINE};
 use crate::proxy::{self, Drained, Proxy, Readiness, MIN_REQUEST_BYTES};
 use crate::stats;
 use crate::vm::{self, BuildContext, MicroVm, DOORBELL_GROUP};
 use crate::vmtable::{DeadVm, VmEntry, VmState, VmTable};
+use crate::vstate::vcpu::RunState;
 use mio::net::UnixStream;
-use mio::{Events, Interest, Poll, Token, Waker};
+use mio::{Events, Interest, Poll, Token};
 use serde_json::{json, Value};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::io;
-use std::sync::{Arc, Mutex};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 use vmm_sys_util::eventfd::EventFd;
 
 const LINK: Token = Token(0);
-const WAKER: Token = Token(1);
 const KIND_SHIFT: usize = 28;
+const KIND_HOLDER: usize = 1;
 const KIND_LISTENER: usize = 2;
 const KIND_DOORBELL: usize = 3;
 const KIND_CONN: usize = 4;
-/// Threads that destroy VMs at shutdown.
-const TEARDOWN_THREADS: usize = 16;
+/// Longest a holder may take to stop its VMs and exit at shutdown.
+const HOLDER_TEARDOWN: Duration = Duration::from_secs(30);
 /// Longest a served-request count waits before it is reported to the pager.
 const ACCESS_REPORT_DELAY: Duration = Duration::from_millis(20);
 /// How often connections pinned by their guest are looked for.
@@ -58,14 +61,14 @@ pub enum Exit {
 pub struct MonitorSetup {
     /// Shared build context.
     pub ctx: BuildContext,
-    /// Doorbell eventfds, one per group of [`DOORBELL_GROUP`] VMs.
+    /// Doorbell eventfds, one per group of [`DOORBELL_GROUP`] slots.
     pub doorbells: Vec<EventFd>,
-    /// The VMs, already built and running, in id order from `ctx.first_id`.
-    pub vms: Vec<MicroVm>,
+    /// Each slot's irq eventfd, until its VM takes it.
+    pub irqs: Vec<Option<EventFd>>,
+    /// The holders, one per `ctx.ram_slots_per_holder` slots.
+    pub holders: Vec<Holder>,
     /// The link to the parent.
     pub link: std::os::unix::net::UnixStream,
-    /// Queue the vCPU threads push dead VMs onto.
-    pub crashed: Arc<Mutex<Vec<u32>>>,
     /// When the boot started.
     pub boot_started: Instant,
     /// A VM not up by then is stopped as a boot failure.
@@ -118,10 +121,14 @@ pub struct Monitor {
     poll: Poll,
     ctx: BuildContext,
     doorbells: Vec<EventFd>,
+    irqs: Vec<Option<EventFd>>,
+    holders: Vec<Holder>,
+    /// VMs asked to stop whose holder has not confirmed yet: their memory
+    /// stays until it has.
+    stopping: HashMap<u32, Box<MicroVm>>,
     vms: VmTable,
     proxy: Proxy,
     parent: ParentLink,
-    crashed: Arc<Mutex<Vec<u32>>>,
     boot_started: Instant,
     boot_reported: bool,
     boot_timeout: Duration,
@@ -146,11 +153,9 @@ struct Seen {
 }
 
 impl Monitor {
-    /// Registers every VM, listener and doorbell; returns the monitor and the
-    /// waker the vCPU threads use.
-    pub fn new(setup: MonitorSetup) -> io::Result<(Self, Arc<Waker>)> {
+    /// Registers the links and doorbells; the VMs come with [`Self::create`].
+    pub fn new(setup: MonitorSetup) -> io::Result<Self> {
         let poll = Poll::new()?;
-        let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
         setup.link.set_nonblocking(true)?;
         let mut link = UnixStream::from_std(setup.link);
         poll.registry()
@@ -158,18 +163,27 @@ impl Monitor {
         for (group, evt) in setup.doorbells.iter().enumerate() {
             register_doorbell(&poll, evt, group)?;
         }
-        let mut monitor = Monitor {
+        for (index, holder) in setup.holders.iter().enumerate() {
+            poll.registry().register(
+                &mut mio::unix::SourceFd(&holder.link.as_raw_fd()),
+                token(KIND_HOLDER, index),
+                Interest::READABLE,
+            )?;
+        }
+        Ok(Monitor {
             poll,
             vms: VmTable::new(setup.ctx.first_id),
             ctx: setup.ctx,
             doorbells: setup.doorbells,
+            irqs: setup.irqs,
+            holders: setup.holders,
+            stopping: HashMap::new(),
             proxy: Proxy::new(conn_token),
             parent: ParentLink {
                 link: LineStream::new(link, MAX_LINK_LINE),
                 counts: Vec::new(),
                 since: None,
             },
-            crashed: setup.crashed,
             boot_started: setup.boot_started,
             boot_reported: false,
             boot_timeout: setup.boot_timeout,
@@ -180,11 +194,7 @@ impl Monitor {
             in_backlog: Vec::new(),
             last_sweep: Instant::now(),
             governor: CpuGovernor::new(),
-        };
-        for vm in setup.vms {
-            monitor.adopt(vm)?;
-        }
-        Ok((monitor, waker))
+        })
     }
 
     fn adopt(&mut self, mut vm: MicroVm) -> io::Result<()> {
@@ -233,11 +243,11 @@ impl Monitor {
                             return Ok(exit);
                         }
                     }
-                    WAKER => self.reap_crashed(),
                     _ => {
                         let index = t & ((1 << KIND_SHIFT) - 1);
                         let registry = self.poll.registry();
                         match t >> KIND_SHIFT {
+                            KIND_HOLDER => self.holder_ready(index),
                             KIND_LISTENER => self.proxy.accept(&mut self.vms, index, registry),
                             KIND_DOORBELL => self.doorbell(index),
                             KIND_CONN => self.proxy.ready(
@@ -290,10 +300,19 @@ impl Monitor {
 
     /// Moves vCPUs that burn CPU without serving to the background, and back.
     fn govern_cpu(&mut self) {
+        if Instant::now() < self.governor.due() {
+            return;
+        }
+        let busy: Vec<bool> = self
+            .holders
+            .iter_mut()
+            .map(|h| h.dead.is_none() && h.busy(crate::cpu_governor::DEMOTE_SHARE))
+            .collect();
+        let per_holder = self.ctx.ram_slots_per_holder;
         let (entries, seen) = (self.vms.entries(), &self.seen);
         self.governor
             .tick(entries.len(), |index| match &entries[index] {
-                VmEntry::Live(vm) => Some((&**vm, seen[index].requests)),
+                VmEntry::Live(vm) => Some((&**vm, seen[index].requests, busy[index / per_holder])),
                 VmEntry::Dead(_) => None,
             });
     }
@@ -397,18 +416,86 @@ impl Monitor {
         paging_policy::injected::spend(amount, paging_policy::injected::Work::User);
     }
 
-    fn reap_crashed(&mut self) {
-        let ids: Vec<u32> = std::mem::take(&mut *self.crashed.lock().expect("crash queue"));
-        for id in ids {
-            let Some(index) = self.vms.index_of(id) else {
-                continue;
-            };
-            let reason = match self.vms.live(index) {
-                Some(vm) => vm.stop_reason().unwrap_or_default(),
-                None => continue,
-            };
-            self.kill_vm(index, VmState::Crashed, reason);
+    /// Handles what holder `h` sent; a holder that is gone takes its VMs.
+    fn holder_ready(&mut self, h: usize) {
+        let Some(holder) = self.holders.get_mut(h) else {
+            return;
+        };
+        if holder.dead.is_some() {
+            return;
         }
+        let mut records = std::mem::take(&mut holder.pending);
+        let gone = match holder.read() {
+            Ok(Some(more)) => {
+                records.extend(more);
+                false
+            }
+            Ok(None) => true,
+            Err(e) => {
+                eprintln!("densevm: holder {} link: {e}", holder.pid);
+                true
+            }
+        };
+        for (message, fds) in records {
+            self.holder_message(message, fds);
+        }
+        if gone {
+            self.holder_gone(h);
+        }
+    }
+
+    fn holder_message(&mut self, message: FromHolder, _fds: Vec<OwnedFd>) {
+        match message {
+            FromHolder::Exited { vm, reason } => {
+                let Some(index) = self.vms.index_of(vm) else {
+                    return;
+                };
+                let Some(live) = self.vms.live(index) else {
+                    return;
+                };
+                live.vcpu.finish(RunState::Crashed, reason);
+                let reason = live.stop_reason().unwrap_or_default();
+                self.kill_vm(index, VmState::Crashed, reason);
+            }
+            FromHolder::Stopped { vm } => {
+                if self.stopping.remove(&vm).is_some() {
+                    self.parent.vm_stopped(vm);
+                }
+            }
+            FromHolder::Ready | FromHolder::Built { .. } => {}
+        }
+    }
+
+    /// Holder `h` is gone: its VMs crashed with it.
+    fn holder_gone(&mut self, h: usize) {
+        let holder = &mut self.holders[h];
+        let _ = self
+            .poll
+            .registry()
+            .deregister(&mut mio::unix::SourceFd(&holder.link.as_raw_fd()));
+        let how = holder.reap(Duration::ZERO);
+        let reason = format!("holder {h} (pid {}) {how}", holder.pid);
+        holder.dead = Some(reason.clone());
+        let slots = holder.slots();
+        for index in slots.clone() {
+            self.kill_vm(index, VmState::Crashed, reason.clone());
+        }
+        let orphans: Vec<u32> = self
+            .stopping
+            .keys()
+            .copied()
+            .filter(|&id| slots.contains(&self.ctx.slot_of(id)))
+            .collect();
+        for id in orphans {
+            self.stopping.remove(&id);
+            self.parent.vm_stopped(id);
+        }
+    }
+
+    fn holder_of(&self, index: usize) -> Option<&Holder> {
+        self.holders
+            .get(index / self.ctx.ram_slots_per_holder)
+            .filter(|h| h.dead.is_none())
     }
 
     /// Stops a VM, closes its listener and connections, tells the pager, and
@@ -427,13 +514,18 @@ impl Monitor {
         let Some(mut vm) = self.vms.bury(index, dead.clone()) else {
             return;
         };
-        vm.vcpu.stop();
         let _ = self.poll.registry().deregister(&mut vm.listener);
         for key in vm.slots.iter().flatten().copied().collect::<Vec<_>>() {
             self.proxy.close(&mut self.vms, key);
         }
-        // The vCPU no longer runs: the pager may free the VM's memory.
-        self.parent.vm_stopped(dead.id);
+        // The pager may free the VM's memory once its vCPU no longer runs:
+        // when its holder says so, or at once if the holder is gone.
+        match self.holder_of(index).map(|h| h.stop(dead.id)) {
+            Some(Ok(())) => {
+                self.stopping.insert(dead.id, vm);
+            }
+            _ => self.parent.vm_stopped(dead.id),
+        }
         if state == VmState::Crashed {
             eprintln!(
                 "densevm: VM {} ({}) stopped: {}",
@@ -510,63 +602,120 @@ impl Monitor {
         }
     }
 
-    /// Boots VMs `first..first + count`, which must continue the cell's ids.
-    fn create(&mut self, first: u32, count: u32) -> Value {
+    /// Boots VMs `first..first + count`, which must continue the cell's ids:
+    /// each holder concerned builds its share, then the front adopts them
+    /// in id order. VMs past the first failure are stopped again.
+    pub fn create(&mut self, first: u32, count: u32) -> Value {
         if first != self.ctx.first_id + self.vms.len() as u32 {
             return json!({ "error": format!("create: VM {first} does not follow this cell's last VM") });
         }
-        let mut created = Vec::new();
-        for id in first..first + count {
-            let index = self.ctx.slot_of(id);
-            let group = index / DOORBELL_GROUP as usize;
-            if group >= self.doorbells.len() {
-                let evt = match EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK) {
-                    Ok(evt) => evt,
-                    Err(e) => {
-                        return json!({ "error": format!("create VM {id}: {e}"), "created": created })
-                    }
-                };
-                if let Err(e) = register_doorbell(&self.poll, &evt, group) {
-                    return json!({ "error": format!("create VM {id}: {e}"), "created": created });
-                }
-                self.doorbells.push(evt);
+        let per_holder = self.ctx.ram_slots_per_holder as u32;
+        let mut asked = Vec::new();
+        let mut error = None;
+        let mut next = first;
+        while next < first + count {
+            let h = self.ctx.slot_of(next) / per_holder as usize;
+            let end = (first + count).min(self.ctx.first_id + (h as u32 + 1) * per_holder);
+            let sent = match self.holders.get(h) {
+                None => Err(format!("VM {next}: no RAM slot left in this cell")),
+                Some(holder) => match &holder.dead {
+                    Some(reason) => Err(format!("VM {next}: {reason}")),
+                    None => holder
+                        .request_build(next, end - next)
+                        .map_err(|e| format!("VM {next}: {e}")),
+                },
+            };
+            if let Err(e) = sent {
+                error = Some(format!("create: {e}"));
+                break;
             }
-            let parts = vm::park_vcpu(&self.ctx, id).and_then(|vcpu| {
-                Ok(vm::Prebuilt {
-                    vcpu,
-                    kvm: vm::create(&self.ctx, id)?,
-                })
-            });
-            match parts.and_then(|parts| vm::build(&self.ctx, id, parts, &self.doorbells[group])) {
-                Ok(vm) => {
-                    if let Err(e) = self.adopt(vm) {
-                        return json!({ "error": format!("create VM {id}: {e}"), "created": created });
-                    }
-                    created.push(id);
-                }
-                Err(e) => return json!({ "error": format!("create: {e}"), "created": created }),
-            }
+            asked.push((h, next));
+            next = end;
         }
+        let error = self.finish_create(&asked, error);
+        let reply = self.create_reply(first);
+        match error {
+            Some(error) => json!({ "error": error, "created": reply["created"] }),
+            None => reply,
+        }
+    }
+
+    fn create_reply(&self, first: u32) -> Value {
+        let created: Vec<u32> = (first..self.ctx.first_id + self.vms.len() as u32).collect();
         json!({ "ok": true, "created": created })
     }
 
-    /// Stops every vCPU and destroys every VM.
-    ///
-    /// Memory is released only after every KVM VM is gone: before that,
-    /// each release would visit all remaining VMs' MMU notifiers. VMs are
-    /// destroyed from several threads so their SRCU grace periods overlap.
+    /// Collects the holders' answers to `asked` in order and adopts the VMs
+    /// up to the first failure; returns it.
+    fn finish_create(
+        &mut self,
+        asked: &[(usize, u32)],
+        mut error: Option<String>,
+    ) -> Option<String> {
+        for &(h, first) in asked {
+            let built = match self.holders[h].wait_built() {
+                Ok(built) => built,
+                Err(e) => {
+                    error.get_or_insert(e);
+                    continue;
+                }
+            };
+            let mut stats = built.stats.into_iter();
+            for (i, tid) in built.tids.into_iter().enumerate() {
+                let id = first + i as u32;
+                let stats_fd = if self.ctx.vcpu_stats {
+                    stats.next()
+                } else {
+                    None
+                };
+                if error.is_some() {
+                    self.holders[h].stop_now(id);
+                    continue;
+                }
+                if let Err(e) = self.adopt_built(h, id, tid, stats_fd) {
+                    self.holders[h].stop_now(id);
+                    error = Some(format!("create: {e}"));
+                }
+            }
+            if let Some(failed) = built.error {
+                error.get_or_insert(format!("create: {failed}"));
+            }
+        }
+        for h in 0..self.holders.len() {
+            if !self.holders[h].pending.is_empty() {
+                self.holder_ready(h);
+            }
+        }
+        error
+    }
+
+    /// Takes VM `id`, which holder `h` built and started, into the table.
+    fn adopt_built(
+        &mut self,
+        h: usize,
+        id: u32,
+        tid: i32,
+        stats_fd: Option<OwnedFd>,
+    ) -> Result<(), String> {
+        let slot = self.ctx.slot_of(id);
+        let irq = self.irqs[slot]
+            .take()
+            .ok_or_else(|| format!("VM {id}: no irq"))?;
+        let vcpu = self.holders[h].vcpu(tid);
+        let vm = vm::adopt(&self.ctx, id, vcpu, irq, stats_fd).map_err(|e| e.to_string())?;
+        self.adopt(vm).map_err(|e| format!("VM {id}: {e}"))
+    }
+
+    /// Stops every VM: each holder destroys its own and exits.
     pub fn shutdown(&mut self) {
         self.parent.report_access(true);
-        let mut live = self.vms.drain_live();
-        for vm in &mut live {
-            vm.vcpu.request_stop();
+        for holder in self.holders.iter().filter(|h| h.dead.is_none()) {
+            holder.shutdown();
         }
-        let per_thread = live.len().div_ceil(TEARDOWN_THREADS).max(1);
-        std::thread::scope(|scope| {
-            for chunk in live.chunks_mut(per_thread) {
-                scope.spawn(move || chunk.iter_mut().for_each(|vm| vm.release_kvm()));
-            }
-        });
+        for holder in self.holders.iter_mut().filter(|h| h.dead.is_none()) {
+            holder.reap(HOLDER_TEARDOWN);
+        }
+        self.vms.drain_live();
     }
 }
 

@@ -3,8 +3,8 @@
 //! message carrying descriptors.
 //!
 //! 1. parent -> cell: [`CellConfig`].
-//! 2. cell -> parent: [`Hello`], with the cell's userfaultfd and guest-RAM
-//!    memfd attached (SCM_RIGHTS).
+//! 2. cell -> parent: [`Hello`], with a userfaultfd and a guest-RAM memfd
+//!    attached (SCM_RIGHTS) for each of the cell's holders.
 //! 3. parent -> cell: [`ToCell::Go`] once the pager holds the cell's memory
 //!    and knows its VMs; the cell boots them.
 //! 4. From then on the parent sends [`ToCell`] requests, one at a time, each
@@ -37,17 +37,28 @@ pub struct CellConfig {
     pub capacity: u32,
 }
 
-/// The cell's first message; its descriptors travel with it.
+/// The cell's first message; its descriptors travel with it, a
+/// userfaultfd and a memfd per entry of `spaces`, in that order.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Hello {
     /// The cell's pid.
     pub pid: u32,
-    /// Address of its guest-RAM mapping in the cell.
-    pub base: usize,
-    /// Length of that mapping (capacity x RAM per VM).
-    pub len: usize,
+    /// VMs per holder: the cell's slot `i` is in `spaces[i / holder_vms]`.
+    pub holder_vms: u32,
+    /// Each holder's guest RAM.
+    pub spaces: Vec<Space>,
     /// "pvm" or "kvm".
     pub platform: String,
+}
+
+/// One holder's guest RAM, mapped at the same address in the holder and
+/// in the cell's front.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Space {
+    /// Address of the mapping.
+    pub base: usize,
+    /// Its length (its slots x RAM per VM).
+    pub len: usize,
 }
 
 /// A request from the parent.

@@ -292,7 +292,7 @@ impl Supervisor {
             cell.first_id,
             cell.first_id + cell.count.saturating_sub(1)
         );
-        if let Some(space) = cell.space.take() {
+        for space in std::mem::take(&mut cell.spaces) {
             self.pager.detach_space(space);
         }
         cell.dead = Some(reason);
@@ -608,15 +608,16 @@ impl Supervisor {
     }
 
     fn grow_cell(&mut self, index: usize, first: u32, count: u32) -> Result<Value, String> {
-        let space = self.cells[index].space.ok_or("cell has no memory")?;
-        let slot = (first - self.cells[index].first_id) as usize;
         for i in 0..count {
-            if let Err(e) = self.pager.register_vm(
-                first + i,
-                space,
-                (slot + i as usize) * self.ram_bytes,
-                self.ram_bytes,
-            ) {
+            let (space, offset) = self.cells[index].space_of(first + i, self.ram_bytes);
+            let registered = match space {
+                Some(space) => self
+                    .pager
+                    .register_vm(first + i, space, offset, self.ram_bytes)
+                    .map_err(|e| e.to_string()),
+                None => Err("no RAM slot left in this cell".to_string()),
+            };
+            if let Err(e) = registered {
                 for j in 0..i {
                     self.pager.unregister_vm(first + j);
                 }

@@ -1,20 +1,23 @@
-//! One microVM as the monitor holds it, and the builder that assembles it.
+//! One microVM: the front's view of it ([`MicroVm`]: listener, rings,
+//! connections), the holder's ([`HeldVm`]: KVM VM and vCPU thread), and the
+//! builders that assemble each (see `holder`).
 
 use crate::abi::{self, BootInfo};
 use crate::boot::{self, RamLayout};
 use crate::devices::stream::StreamDevice;
+use crate::holder::RemoteVcpu;
 use crate::loader::GuestImage;
-use crate::memory::{Arena, Mapping, RamSlots};
+use crate::memory::{Arena, HolderSlots, Mapping};
 use crate::platform::Platform;
 use crate::vstate::stats::VcpuStats;
-use crate::vstate::vcpu::{self, VcpuHandle, VcpuShared};
+use crate::vstate::vcpu::{self, VcpuHandle};
 use crate::vstate::vm::{self as kvm_vm, Slot, VmCaps};
 use kvm_bindings::CpuId;
 use kvm_ioctls::{Kvm, VmFd};
 use std::net::{Ipv4Addr, SocketAddrV4};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::eventfd::EventFd;
 
 /// VMs that share one doorbell eventfd (the fd limit allows ~4 per VM).
 pub const DOORBELL_GROUP: u32 = 16;
@@ -30,14 +33,6 @@ pub enum BuildError {
         /// VM index.
         vm: u32,
         /// The mmap error.
-        source: std::io::Error,
-    },
-    /// An eventfd could not be created.
-    #[error("VM {vm}: eventfd: {source}")]
-    EventFd {
-        /// VM index.
-        vm: u32,
-        /// The error.
         source: std::io::Error,
     },
     /// KVM refused a step.
@@ -74,7 +69,8 @@ pub enum BuildError {
     },
 }
 
-/// Everything shared by the VMs a cell builds.
+/// Everything shared by the VMs a cell builds (the front uses the memory
+/// and addresses; its holders, forked with a copy, the rest).
 pub struct BuildContext {
     /// Id of the cell's first VM: VM `first_id + i` uses slot `i` of every arena.
     pub first_id: u32,
@@ -102,12 +98,16 @@ pub struct BuildContext {
     pub port: u16,
     /// Per-VM halt polling, if set.
     pub halt_poll_ns: Option<u64>,
-    /// Called from a vCPU thread whose guest died.
-    pub on_exit: Arc<dyn Fn(u32) + Send + Sync>,
-    /// System pages of every VM.
-    pub sys_arena: Arena,
-    /// RAM of every VM, shared with the pager.
-    pub ram: RamSlots,
+    /// Called from a vCPU thread whose guest died, with the reason.
+    pub on_exit: vcpu::OnExit,
+    /// System pages of every VM, shared by the front and the VM's holder.
+    pub sys: HolderSlots,
+    /// RAM of every VM, shared by the front, the VM's holder and the pager.
+    pub ram: HolderSlots,
+    /// Slots of `sys` and `ram` per holder.
+    pub ram_slots_per_holder: usize,
+    /// Threads a holder builds VMs on.
+    pub boot_threads: u32,
     /// vCPU thread stacks.
     pub stack_arena: Arena,
     /// Open each vCPU's KVM statistics (one more fd per VM).
@@ -129,12 +129,10 @@ impl BuildContext {
     }
 }
 
-/// A booted microVM.
+/// A booted microVM as the cell's front holds it.
 pub struct MicroVm {
-    /// The vCPU thread; first so it stops before anything else goes.
-    pub vcpu: VcpuHandle,
-    /// The KVM VM; `None` once released by [`MicroVm::release_kvm`].
-    kvm: Option<VmFd>,
+    /// Its vCPU, in a holder.
+    pub vcpu: RemoteVcpu,
     /// Index of the VM.
     pub id: u32,
     /// Where it listens.
@@ -165,6 +163,30 @@ pub struct MicroVm {
     pub kvm_stats: Option<VcpuStats>,
 }
 
+/// A microVM as its holder holds it.
+pub struct HeldVm {
+    /// The vCPU thread; first so it stops before anything else goes.
+    pub vcpu: VcpuHandle,
+    /// The KVM VM; `None` once released.
+    kvm: Option<VmFd>,
+    /// Index of the VM.
+    pub id: u32,
+    /// KVM's statistics descriptor for the vCPU, until sent to the front.
+    pub stats_fd: Option<OwnedFd>,
+    /// Its memory, which the front and the pager free.
+    _sys: Mapping,
+    _ram: Mapping,
+}
+
+impl HeldVm {
+    /// Stops the vCPU and destroys the KVM VM. Once no KVM VM is left,
+    /// releasing memory no longer visits MMU notifiers.
+    pub fn release(&mut self) {
+        self.vcpu.stop();
+        self.kvm.take();
+    }
+}
+
 impl MicroVm {
     /// The guest's control page.
     pub fn ctrl(&self) -> abi::Ctrl {
@@ -178,15 +200,10 @@ impl MicroVm {
             .store(cmd, std::sync::atomic::Ordering::Release);
     }
 
-    /// The vCPU's shared state.
-    pub fn vcpu_state(&self) -> &Arc<VcpuShared> {
-        self.vcpu.shared()
-    }
-
     /// Why the VM stopped, once its vCPU has: the vCPU's reason, with the
     /// vector and address the guest reported if it panicked.
     pub fn stop_reason(&self) -> Option<String> {
-        let base = self.vcpu_state().reason()?;
+        let base = self.vcpu.reason()?;
         let ctrl = self.ctrl();
         Some(if ctrl.state == abi::STATE_PANICKED {
             format!(
@@ -196,13 +213,6 @@ impl MicroVm {
         } else {
             base
         })
-    }
-
-    /// Stops the vCPU and destroys the KVM VM, keeping the memory. Once no
-    /// KVM VM is left, releasing memory no longer visits MMU notifiers.
-    pub fn release_kvm(&mut self) {
-        self.vcpu.stop();
-        self.kvm.take();
     }
 }
 
@@ -230,23 +240,24 @@ pub struct Prebuilt {
     pub kvm: VmFd,
 }
 
-/// Builds and starts VM `id` from its prebuilt parts, its doorbell wired to
-/// `doorbell`.
+/// Builds and starts VM `id` from its prebuilt parts (in its holder), its
+/// interrupt on `irq` and its doorbell wired to `doorbell`.
 pub fn build(
     ctx: &BuildContext,
     id: u32,
     parts: Prebuilt,
+    irq: &EventFd,
     doorbell: &EventFd,
-) -> Result<MicroVm, BuildError> {
+) -> Result<HeldVm, BuildError> {
     let Prebuilt { mut vcpu, kvm } = parts;
     let layout = ctx.layout;
     let sys = ctx
-        .sys_arena
-        .slot(ctx.slot_of(id))
-        .map_err(|source| BuildError::Memory { vm: id, source })?;
+        .sys
+        .borrowed_slot(ctx.slot_of(id))
+        .ok_or(BuildError::NoSlot { vm: id })?;
     let ram = ctx
         .ram
-        .slot(ctx.slot_of(id))
+        .borrowed_slot(ctx.slot_of(id))
         .ok_or(BuildError::NoSlot { vm: id })?;
     let info = BootInfo {
         magic: abi::BOOT_MAGIC,
@@ -261,11 +272,12 @@ pub fn build(
         guest_arg: ctx.guest_arg,
     };
     boot::write_system_pages(&sys, &info);
+    // In the holder's mapping only: the guest sees its unused system pages
+    // as holes, the front keeps writing the rings.
     sys.protect_unused(&abi::SYS_USED)
         .map_err(|source| BuildError::Memory { vm: id, source })?;
-    // Fault in, writable, the pages the guest reads before it writes them:
-    // a read would map the shared zero page, and the later copy-on-write
-    // would visit every VM's MMU notifier.
+    // Fault in, writable, the pages the guest reads before it writes them,
+    // so its first touches do not each visit the holder's MMU notifiers.
     for page in [
         abi::VIF_GPA,
         abi::CTRL_GPA,
@@ -274,14 +286,6 @@ pub fn build(
     ] {
         sys.write_obj(page, 0u64);
     }
-    let addr = ctx.addr_of(id);
-    let listener = listen(addr).map_err(|source| BuildError::Listen {
-        vm: id,
-        addr,
-        source,
-    })?;
-    let irq =
-        EventFd::new(EFD_NONBLOCK).map_err(|source| BuildError::EventFd { vm: id, source })?;
     let slots = [
         Slot {
             gpa: abi::SYS_GPA,
@@ -302,7 +306,7 @@ pub fn build(
             readonly: false,
         },
     ];
-    let vcpu_fd = kvm_vm::configure(&kvm, ctx.caps, &slots, &irq, doorbell, ctx.halt_poll_ns)
+    let vcpu_fd = kvm_vm::configure(&kvm, ctx.caps, &slots, irq, doorbell, ctx.halt_poll_ns)
         .map_err(|source| BuildError::Kvm { vm: id, source })?;
     let stack_top = abi::RAM_GPA + layout.ram_bytes;
     vcpu::configure(
@@ -313,16 +317,48 @@ pub fn build(
         stack_top,
     )
     .map_err(|source| BuildError::Vcpu { vm: id, source })?;
-    let kvm_stats = match ctx.vcpu_stats {
+    let stats_fd = match ctx.vcpu_stats {
         true => Some(
-            VcpuStats::open(&vcpu_fd).map_err(|source| BuildError::Memory { vm: id, source })?,
+            VcpuStats::descriptor(&vcpu_fd)
+                .map_err(|source| BuildError::Memory { vm: id, source })?,
         ),
         false => None,
     };
     vcpu.start(vcpu_fd);
-    Ok(MicroVm {
+    Ok(HeldVm {
         vcpu,
         kvm: Some(kvm),
+        id,
+        stats_fd,
+        _sys: sys,
+        _ram: ram,
+    })
+}
+
+/// The front's side of VM `id`, which its holder built and started: its
+/// listener, its interrupt and its memory as the front maps them.
+pub fn adopt(
+    ctx: &BuildContext,
+    id: u32,
+    vcpu: RemoteVcpu,
+    irq: EventFd,
+    stats_fd: Option<OwnedFd>,
+) -> Result<MicroVm, BuildError> {
+    let slot = ctx.slot_of(id);
+    let sys = ctx.sys.slot(slot).ok_or(BuildError::NoSlot { vm: id })?;
+    let ram = ctx.ram.slot(slot).ok_or(BuildError::NoSlot { vm: id })?;
+    let addr = ctx.addr_of(id);
+    let listener = listen(addr).map_err(|source| BuildError::Listen {
+        vm: id,
+        addr,
+        source,
+    })?;
+    let kvm_stats = stats_fd
+        .map(|fd| VcpuStats::from_descriptor(std::fs::File::from(fd)))
+        .transpose()
+        .map_err(|source| BuildError::Memory { vm: id, source })?;
+    Ok(MicroVm {
+        vcpu,
         id,
         addr,
         listener,

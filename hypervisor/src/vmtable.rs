@@ -59,7 +59,7 @@ impl VmEntry {
     /// The VM's state.
     pub fn state(&self) -> VmState {
         match self {
-            VmEntry::Live(vm) => match vm.vcpu_state().state() {
+            VmEntry::Live(vm) => match vm.vcpu.state() {
                 RunState::Running if vm.ready => VmState::Running,
                 RunState::Running => VmState::Booting,
                 RunState::Crashed => VmState::Crashed,

@@ -54,7 +54,7 @@ fn io_error(op: &'static str) -> impl Fn(std::io::Error) -> PagerError {
 fn handed_over() -> PagerError {
     PagerError::Mm {
         op: "userfaultfd",
-        source: std::io::Error::other("already handed over to the pager"),
+        source: std::io::Error::other("not registered, or already handed over to the pager"),
     }
 }
 
@@ -67,8 +67,18 @@ fn mm_error(op: &'static str) -> PagerError {
 
 impl GuestMemory {
     /// Creates `len` bytes (a non-zero multiple of 4 KiB) of guest memory,
-    /// none of it populated.
+    /// none of it populated, registered with a userfaultfd of this process.
     pub fn new(len: usize) -> Result<GuestMemory, PagerError> {
+        let memory = GuestMemory::unregistered(len)?;
+        memory.register()?;
+        Ok(memory)
+    }
+
+    /// Like [`GuestMemory::new`], but registered with no userfaultfd yet: a
+    /// process that maps it and forks registers it in the child that runs
+    /// the vCPUs ([`GuestMemory::register`]), since a registration does not
+    /// pass to a child.
+    pub fn unregistered(len: usize) -> Result<GuestMemory, PagerError> {
         if len == 0 || !len.is_multiple_of(4096) {
             return Err(PagerError::Mm {
                 op: "guest memory",
@@ -106,14 +116,22 @@ impl GuestMemory {
         // Huge pages would turn one block's eviction into splitting a 2 MiB page.
         // SAFETY: advice on our own mapping.
         unsafe { libc::madvise(ptr, len, libc::MADV_NOHUGEPAGE) };
-        let uffd = Uffd::new()?;
-        uffd.register(ptr as usize, len)?;
         Ok(GuestMemory {
             memfd,
-            uffd: Mutex::new(Some(uffd)),
+            uffd: Mutex::new(None),
             base,
             len,
         })
+    }
+
+    /// Registers the whole mapping with a new userfaultfd of the calling
+    /// process, in missing and write-protect modes, replacing (and closing)
+    /// any earlier one.
+    pub fn register(&self) -> Result<(), PagerError> {
+        let uffd = Uffd::new()?;
+        uffd.register(self.base.as_ptr() as usize, self.len)?;
+        *self.uffd.lock().expect("uffd") = Some(uffd);
+        Ok(())
     }
 
     /// Address of the first byte.
@@ -124,6 +142,11 @@ impl GuestMemory {
     /// Length in bytes.
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// The memfd behind the mapping.
+    pub fn memfd(&self) -> std::os::fd::BorrowedFd<'_> {
+        std::os::fd::AsFd::as_fd(&self.memfd)
     }
 
     /// Never: guest memory has at least one page.

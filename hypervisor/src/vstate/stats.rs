@@ -8,7 +8,7 @@ use kvm_bindings::{kvm_stats_desc, kvm_stats_header};
 use kvm_ioctls::VcpuFd;
 use std::fs::File;
 use std::io;
-use std::os::fd::FromRawFd;
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 
 vmm_sys_util::ioctl_io_nr!(KVM_GET_STATS_FD, kvm_bindings::KVMIO, 0xce);
@@ -35,15 +35,20 @@ fn read_struct<T: Default + Copy>(file: &File, offset: u64) -> io::Result<T> {
 }
 
 impl VcpuStats {
-    /// Opens the stats of `vcpu` (call before it first runs).
-    pub fn open(vcpu: &VcpuFd) -> io::Result<Self> {
+    /// Opens the statistics descriptor of `vcpu` (call before it first
+    /// runs); [`VcpuStats::from_descriptor`] reads it, in any process.
+    pub fn descriptor(vcpu: &VcpuFd) -> io::Result<OwnedFd> {
         // SAFETY: KVM_GET_STATS_FD takes no argument and returns a new fd.
         let fd = unsafe { vmm_sys_util::ioctl::ioctl(vcpu, KVM_GET_STATS_FD()) };
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
         // SAFETY: the fd was just returned to us.
-        let file = unsafe { File::from_raw_fd(fd) };
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// The counters behind a descriptor from [`VcpuStats::descriptor`].
+    pub fn from_descriptor(file: File) -> io::Result<Self> {
         let header: kvm_stats_header = read_struct(&file, 0)?;
         let desc_size = std::mem::size_of::<kvm_stats_desc>() as u64 + header.name_size as u64;
         let mut counters = Vec::new();

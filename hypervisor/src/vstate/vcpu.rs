@@ -8,8 +8,7 @@ use kvm_bindings::{kvm_msr_entry, kvm_regs, kvm_segment, CpuId, Msrs};
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU8, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender};
-use std::sync::{Arc, Mutex, Once};
-use std::time::Duration;
+use std::sync::{Arc, Once};
 
 const CR0_PE: u64 = 1 << 0;
 const CR0_ET: u64 = 1 << 4;
@@ -145,6 +144,9 @@ pub enum RunState {
     Stopped = 2,
 }
 
+/// Called from a vCPU thread whose guest died: `(vm, reason)`.
+pub type OnExit = Arc<dyn Fn(u32, &str) + Send + Sync>;
+
 /// State shared between a vCPU thread and the monitor.
 #[derive(Debug, Default)]
 pub struct VcpuShared {
@@ -152,7 +154,6 @@ pub struct VcpuShared {
     /// The thread's kernel id, once it runs (0 before).
     tid: AtomicI32,
     stop: AtomicBool,
-    reason: Mutex<Option<String>>,
 }
 
 impl VcpuShared {
@@ -165,13 +166,7 @@ impl VcpuShared {
         }
     }
 
-    /// Why the vCPU stopped, if it did.
-    pub fn reason(&self) -> Option<String> {
-        self.reason.lock().expect("reason lock").clone()
-    }
-
-    fn finish(&self, state: RunState, reason: String) {
-        *self.reason.lock().expect("reason lock") = Some(reason);
+    fn finish(&self, state: RunState) {
         self.state.store(state as u8, Ordering::Release);
     }
 }
@@ -233,13 +228,9 @@ fn spawn_on_stack(stack: &Mapping, body: ThreadBody) -> Result<libc::pthread_t, 
 
 impl VcpuHandle {
     /// Spawns the thread for VM `vm` on `stack`, parked until
-    /// [`Self::start`]. `on_exit(vm)` is called from the thread when the
-    /// guest dies.
-    pub fn park(
-        vm: u32,
-        stack: Mapping,
-        on_exit: Arc<dyn Fn(u32) + Send + Sync>,
-    ) -> Result<Self, VcpuError> {
+    /// [`Self::start`]. `on_exit(vm, reason)` is called from the thread when
+    /// the guest dies.
+    pub fn park(vm: u32, stack: Mapping, on_exit: OnExit) -> Result<Self, VcpuError> {
         static HANDLER: Once = Once::new();
         HANDLER.call_once(|| {
             vmm_sys_util::signal::register_signal_handler(kick_signal(), kick_handler)
@@ -261,10 +252,10 @@ impl VcpuHandle {
                     .store(unsafe { libc::gettid() }, Ordering::Release);
                 let Ok(mut vcpu) = parked.recv() else { return };
                 let (state, reason) = run_loop(&mut vcpu, &thread_shared);
-                thread_shared.finish(state, reason);
                 if state == RunState::Crashed {
-                    on_exit(vm);
+                    on_exit(vm, &reason);
                 }
+                thread_shared.finish(state);
             }),
         )?;
         Ok(VcpuHandle {
@@ -284,64 +275,13 @@ impl VcpuHandle {
         }
     }
 
-    /// The state shared with the thread.
-    pub fn shared(&self) -> &Arc<VcpuShared> {
-        &self.shared
-    }
-
-    /// CPU time the thread has used so far (guest and host side), if it
-    /// still exists.
-    pub fn cpu_time(&self) -> Option<Duration> {
-        let thread = self.thread?;
-        let mut clock: libc::clockid_t = 0;
-        // SAFETY: the thread has not been joined, so its pthread_t is valid.
-        if unsafe { libc::pthread_getcpuclockid(thread, &mut clock) } != 0 {
-            return None;
-        }
-        let mut now = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: `now` is a valid timespec to write to.
-        if unsafe { libc::clock_gettime(clock, &mut now) } != 0 {
-            return None;
-        }
-        Some(Duration::new(now.tv_sec as u64, now.tv_nsec as u32))
-    }
-
-    /// Time the thread has been runnable so far: on a CPU or waiting for
-    /// one (the kernel's schedstat), if it still exists. Unlike
-    /// [`Self::cpu_time`], this shows what a thread starved of CPU wants.
-    pub fn runnable_time(&self) -> Option<Duration> {
-        let tid = self.shared.tid.load(Ordering::Acquire);
-        if tid == 0 || self.thread.is_none() {
-            return None;
-        }
-        let text = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).ok()?;
-        let mut fields = text.split_ascii_whitespace().map(str::parse::<u64>);
-        let (Some(Ok(on_cpu)), Some(Ok(waiting))) = (fields.next(), fields.next()) else {
-            return None;
-        };
-        Some(Duration::from_nanos(on_cpu + waiting))
-    }
-
-    /// Runs the thread as SCHED_IDLE (`true`: it gets only CPU time nobody
-    /// else wants, and any waking thread preempts it) or under the cell's
-    /// own policy.
-    pub fn set_background(&self, background: bool) -> std::io::Result<()> {
-        let Some(thread) = self.thread else {
-            return Ok(());
-        };
-        let policy = if background {
-            libc::SCHED_IDLE
-        } else {
-            crate::scheduling::CELL_POLICY
-        };
-        let param = libc::sched_param { sched_priority: 0 };
-        // SAFETY: the thread has not been joined, so its pthread_t is valid.
-        match unsafe { libc::pthread_setschedparam(thread, policy, &param) } {
-            0 => Ok(()),
-            rc => Err(std::io::Error::from_raw_os_error(rc)),
+    /// The thread's kernel id (it sets it first thing; waits for that).
+    pub fn tid(&self) -> i32 {
+        loop {
+            match self.shared.tid.load(Ordering::Acquire) {
+                0 => std::thread::yield_now(),
+                tid => return tid,
+            }
         }
     }
 

@@ -1,0 +1,739 @@
+//! A cell's holders: child processes that own its KVM VMs.
+//!
+//! Every KVM VM registers an MMU notifier on the address space of the
+//! process that created it, and every kernel walk over a page mapped there
+//! calls all of them: the pager's write-protects and hole punches, and the
+//! host's DAMON sampling, which visits resident guest pages whether the
+//! guests page or not. A cell's front (its event loop, listeners and
+//! connections, `monitor`) therefore keeps no VM of its own. It maps the
+//! memory of all its VMs, then forks one holder per [`holder_vms`] of them.
+//! A holder unmaps the other holders' memory, registers its part of the
+//! guest RAM with a userfaultfd of its own (handed to the pager through the
+//! front), and creates its VMs and vCPU threads when the front asks. The
+//! two share each VM's system pages (the rings), its irqfd and its doorbell,
+//! all made before the fork.
+//!
+//! The link is a SOCK_SEQPACKET pair: one JSON object per record, with
+//! descriptors attached to the record they belong to.
+
+use crate::framing::nonblocking;
+use crate::vm::{self, BuildContext, HeldVm, DOORBELL_GROUP};
+use crate::vstate::vcpu::RunState;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixDatagram;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+
+/// VMs a holder owns by default: a multiple of [`DOORBELL_GROUP`], so a
+/// doorbell's VMs share a holder. Smaller holders make each notifier walk
+/// cheaper and cost a process each (docs in hypervisor/README.md).
+pub const HOLDER_VMS: u32 = 32;
+/// Most holders a cell forks: its hello to the parent carries two
+/// descriptors a holder, and SCM_RIGHTS carries at most 253.
+const MAX_HOLDERS: u32 = 120;
+/// Threads that destroy a holder's VMs at shutdown.
+const TEARDOWN_THREADS: usize = 4;
+/// Longest record on a holder link.
+const MAX_RECORD: usize = 64 << 10;
+/// Longest the front waits for a holder to answer.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// VMs per holder in a cell that can hold `capacity`.
+pub fn holder_vms(capacity: u32) -> u32 {
+    capacity
+        .div_ceil(MAX_HOLDERS)
+        .next_multiple_of(DOORBELL_GROUP)
+        .max(HOLDER_VMS)
+}
+
+/// A request from the front.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "cmd", rename_all = "snake_case")]
+enum ToHolder {
+    /// Create and start VMs `first..first + count` (cell-wide ids).
+    Build { first: u32, count: u32 },
+    /// Stop a VM and destroy it.
+    Stop { vm: u32 },
+    /// Stop every VM and exit.
+    Shutdown,
+}
+
+/// A message from a holder.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "ev", rename_all = "snake_case")]
+pub enum FromHolder {
+    /// The holder's guest RAM is registered; its userfaultfd is attached.
+    Ready,
+    /// The answer to `Build`: the vCPU thread ids of the VMs built, in id
+    /// order (with `--vcpu-stats`, each VM's stats descriptor attached in
+    /// the same order), and why the next one could not be.
+    Built {
+        /// Thread id per VM built.
+        tids: Vec<i32>,
+        /// Why building stopped early.
+        error: Option<String>,
+    },
+    /// A guest died.
+    Exited {
+        /// Its id.
+        vm: u32,
+        /// Why.
+        reason: String,
+    },
+    /// The answer to `Stop`: the VM no longer runs.
+    Stopped {
+        /// Its id.
+        vm: u32,
+    },
+}
+
+/// A message with the descriptors that came with it.
+pub type Record = (FromHolder, Vec<OwnedFd>);
+
+/// What a holder built, in id order from the first VM asked for.
+pub struct Built {
+    /// The vCPU thread id of each VM built.
+    pub tids: Vec<i32>,
+    /// Their KVM statistics descriptors, with `--vcpu-stats`.
+    pub stats: Vec<OwnedFd>,
+    /// Why the next VM could not be built.
+    pub error: Option<String>,
+}
+
+/// A vCPU in a holder, as the front sees it: its thread, and the state
+/// and reason the holder reported.
+#[derive(Debug)]
+pub struct RemoteVcpu {
+    pid: i32,
+    tid: i32,
+    state: RunState,
+    reason: Option<String>,
+}
+
+impl RemoteVcpu {
+    /// Current run state.
+    pub fn state(&self) -> RunState {
+        self.state
+    }
+
+    /// Why the vCPU stopped, if it did.
+    pub fn reason(&self) -> Option<String> {
+        self.reason.clone()
+    }
+
+    /// Records that the vCPU stopped.
+    pub fn finish(&mut self, state: RunState, reason: String) {
+        self.state = state;
+        self.reason = Some(reason);
+    }
+
+    fn schedstat(&self) -> Option<(u64, u64)> {
+        let path = format!("/proc/{}/task/{}/schedstat", self.pid, self.tid);
+        let text = std::fs::read_to_string(path).ok()?;
+        let mut fields = text.split_ascii_whitespace().map(str::parse::<u64>);
+        match (fields.next(), fields.next()) {
+            (Some(Ok(on_cpu)), Some(Ok(waiting))) => Some((on_cpu, waiting)),
+            _ => None,
+        }
+    }
+
+    /// CPU time the thread has used so far, if it still exists.
+    pub fn cpu_time(&self) -> Option<Duration> {
+        self.schedstat()
+            .map(|(on_cpu, _)| Duration::from_nanos(on_cpu))
+    }
+
+    /// Time the thread has been runnable so far (on a CPU or waiting for
+    /// one), if it still exists: unlike [`Self::cpu_time`], this shows what
+    /// a thread starved of CPU wants.
+    pub fn runnable_time(&self) -> Option<Duration> {
+        self.schedstat()
+            .map(|(on_cpu, waiting)| Duration::from_nanos(on_cpu + waiting))
+    }
+
+    /// Runs the thread as SCHED_IDLE (`true`: only CPU time nobody else
+    /// wants) or under the cell's own policy.
+    pub fn set_background(&self, background: bool) -> std::io::Result<()> {
+        let policy = if background {
+            libc::SCHED_IDLE
+        } else {
+            crate::scheduling::CELL_POLICY
+        };
+        let param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: a plain syscall on a thread id; a stale id fails with ESRCH.
+        match unsafe { libc::sched_setscheduler(self.tid, policy, &param) } {
+            0 => Ok(()),
+            _ => Err(std::io::Error::last_os_error()),
+        }
+    }
+}
+
+/// A holder as the front holds it.
+pub struct Holder {
+    /// Its pid.
+    pub pid: i32,
+    /// The front's end of the link (nonblocking once the holder is ready).
+    pub link: UnixDatagram,
+    first_slot: u32,
+    slots: u32,
+    /// Why it is gone, once it is.
+    pub dead: Option<String>,
+    /// Messages read while waiting for an answer, for the event loop.
+    pub pending: Vec<Record>,
+    /// The process's CPU time at the last [`Holder::busy`], and when.
+    last_cpu: Option<(Duration, Instant)>,
+}
+
+impl Holder {
+    /// The cell's slots it owns.
+    pub fn slots(&self) -> std::ops::Range<usize> {
+        self.first_slot as usize..(self.first_slot + self.slots) as usize
+    }
+
+    fn send(&self, request: &ToHolder) -> std::io::Result<()> {
+        let record = serde_json::to_vec(request).expect("holder requests serialize");
+        loop {
+            match self.link.send(&record) {
+                Ok(_) => return Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    wait_fd(self.link.as_raw_fd(), libc::POLLOUT, Duration::from_secs(1))
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Asks the holder to stop VM `vm` (answered by [`FromHolder::Stopped`]).
+    pub fn stop(&self, vm: u32) -> std::io::Result<()> {
+        self.send(&ToHolder::Stop { vm })
+    }
+
+    /// Asks the holder to stop everything and exit.
+    pub fn shutdown(&self) {
+        let _ = self.send(&ToHolder::Shutdown);
+    }
+
+    /// Reads every record waiting; `Ok(None)` once the holder closed its end.
+    pub fn read(&self) -> std::io::Result<Option<Vec<Record>>> {
+        let mut out = Vec::new();
+        loop {
+            match receive(&self.link)? {
+                Received::Record(message, fds) => out.push((message, fds)),
+                Received::Nothing => return Ok(Some(out)),
+                Received::Closed => return Ok(None),
+            }
+        }
+    }
+
+    /// Asks the holder to build VMs `first..first + count`; its answer
+    /// comes with [`Self::wait_built`].
+    pub fn request_build(&self, first: u32, count: u32) -> std::io::Result<()> {
+        self.send(&ToHolder::Build { first, count })
+    }
+
+    /// Waits for the answer to [`Self::request_build`]: the thread ids of
+    /// the VMs built, their stats descriptors, and why the rest were not.
+    pub fn wait_built(&mut self) -> Result<Built, String> {
+        match self.wait_for(|m| matches!(m, FromHolder::Built { .. }))? {
+            (FromHolder::Built { tids, error }, stats) => Ok(Built { tids, stats, error }),
+            _ => unreachable!("wait_for returns what it was asked for"),
+        }
+    }
+
+    /// Stops VM `vm` and waits until the holder has.
+    pub fn stop_now(&mut self, vm: u32) {
+        if self.stop(vm).is_ok() {
+            let _ = self.wait_for(|m| matches!(m, FromHolder::Stopped { vm: v } if *v == vm));
+        }
+    }
+
+    /// Reads until a message `wanted` picks comes; the others are kept in
+    /// `pending` for the event loop.
+    fn wait_for(&mut self, wanted: impl Fn(&FromHolder) -> bool) -> Result<Record, String> {
+        let deadline = Instant::now() + REPLY_TIMEOUT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(format!("holder {} did not answer", self.pid));
+            }
+            wait_fd(self.link.as_raw_fd(), libc::POLLIN, left);
+            let Some(records) = self
+                .read()
+                .map_err(|e| format!("holder {}: {e}", self.pid))?
+            else {
+                return Err(format!("holder {} went away", self.pid));
+            };
+            let mut answer = None;
+            for (message, fds) in records {
+                if answer.is_none() && wanted(&message) {
+                    answer = Some((message, fds));
+                } else {
+                    self.pending.push((message, fds));
+                }
+            }
+            if let Some(answer) = answer {
+                return Ok(answer);
+            }
+        }
+    }
+
+    /// Whether the holder's threads together used more than `share` of a
+    /// core since the last call (or cannot be read; `true` the first time).
+    pub fn busy(&mut self, share: f64) -> bool {
+        let now = Instant::now();
+        let Some(cpu) = process_cpu_time(self.pid) else {
+            return true;
+        };
+        match self.last_cpu.replace((cpu, now)) {
+            Some((before, at)) => {
+                let wall = now.duration_since(at).as_secs_f64();
+                cpu.saturating_sub(before).as_secs_f64() > share * wall
+            }
+            None => true,
+        }
+    }
+
+    /// The front's view of the vCPU whose thread is `tid`.
+    pub fn vcpu(&self, tid: i32) -> RemoteVcpu {
+        RemoteVcpu {
+            pid: self.pid,
+            tid,
+            state: RunState::Running,
+            reason: None,
+        }
+    }
+
+    /// Waits up to `grace` for the holder to exit (killing it after), and
+    /// says how it ended.
+    pub fn reap(&mut self, grace: Duration) -> String {
+        let deadline = Instant::now() + grace;
+        loop {
+            let mut status = 0;
+            // SAFETY: waits for our own child.
+            let rc = unsafe { libc::waitpid(self.pid, &mut status, libc::WNOHANG) };
+            if rc == self.pid {
+                return describe_status(status);
+            }
+            if rc < 0 {
+                return "ended".into();
+            }
+            if Instant::now() >= deadline {
+                // SAFETY: our own child, not yet reaped.
+                unsafe { libc::kill(self.pid, libc::SIGKILL) };
+                // SAFETY: as above.
+                unsafe { libc::waitpid(self.pid, &mut status, 0) };
+                return describe_status(status);
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
+
+/// CPU time of every thread of process `pid` so far (its CPU-time clock,
+/// which any process may read: one system call, no /proc file).
+fn process_cpu_time(pid: i32) -> Option<Duration> {
+    let mut clock: libc::clockid_t = 0;
+    // SAFETY: plain calls writing only to the locals passed.
+    unsafe {
+        if libc::clock_getcpuclockid(pid, &mut clock) != 0 {
+            return None;
+        }
+        let mut now = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        if libc::clock_gettime(clock, &mut now) != 0 {
+            return None;
+        }
+        Some(Duration::new(now.tv_sec as u64, now.tv_nsec as u32))
+    }
+}
+
+fn describe_status(status: i32) -> String {
+    if libc::WIFEXITED(status) {
+        format!("exited with status {}", libc::WEXITSTATUS(status))
+    } else if libc::WIFSIGNALED(status) {
+        format!("killed by signal {}", libc::WTERMSIG(status))
+    } else {
+        "ended".into()
+    }
+}
+
+fn wait_fd(fd: RawFd, events: libc::c_short, timeout: Duration) {
+    let mut pfd = libc::pollfd {
+        fd,
+        events,
+        revents: 0,
+    };
+    let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+    // SAFETY: one valid pollfd.
+    unsafe { libc::poll(&mut pfd, 1, ms) };
+}
+
+enum Received<T> {
+    Record(T, Vec<OwnedFd>),
+    Nothing,
+    Closed,
+}
+
+fn receive<T: serde::de::DeserializeOwned>(link: &UnixDatagram) -> std::io::Result<Received<T>> {
+    let mut buf = vec![0u8; MAX_RECORD];
+    let mut fds = [-1; 253];
+    let mut iov = [libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    }];
+    // SAFETY: the iovec points into `buf`, which outlives the call.
+    let received = nonblocking(|| {
+        unsafe { link.recv_with_fds(&mut iov, &mut fds) }.map_err(std::io::Error::from)
+    })?;
+    let Some((bytes, nfds)) = received else {
+        return Ok(Received::Nothing);
+    };
+    // SAFETY: descriptors received are ours to own.
+    let owned: Vec<OwnedFd> = fds[..nfds]
+        .iter()
+        .map(|&fd| unsafe { OwnedFd::from_raw_fd(fd) })
+        .collect();
+    if bytes == 0 {
+        return Ok(Received::Closed);
+    }
+    let message = serde_json::from_slice(&buf[..bytes])
+        .map_err(|e| std::io::Error::other(format!("bad record: {e}")))?;
+    Ok(Received::Record(message, owned))
+}
+
+fn seqpacket_pair() -> std::io::Result<(UnixDatagram, UnixDatagram)> {
+    let mut fds = [-1; 2];
+    // SAFETY: plain syscall filling two descriptors we then own.
+    let rc = unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
+            0,
+            fds.as_mut_ptr(),
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: both descriptors were just created for us.
+    Ok(unsafe {
+        (
+            UnixDatagram::from_raw_fd(fds[0]),
+            UnixDatagram::from_raw_fd(fds[1]),
+        )
+    })
+}
+
+/// What a cell hands its holders at the fork: the build context (whose
+/// memory the front has mapped) and each slot's irqfd and doorbell.
+pub struct HolderInputs<'a> {
+    /// The cell's build context.
+    pub ctx: &'a mut BuildContext,
+    /// One irq eventfd per slot.
+    pub irqs: &'a [EventFd],
+    /// One doorbell per [`DOORBELL_GROUP`] slots.
+    pub doorbells: &'a [EventFd],
+    /// Descriptor of the front's link to its parent, closed in holders.
+    pub parent_link: RawFd,
+}
+
+/// Forks the cell's holders, one per part of `ctx.ram`, and waits until
+/// each has registered its guest RAM. Returns the holders and, per holder,
+/// its userfaultfd for the pager. Call while the process has one thread.
+pub fn fork_all(inputs: HolderInputs) -> Result<(Vec<Holder>, Vec<OwnedFd>), String> {
+    let front = std::process::id() as i32;
+    let per_holder = inputs.ctx.ram_slots_per_holder as u32;
+    let parts = inputs.ctx.ram.parts();
+    let mut holders: Vec<Holder> = Vec::with_capacity(parts);
+    for index in 0..parts {
+        let (ours, theirs) = seqpacket_pair().map_err(|e| format!("holder link: {e}"))?;
+        let first_slot = index as u32 * per_holder;
+        let slots = per_holder.min(inputs.irqs.len() as u32 - first_slot);
+        // SAFETY: the process has a single thread (checked by the caller's
+        // order: no thread is started before the holders), so the child may
+        // run anything.
+        match unsafe { libc::fork() } {
+            -1 => return Err(format!("fork: {}", std::io::Error::last_os_error())),
+            0 => {
+                drop(ours);
+                // The front's ends of the earlier holders' links.
+                holders.clear();
+                // SAFETY: the parent link is the front's, not ours.
+                unsafe { libc::close(inputs.parent_link) };
+                let code = run(
+                    inputs.ctx,
+                    index,
+                    first_slot,
+                    slots,
+                    theirs,
+                    inputs.irqs,
+                    inputs.doorbells,
+                    front,
+                );
+                std::process::exit(code);
+            }
+            pid => {
+                drop(theirs);
+                holders.push(Holder {
+                    pid,
+                    link: ours,
+                    first_slot,
+                    slots,
+                    dead: None,
+                    pending: Vec::new(),
+                    last_cpu: None,
+                });
+            }
+        }
+    }
+    let mut uffds = Vec::with_capacity(parts);
+    for holder in &mut holders {
+        let deadline = Instant::now() + REPLY_TIMEOUT;
+        loop {
+            wait_fd(
+                holder.link.as_raw_fd(),
+                libc::POLLIN,
+                deadline.saturating_duration_since(Instant::now()),
+            );
+            holder
+                .link
+                .set_nonblocking(true)
+                .map_err(|e| format!("holder link: {e}"))?;
+            match receive::<FromHolder>(&holder.link).map_err(|e| format!("holder: {e}"))? {
+                Received::Record(FromHolder::Ready, mut fds) if fds.len() == 1 => {
+                    uffds.push(fds.pop().expect("one descriptor"));
+                    break;
+                }
+                Received::Record(other, _) => {
+                    return Err(format!(
+                        "holder {}: expected ready, got {other:?}",
+                        holder.pid
+                    ))
+                }
+                Received::Closed => {
+                    let how = holder.reap(Duration::from_secs(2));
+                    return Err(format!("holder {} {how} while starting", holder.pid));
+                }
+                Received::Nothing if Instant::now() >= deadline => {
+                    return Err(format!("holder {} did not start", holder.pid))
+                }
+                Received::Nothing => {}
+            }
+        }
+    }
+    Ok((holders, uffds))
+}
+
+/// The holder process: returns its exit code.
+#[allow(clippy::too_many_arguments)]
+fn run(
+    ctx: &mut BuildContext,
+    index: usize,
+    first_slot: u32,
+    slots: u32,
+    link: UnixDatagram,
+    irqs: &[EventFd],
+    doorbells: &[EventFd],
+    front: i32,
+) -> i32 {
+    // SAFETY: plain prctl/getppid on our own process.
+    unsafe {
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+        if libc::getppid() != front {
+            return 1;
+        }
+    }
+    ctx.ram.keep_only(index);
+    ctx.sys.keep_only(index);
+    let memory = ctx.ram.part(index).expect("own part");
+    let handoff = match memory.register().and_then(|()| memory.hand_over()) {
+        Ok(handoff) => handoff,
+        Err(e) => {
+            eprintln!("densevm: error: holder {index}: register guest RAM: {e}");
+            return 1;
+        }
+    };
+    let ready = serde_json::to_vec(&FromHolder::Ready).expect("serializes");
+    if link
+        .send_with_fds(&[&ready[..]], &[handoff.uffd.as_raw_fd()])
+        .is_err()
+    {
+        return 1;
+    }
+    // The pager's copy of the userfaultfd must be the only one.
+    drop(handoff);
+    let link = std::sync::Arc::new(link);
+    let exits = std::sync::Arc::clone(&link);
+    ctx.on_exit = std::sync::Arc::new(move |vm: u32, reason: &str| {
+        let record = serde_json::to_vec(&FromHolder::Exited {
+            vm,
+            reason: reason.to_string(),
+        })
+        .expect("serializes");
+        let _ = exits.send(&record);
+    });
+    let own = first_slot as usize..(first_slot + slots) as usize;
+    let groups = own.start / DOORBELL_GROUP as usize..own.end.div_ceil(DOORBELL_GROUP as usize);
+    let mut held: HashMap<u32, HeldVm> = HashMap::new();
+    loop {
+        let request = match receive::<ToHolder>(&link) {
+            Ok(Received::Record(request, _)) => request,
+            Ok(Received::Nothing) => continue,
+            Ok(Received::Closed) | Err(_) => break,
+        };
+        match request {
+            ToHolder::Build { first, count } => {
+                let (built, error) = build_all(ctx, first, count, irqs, doorbells, &own, &groups);
+                let tids = built.iter().map(|vm| vm.vcpu.tid()).collect();
+                let stats: Vec<RawFd> = built
+                    .iter()
+                    .filter_map(|vm| vm.stats_fd.as_ref().map(AsRawFd::as_raw_fd))
+                    .collect();
+                let record =
+                    serde_json::to_vec(&FromHolder::Built { tids, error }).expect("serializes");
+                let _ = link.send_with_fds(&[&record[..]], &stats);
+                for mut vm in built {
+                    vm.stats_fd.take();
+                    held.insert(vm.id, vm);
+                }
+            }
+            ToHolder::Stop { vm } => {
+                if let Some(mut stopped) = held.remove(&vm) {
+                    stopped.release();
+                }
+                let record = serde_json::to_vec(&FromHolder::Stopped { vm }).expect("serializes");
+                let _ = link.send(&record);
+            }
+            ToHolder::Shutdown => break,
+        }
+    }
+    teardown(held.into_values().collect());
+    0
+}
+
+/// Stops every vCPU, then destroys the VMs from several threads so their
+/// SRCU grace periods overlap.
+fn teardown(mut vms: Vec<HeldVm>) {
+    for vm in &mut vms {
+        vm.vcpu.request_stop();
+    }
+    let per_thread = vms.len().div_ceil(TEARDOWN_THREADS).max(1);
+    std::thread::scope(|scope| {
+        for chunk in vms.chunks_mut(per_thread) {
+            scope.spawn(move || chunk.iter_mut().for_each(HeldVm::release));
+        }
+    });
+}
+
+/// Builds VMs `first..first + count` on `ctx.boot_threads` threads, in id
+/// order; stops at the first failure.
+fn build_all(
+    ctx: &BuildContext,
+    first: u32,
+    count: u32,
+    irqs: &[EventFd],
+    doorbells: &[EventFd],
+    own: &std::ops::Range<usize>,
+    groups: &std::ops::Range<usize>,
+) -> (Vec<HeldVm>, Option<String>) {
+    let ids = first..first + count;
+    if let Some(id) = ids.clone().find(|&id| !own.contains(&ctx.slot_of(id))) {
+        return (Vec::new(), Some(format!("VM {id} is not this holder's")));
+    }
+    // Every KVM VM is created before any vCPU maps its run page: creating
+    // one visits every VMA, so this keeps the boot linear in the VM count.
+    let mut parts = Vec::with_capacity(count as usize);
+    for id in ids.clone() {
+        match vm::create(ctx, id).and_then(|kvm| Ok((kvm, vm::park_vcpu(ctx, id)?))) {
+            Ok((kvm, vcpu)) => parts.push(Mutex::new(Some(vm::Prebuilt { vcpu, kvm }))),
+            Err(e) => return (Vec::new(), Some(e.to_string())),
+        }
+    }
+    let next = std::sync::atomic::AtomicU32::new(0);
+    let built: Mutex<Vec<Option<Result<HeldVm, String>>>> =
+        Mutex::new((0..count).map(|_| None).collect());
+    std::thread::scope(|scope| {
+        for _ in 0..ctx.boot_threads.clamp(1, 16) {
+            scope.spawn(|| loop {
+                let index = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if index >= count {
+                    return;
+                }
+                let prebuilt = parts[index as usize]
+                    .lock()
+                    .expect("prebuilt")
+                    .take()
+                    .expect("each VM built once");
+                let id = first + index;
+                let slot = ctx.slot_of(id);
+                let group = slot / DOORBELL_GROUP as usize;
+                debug_assert!(groups.contains(&group));
+                let result = vm::build(ctx, id, prebuilt, &irqs[slot], &doorbells[group])
+                    .map_err(|e| e.to_string());
+                built.lock().expect("built")[index as usize] = Some(result);
+            });
+        }
+    });
+    let mut vms = Vec::with_capacity(count as usize);
+    let mut error = None;
+    for result in built.into_inner().expect("built").into_iter().flatten() {
+        match result {
+            Ok(vm) if error.is_none() => vms.push(vm),
+            // Past the first failure the ids would not be consecutive.
+            Ok(mut vm) => vm.release(),
+            Err(e) => {
+                error.get_or_insert(e);
+            }
+        }
+    }
+    (vms, error)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn holders_are_small_and_whole_doorbell_groups_until_a_cell_needs_too_many() {
+        assert_eq!(holder_vms(8), HOLDER_VMS);
+        assert_eq!(holder_vms(500), HOLDER_VMS);
+        let big = holder_vms(10_000);
+        assert!(10_000u32.div_ceil(big) <= MAX_HOLDERS);
+        assert_eq!(big % DOORBELL_GROUP, 0);
+    }
+
+    #[test]
+    fn records_keep_their_boundaries_and_descriptors() {
+        let (a, b) = seqpacket_pair().unwrap();
+        b.set_nonblocking(true).unwrap();
+        let evt = EventFd::new(0).unwrap();
+        let one = serde_json::to_vec(&FromHolder::Stopped { vm: 1 }).unwrap();
+        let two = serde_json::to_vec(&FromHolder::Ready).unwrap();
+        a.send_with_fds(&[&two[..]], &[evt.as_raw_fd()]).unwrap();
+        a.send(&one).unwrap();
+        match receive::<FromHolder>(&b).unwrap() {
+            Received::Record(FromHolder::Ready, fds) => assert_eq!(fds.len(), 1),
+            _ => panic!("expected ready with a descriptor"),
+        }
+        match receive::<FromHolder>(&b).unwrap() {
+            Received::Record(FromHolder::Stopped { vm: 1 }, fds) => assert!(fds.is_empty()),
+            _ => panic!("expected stopped"),
+        }
+        assert!(matches!(
+            receive::<FromHolder>(&b).unwrap(),
+            Received::Nothing
+        ));
+        drop(a);
+        assert!(matches!(
+            receive::<FromHolder>(&b).unwrap(),
+            Received::Closed
+        ));
+    }
+}
