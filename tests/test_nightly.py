@@ -34,7 +34,7 @@ from scalebench.nightly import (
     load_spec,
     run_probe,
 )
-from scalebench.scaling import Build, Session, tree_cpu
+from scalebench.scaling import Build, Session, descendants, tree_cpu
 from test_scalebench_report import images_state
 
 RUNS, TRIALS = 10, 9
@@ -433,6 +433,24 @@ print("go", flush=True)
 for t in threads:
     t.join()
 """
+
+
+def test_tree_cpu_counts_grandchildren(tmp_path):
+    # densevm's vCPU threads run in holders, children of its cells: two levels down.
+    spinner = "import time\nend = time.monotonic() + 3.0\nwhile time.monotonic() < end:\n    pass\n"
+    run = "import subprocess, sys; subprocess.run([sys.executable, '-c', {!r}])"
+    proc = subprocess.Popen([sys.executable, "-c", run.format(run.format(spinner))])
+    try:
+        deadline = time.monotonic() + 5.0
+        while len(descendants(proc.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(descendants(proc.pid)) == 3
+        before = tree_cpu(proc.pid)
+        time.sleep(1.5)
+        after = tree_cpu(proc.pid)
+    finally:
+        proc.wait()
+    assert (after.user + after.kernel) - (before.user + before.kernel) > 0.5, (before, after)
 
 
 def test_tree_cpu_leaves_vcpu_threads_out_of_the_monitor_share(tmp_path):

@@ -257,9 +257,9 @@ def measure(
 @dataclass
 class HostNoise:
     """The host's noise indicators over a nightly run. Other tenants' share is the host's busy
-    CPU time less this process's and its children's (densevm and its cells, zipfperf), over the
-    host's CPU time: the load average cannot tell them apart (a nightly's own load alone is above
-    the 2 CPUs of the development host)."""
+    CPU time less this process's and its descendants' (densevm with its cells and holders,
+    zipfperf), over the host's CPU time: the load average cannot tell them apart (a nightly's own
+    load alone is above the 2 CPUs of the development host)."""
 
     cpus: int
     load_start: list[float]
@@ -311,7 +311,8 @@ def cpu_jiffies() -> tuple[int, int, int]:
 
 
 def own_cpu() -> float:
-    """CPU seconds of this process and its finished children (densevm with its cells, zipfperf)."""
+    """CPU seconds of this process and its finished descendants (densevm with its cells and
+    holders, zipfperf): each level reaps the one below."""
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
 

@@ -3,7 +3,7 @@ the benches (experiments/bench/cells_scaling.py, densevm_acceptance.py).
 
 A `Session` is one densevm process booted with N VMs; `Session.window` drives zipfperf load
 over them for a while and reads, over exactly that window, the replies per second, the faults
-the pager served and the CPU time of densevm's whole process tree (parent and cells). `boot`
+the pager served and the CPU time of densevm's whole process tree (parent, cells, holders). `boot`
 records boot time and the host memory each idle VM costs (kernel + monitor, the guests' own
 resident RAM excluded). `NginxReference` is the same load on nginx: the host's own speed.
 """
@@ -49,8 +49,25 @@ class TreeCpu:
     root_kernel: float  # the root process's own: densevm's parent, the pager
 
 
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (densevm: the parent, its cells, their holders)."""
+    pids = [pid]
+    for p in pids:
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except FileNotFoundError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    pids.extend(int(c) for c in f.read().split())
+            except FileNotFoundError:
+                continue
+    return pids
+
+
 def tree_cpu(pid: int) -> TreeCpu:
-    """CPU time of `pid` and its children, while they run.
+    """CPU time of `pid` and every process below it, while they run.
 
     `user` and `kernel` are the processes' own totals, `root_kernel` that of `pid` alone.
     `monitor` sums the threads not named vcpuN: the host side of the in-core path (event
@@ -59,11 +76,7 @@ def tree_cpu(pid: int) -> TreeCpu:
     the scheduler's exact runtime: per-thread times in stat are whole ticks, which over
     thousands of vCPU threads lose a large share."""
     user = kernel = monitor = root_kernel = 0.0
-    pids = [pid]
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            pids.extend(int(c) for c in f.read().split())
-    for p in pids:
+    for p in descendants(pid):
         try:
             with open(f"/proc/{p}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()

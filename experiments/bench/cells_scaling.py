@@ -6,7 +6,7 @@ Each point boots N VMs with a budget that holds a quarter of their working
 sets, primes them, then drives uniform load (Zipf alpha 0, a new connection
 per request, 64 in flight) for a window with the disk model off (`--disk
 none`, 32k blocks), and divides the CPU time of densevm's whole process tree
-(parent and cells) by the faults the pager served in that window. This is the
+(parent, cells and holders) by the faults the pager served in that window. This is the
 measurement of the cells issue's table; the acceptance is that kernel CPU per
 fault at 4,000 VMs stays within 1.5x of that at 250, at >= 5,000 faults/s.
 

@@ -52,10 +52,11 @@ enum Command {
     Cell,
 }
 
-/// Keeps a cell's allocator from changing memory protections.
+/// Keeps a cell's allocator, and so its holders' (forked from it), from
+/// changing memory protections.
 ///
-/// glibc grows a thread's malloc arena with mprotect; once a cell's VMs have
-/// MMU notifiers on its process, every mprotect visits all of them. One
+/// glibc grows a thread's malloc arena with mprotect; once a holder's VMs
+/// have MMU notifiers on its process, every mprotect visits all of them. One
 /// brk-grown arena that is never trimmed avoids that. The parent holds no
 /// VMs: it keeps glibc's defaults, so memory a burst of control clients took
 /// goes back to the system.

@@ -1,11 +1,12 @@
 //! Guest RAM that the pager can serve from another process: a memfd mapped
 //! shared, registered whole with a userfaultfd of the process that maps it.
 //!
-//! A densevm cell creates one for all its VMs and hands both descriptors to
-//! the pager ([`GuestMemory::handoff`], sent with SCM_RIGHTS); the pager
-//! installs blocks through the userfaultfd, reads victims with `pread` on the
-//! memfd and frees them with `fallocate(PUNCH_HOLE)`, which also unmaps them
-//! from the cell. Tests use it in one process, with threads as vCPUs.
+//! A densevm cell maps one per holder (the child process that owns those
+//! VMs), the holder registers it and hands both descriptors to the pager
+//! ([`GuestMemory::hand_over`], sent with SCM_RIGHTS); the pager installs
+//! blocks through the userfaultfd, reads victims with `pread` on the memfd
+//! and frees them with `fallocate(PUNCH_HOLE)`, which also unmaps them from
+//! the holder. Tests use it in one process, with threads as vCPUs.
 
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::ptr::NonNull;
