@@ -21,8 +21,9 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
 /// core serve 0.72-0.77 of nginx at 4,000 VMs where twenty serve 0.61
 /// (hypervisor/README.md, "Choosing --cell-vms").
 pub const IN_CORE_CELL_VMS: u32 = 500;
-/// Most VMs a cell holds by default when they page: an invalidation visits
-/// every VM of its cell, and cells of 100 fault 10-15% faster than of 500.
+/// Most VMs a cell holds by default when they page: cells of 100 faulted
+/// 10-15% faster than of 500 while a cell's VMs shared one address space;
+/// with holders the two are within the noise (hypervisor/README.md).
 pub const PAGING_CELL_VMS: u32 = 100;
 
 /// The default of `--cell-vms`: whether `vms` VMs, each holding

@@ -448,6 +448,9 @@ pub struct HolderInputs<'a> {
 /// each has registered its guest RAM. Returns the holders and, per holder,
 /// its userfaultfd for the pager. Call while the process has one thread.
 pub fn fork_all(inputs: HolderInputs) -> Result<(Vec<Holder>, Vec<OwnedFd>), String> {
+    if !single_threaded() {
+        return Err("holders must be forked before the cell starts a thread".into());
+    }
     let front = std::process::id() as i32;
     let per_holder = inputs.ctx.ram_slots_per_holder as u32;
     let parts = inputs.ctx.ram.parts();
@@ -456,9 +459,8 @@ pub fn fork_all(inputs: HolderInputs) -> Result<(Vec<Holder>, Vec<OwnedFd>), Str
         let (ours, theirs) = seqpacket_pair().map_err(|e| format!("holder link: {e}"))?;
         let first_slot = index as u32 * per_holder;
         let slots = per_holder.min(inputs.irqs.len() as u32 - first_slot);
-        // SAFETY: the process has a single thread (checked by the caller's
-        // order: no thread is started before the holders), so the child may
-        // run anything.
+        // SAFETY: the process has a single thread (checked above), so the
+        // child may run anything.
         match unsafe { libc::fork() } {
             -1 => return Err(format!("fork: {}", std::io::Error::last_os_error())),
             0 => {
@@ -529,6 +531,15 @@ pub fn fork_all(inputs: HolderInputs) -> Result<(Vec<Holder>, Vec<OwnedFd>), Str
         }
     }
     Ok((holders, uffds))
+}
+
+/// Whether the calling process has one thread (the kernel's count).
+fn single_threaded() -> bool {
+    std::fs::read_to_string("/proc/self/status").is_ok_and(|status| {
+        status
+            .lines()
+            .any(|line| line.split_whitespace().eq(["Threads:", "1"]))
+    })
 }
 
 /// The holder process: returns its exit code.

@@ -436,15 +436,16 @@ impl Monitor {
                 true
             }
         };
-        for (message, fds) in records {
-            self.holder_message(message, fds);
+        // Descriptors come only with `Built`, which is read where it is awaited.
+        for (message, _) in records {
+            self.holder_message(message);
         }
         if gone {
             self.holder_gone(h);
         }
     }
 
-    fn holder_message(&mut self, message: FromHolder, _fds: Vec<OwnedFd>) {
+    fn holder_message(&mut self, message: FromHolder) {
         match message {
             FromHolder::Exited { vm, reason } => {
                 let Some(index) = self.vms.index_of(vm) else {
