@@ -49,20 +49,27 @@ class TreeCpu:
     root_kernel: float  # the root process's own: densevm's parent, the pager
 
 
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (none once it is gone)."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return out
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out.extend(int(c) for c in f.read().split())
+        except FileNotFoundError:
+            continue
+    return out
+
+
 def descendants(pid: int) -> list[int]:
     """`pid` and every process below it (densevm: the parent, its cells, their holders)."""
     pids = [pid]
     for p in pids:
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except FileNotFoundError:
-            continue
-        for task in tasks:
-            try:
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    pids.extend(int(c) for c in f.read().split())
-            except FileNotFoundError:
-                continue
+        pids.extend(children(p))
     return pids
 
 

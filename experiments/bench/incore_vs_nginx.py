@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "controller"))
 from scalebench.densevm import control  # noqa: E402
 from scalebench.nginx import NginxServer  # noqa: E402
+from scalebench.scaling import children, descendants  # noqa: E402
 from scalebench.touch import touch_all  # noqa: E402
 
 DENSEVM = ROOT / "target" / "release" / "densevm"
@@ -97,22 +98,13 @@ def kdamond_ticks() -> int:
     return total
 
 
-def children(pid: int) -> list[int]:
-    """The child processes of `pid`."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(c) for c in f.read().split()]
-    except OSError:
-        return []
-
-
 def voluntary_switches(pid: int) -> tuple[int, int]:
     """Voluntary context switches so far of the cells' event loops (each
     cell's main thread) and of the vCPU threads (in the cells' holders),
     under densevm `pid`."""
     loops = vcpus = 0
     for cell in children(pid):
-        for process in [cell, *children(cell)]:
+        for process in descendants(cell):
             try:
                 tasks = os.listdir(f"/proc/{process}/task")
             except OSError:
