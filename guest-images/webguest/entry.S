@@ -97,10 +97,40 @@ irq_entry:
     cmp %rcx, %rax
     jae 1f
     mov %rcx, 24(%rsp)
-1:  pop %rdx
+1:  cmpb $0, irq_return_plain(%rip)
+    jne plain_return
+    pop %rdx
     pop %rcx
     pop %rax
     iretq
+
+/* PVM emulates iretq (an exit per interrupt); with the interrupt flag a
+ * byte of the VIF page, plain instructions can return instead (popfq runs
+ * natively and leaves the real IF alone). Below the interrupted RSP (R) go
+ * RIP, RFLAGS and the saved rax, rcx, rdx (R-8 down to R-40); then they are
+ * popped. The saved registers lie below R-40 whatever the frame's
+ * alignment, and every frame slot is read before its bytes are written.
+ * The flag goes back on only once RSP is final: an interrupt taken after
+ * that pushes its frame below everything still to be popped. */
+plain_return:
+    mov 48(%rsp), %rax
+    mov 24(%rsp), %rcx
+    mov %rcx, -8(%rax)
+    mov 40(%rsp), %rcx
+    mov %rcx, -16(%rax)
+    pushq 16(%rsp)
+    popq -24(%rax)
+    pushq 8(%rsp)
+    popq -32(%rax)
+    pushq (%rsp)
+    popq -40(%rax)
+    lea -40(%rax), %rsp
+    movb $1, DV_VIF_GPA
+    pop %rdx
+    pop %rcx
+    pop %rax
+    popfq
+    ret
 
     .globl spurious_entry
 spurious_entry:

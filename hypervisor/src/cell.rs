@@ -15,7 +15,7 @@ use crate::monitor::{Exit, Monitor, MonitorSetup};
 use crate::protocol::{CellConfig, FromCell, Hello, Space, ToCell, MAX_LINK_LINE};
 use crate::scheduling::{self, CellPlacement};
 use crate::serve::{self, ConfigError};
-use crate::vm::{self, BuildContext, DOORBELL_GROUP};
+use crate::vm::{self, BuildContext};
 use crate::vstate::vm::VmCaps;
 use crate::{memory, platform};
 use kvm_ioctls::Kvm;
@@ -80,7 +80,7 @@ fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
         .map(|_| EventFd::new(EFD_NONBLOCK))
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| format!("irq eventfds: {e}"))?;
-    let doorbells = (0..config.capacity.div_ceil(DOORBELL_GROUP))
+    let doorbells = (0..config.capacity)
         .map(|_| EventFd::new(EFD_NONBLOCK))
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| format!("doorbell eventfds: {e}"))?;

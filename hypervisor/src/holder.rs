@@ -17,7 +17,7 @@
 //! descriptors attached to the record they belong to.
 
 use crate::framing::nonblocking;
-use crate::vm::{self, BuildContext, HeldVm, DOORBELL_GROUP};
+use crate::vm::{self, BuildContext, HeldVm};
 use crate::vstate::vcpu::RunState;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -28,10 +28,10 @@ use std::time::{Duration, Instant};
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
-/// VMs a holder owns by default: a multiple of [`DOORBELL_GROUP`], so a
-/// doorbell's VMs share a holder. Smaller holders make each notifier walk
-/// cheaper and cost a process each (docs in hypervisor/README.md).
-pub const HOLDER_VMS: u32 = 32;
+/// VMs a holder owns by default. Smaller holders make each notifier walk
+/// cheaper and cost a process each (measured in hypervisor/README.md,
+/// "Process structure").
+pub const HOLDER_VMS: u32 = 8;
 /// Most holders a cell forks: its hello to the parent carries two
 /// descriptors a holder, and SCM_RIGHTS carries at most 253.
 const MAX_HOLDERS: u32 = 120;
@@ -44,10 +44,7 @@ const REPLY_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// VMs per holder in a cell that can hold `capacity`.
 pub fn holder_vms(capacity: u32) -> u32 {
-    capacity
-        .div_ceil(MAX_HOLDERS)
-        .next_multiple_of(DOORBELL_GROUP)
-        .max(HOLDER_VMS)
+    capacity.div_ceil(MAX_HOLDERS).max(HOLDER_VMS)
 }
 
 /// A request from the front.
@@ -438,7 +435,7 @@ pub struct HolderInputs<'a> {
     pub ctx: &'a mut BuildContext,
     /// One irq eventfd per slot.
     pub irqs: &'a [EventFd],
-    /// One doorbell per [`DOORBELL_GROUP`] slots.
+    /// One doorbell eventfd per slot.
     pub doorbells: &'a [EventFd],
     /// Descriptor of the front's link to its parent, closed in holders.
     pub parent_link: RawFd,
@@ -591,7 +588,6 @@ fn run(
         let _ = exits.send(&record);
     });
     let own = first_slot as usize..(first_slot + slots) as usize;
-    let groups = own.start / DOORBELL_GROUP as usize..own.end.div_ceil(DOORBELL_GROUP as usize);
     let mut held: HashMap<u32, HeldVm> = HashMap::new();
     loop {
         let request = match receive::<ToHolder>(&link) {
@@ -601,7 +597,7 @@ fn run(
         };
         match request {
             ToHolder::Build { first, count } => {
-                let (built, error) = build_all(ctx, first, count, irqs, doorbells, &own, &groups);
+                let (built, error) = build_all(ctx, first, count, irqs, doorbells, &own);
                 let tids = built.iter().map(|vm| vm.vcpu.tid()).collect();
                 let stats: Vec<RawFd> = built
                     .iter()
@@ -652,7 +648,6 @@ fn build_all(
     irqs: &[EventFd],
     doorbells: &[EventFd],
     own: &std::ops::Range<usize>,
-    groups: &std::ops::Range<usize>,
 ) -> (Vec<HeldVm>, Option<String>) {
     let ids = first..first + count;
     if let Some(id) = ids.clone().find(|&id| !own.contains(&ctx.slot_of(id))) {
@@ -684,9 +679,7 @@ fn build_all(
                     .expect("each VM built once");
                 let id = first + index;
                 let slot = ctx.slot_of(id);
-                let group = slot / DOORBELL_GROUP as usize;
-                debug_assert!(groups.contains(&group));
-                let result = vm::build(ctx, id, prebuilt, &irqs[slot], &doorbells[group])
+                let result = vm::build(ctx, id, prebuilt, &irqs[slot], &doorbells[slot])
                     .map_err(|e| e.to_string());
                 built.lock().expect("built")[index as usize] = Some(result);
             });
@@ -712,12 +705,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn holders_are_small_and_whole_doorbell_groups_until_a_cell_needs_too_many() {
+    fn holders_are_small_until_a_cell_needs_too_many() {
         assert_eq!(holder_vms(8), HOLDER_VMS);
         assert_eq!(holder_vms(500), HOLDER_VMS);
         let big = holder_vms(10_000);
+        assert!(big > HOLDER_VMS);
         assert!(10_000u32.div_ceil(big) <= MAX_HOLDERS);
-        assert_eq!(big % DOORBELL_GROUP, 0);
     }
 
     #[test]

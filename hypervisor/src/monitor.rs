@@ -4,8 +4,8 @@
 //! holds the pager and the control API.
 //!
 //! One thread does all host-side I/O of the cell. Guests notify it through
-//! doorbell eventfds (shared by groups of VMs to stay within the fd limit);
-//! it notifies guests through their irqfds, only when a guest is idle.
+//! doorbell eventfds, one per VM, so a ring names the VM to look at; it
+//! notifies guests through their irqfds, only when a guest is idle.
 
 use crate::abi;
 use crate::cpu_governor::CpuGovernor;
@@ -15,7 +15,7 @@ use crate::pager_link::PagerLink;
 use crate::protocol::{FromCell, ToCell, MAX_LINK_LINE};
 use crate::proxy::{self, Drained, Proxy, Readiness, MIN_REQUEST_BYTES};
 use crate::stats;
-use crate::vm::{self, BuildContext, MicroVm, DOORBELL_GROUP};
+use crate::vm::{self, BuildContext, MicroVm};
 use crate::vmtable::{DeadVm, VmEntry, VmState, VmTable};
 use crate::vstate::vcpu::RunState;
 use mio::net::UnixStream;
@@ -61,7 +61,7 @@ pub enum Exit {
 pub struct MonitorSetup {
     /// Shared build context.
     pub ctx: BuildContext,
-    /// Doorbell eventfds, one per group of [`DOORBELL_GROUP`] slots.
+    /// Doorbell eventfds, one per slot.
     pub doorbells: Vec<EventFd>,
     /// Each slot's irq eventfd, until its VM takes it.
     pub irqs: Vec<Option<EventFd>>,
@@ -160,8 +160,8 @@ impl Monitor {
         let mut link = UnixStream::from_std(setup.link);
         poll.registry()
             .register(&mut link, LINK, Interest::READABLE)?;
-        for (group, evt) in setup.doorbells.iter().enumerate() {
-            register_doorbell(&poll, evt, group)?;
+        for (index, evt) in setup.doorbells.iter().enumerate() {
+            register_doorbell(&poll, evt, index)?;
         }
         for (index, holder) in setup.holders.iter().enumerate() {
             poll.registry().register(
@@ -350,16 +350,11 @@ impl Monitor {
 
     // ---- guests ----
 
-    fn doorbell(&mut self, group: usize) {
+    fn doorbell(&mut self, index: usize) {
         // The eventfd is not read: mio registers it edge-triggered, and
         // every signal raises a new edge whatever the counter holds, so the
         // read would be a system call per wake-up for nothing.
-        if group >= self.doorbells.len() {
-            return;
-        }
-        let first = group * DOORBELL_GROUP as usize;
-        let last = (first + DOORBELL_GROUP as usize).min(self.vms.len());
-        for index in first..last {
+        if index < self.doorbells.len() {
             self.service_vm(index);
         }
     }
@@ -720,11 +715,11 @@ impl Monitor {
     }
 }
 
-fn register_doorbell(poll: &Poll, evt: &EventFd, group: usize) -> io::Result<()> {
+fn register_doorbell(poll: &Poll, evt: &EventFd, index: usize) -> io::Result<()> {
     let fd = std::os::fd::AsRawFd::as_raw_fd(evt);
     poll.registry().register(
         &mut mio::unix::SourceFd(&fd),
-        token(KIND_DOORBELL, group),
+        token(KIND_DOORBELL, index),
         Interest::READABLE,
     )
 }

@@ -19,7 +19,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// File descriptors each VM holds in its cell: VM, vCPU, irqfd, listener.
+/// File descriptors a VM needs in one process of its cell, at most: its
+/// listener, irqfd and doorbell in the front; in its holder, its VM and vCPU
+/// besides every irqfd and doorbell of the cell (inherited at the fork).
 const FDS_PER_VM: u64 = 4;
 /// Descriptors kept free for connections, the API and the pager.
 const FD_HEADROOM: u64 = 1024;

@@ -19,8 +19,6 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
 use vmm_sys_util::eventfd::EventFd;
 
-/// VMs that share one doorbell eventfd (the fd limit allows ~4 per VM).
-pub const DOORBELL_GROUP: u32 = 16;
 /// VMs whose memory one arena chunk holds.
 pub const ARENA_CHUNK_VMS: usize = 64;
 
