@@ -46,8 +46,9 @@ struct Block {
     /// Possibly modified since its swap copy (or since installed as zero):
     /// written, or mapped writable by someone who may write.
     dirty: bool,
-    /// Content hash when installed (0 = unknown): lets the pager find that
-    /// a block flagged dirty still equals its swap copy.
+    /// Content hash of the swap copy at `loc` (0 = unknown), kept while the
+    /// block is in memory: memory starts as that copy, so the pager finds a
+    /// block flagged dirty unchanged with one hash at eviction.
     sum: u64,
     /// A fault was deferred on this busy block: wake its range when it
     /// settles.
@@ -79,13 +80,8 @@ pub enum Classified {
     /// so it retries.
     Stale,
     /// Write to a write-protected resident block: lift the protection and
-    /// call [`Ledger::end_unprotect`]. On the first write since the block
-    /// was installed (`first_write`), its memory still holds the installed
-    /// content: hash it before lifting the protection.
-    Unprotect {
-        /// The block was clean until now.
-        first_write: bool,
-    },
+    /// call [`Ledger::end_unprotect`].
+    Unprotect,
     /// The block must be faulted in: call [`Ledger::plan_fault`].
     FaultIn,
     /// Unknown or dying VM: nothing to do.
@@ -118,11 +114,10 @@ pub struct PlanBlock {
     pub dirty: bool,
     /// Eviction: the previous swap copy, released once the write is done.
     pub old_loc: u64,
-    /// Fault-in: hash of the installed content of a block installed dirty
-    /// (0 = unknown; clean blocks are hashed at their first write).
-    /// Eviction: hash of the content when installed; the pager clears
-    /// `dirty` when memory still hashes to it (the swap copy, or zeros when
-    /// `old_loc` is `NO_LOC`, is then still valid).
+    /// Eviction only: the hash of the swap copy at `old_loc` (0 = unknown).
+    /// The pager clears `dirty` when memory still hashes like that copy
+    /// (like zeros when `old_loc` is `NO_LOC`), and sets this to the hash
+    /// of what it writes (0 = not hashed).
     pub sum: u64,
 }
 
@@ -352,13 +347,12 @@ impl Ledger {
                 Classified::Defer
             }
             (State::Resident, Access::WriteProtect) => {
-                let first_write = !b.dirty;
                 b.state = State::Unprotect;
                 b.dirty = true;
                 v.busy += 1;
                 v.stats.wp_faults += 1;
                 self.totals.wp_faults += 1;
-                Classified::Unprotect { first_write }
+                Classified::Unprotect
             }
             (State::Resident, _) | (State::Absent, Access::WriteProtect) => Classified::Stale,
             (State::Absent, Access::Write) => {
@@ -370,16 +364,11 @@ impl Ledger {
         }
     }
 
-    /// Write protection of a block is lifted; `sum` is the hash of its
-    /// content before the first write (`None`: not the first write).
-    /// Returns blocks to wake.
-    pub fn end_unprotect(&mut self, vm: VmId, block: BlockId, sum: Option<u64>, wakes: &mut Wakes) {
+    /// Write protection of a block is lifted. Returns blocks to wake.
+    pub fn end_unprotect(&mut self, vm: VmId, block: BlockId, wakes: &mut Wakes) {
         if let Some(v) = self.vm_mut(vm) {
             let b = &mut v.blocks[block as usize];
             b.state = State::Resident;
-            if let Some(sum) = sum {
-                b.sum = sum;
-            }
             v.busy -= 1;
             if std::mem::take(&mut b.wake) {
                 wakes.push((vm, block));
@@ -393,8 +382,8 @@ impl Ledger {
     /// (possibly) dirty: the faulting block is being written, and a KVM that
     /// faults with write intent does so for every block it touches, so
     /// write-protecting the prefetched ones would only cost a write-protect
-    /// fault each (the pager's content hash still spares unchanged blocks
-    /// the write-back).
+    /// fault each (the swap copy's content hash still spares unchanged
+    /// blocks the write-back).
     pub fn plan_fault(
         &mut self,
         vm: VmId,
@@ -673,6 +662,7 @@ impl Ledger {
                     released.push(p.old_loc);
                 }
                 e.loc = p.loc;
+                e.sum = p.sum;
                 v.stats.swap_write_bytes += bs;
                 self.totals.swap_write_bytes += bs;
             } else if p.loc != NO_LOC && p.loc != p.old_loc {
@@ -720,7 +710,6 @@ impl Ledger {
             let e = &mut v.blocks[p.block as usize];
             e.state = State::Resident;
             e.dirty = p.dirty;
-            e.sum = p.sum;
             if p.loc != NO_LOC {
                 read += bs;
             }
@@ -867,20 +856,24 @@ mod tests {
     }
 
     #[test]
-    fn a_clean_block_lifts_its_protection_at_the_first_write_only() {
+    fn a_write_protect_fault_defers_others_until_the_protection_is_lifted() {
         let mut l = ledger(None);
         fault(&mut l, 0, 2);
         let mut wakes = Vec::new();
-        let first = l.classify(0, 2, Access::WriteProtect);
-        assert_eq!(first, Classified::Unprotect { first_write: true });
+        assert_eq!(
+            l.classify(0, 2, Access::WriteProtect),
+            Classified::Unprotect
+        );
         assert_eq!(l.classify(0, 2, Access::Read), Classified::Defer);
-        l.end_unprotect(0, 2, Some(42), &mut wakes);
+        l.end_unprotect(0, 2, &mut wakes);
         assert_eq!(wakes, vec![(0, 2)]);
         assert!(l.is_resident(0, 2));
-        // Dirty now: a later write-protect fault (another mapping) is not a first write.
-        let again = l.classify(0, 2, Access::WriteProtect);
-        assert_eq!(again, Classified::Unprotect { first_write: false });
-        l.end_unprotect(0, 2, None, &mut wakes);
+        // Another mapping's write-protect fault lifts it again.
+        assert_eq!(
+            l.classify(0, 2, Access::WriteProtect),
+            Classified::Unprotect
+        );
+        l.end_unprotect(0, 2, &mut wakes);
         assert_eq!(l.vm(0).unwrap().stats.wp_faults, 2);
         // A write-protect fault on a block no longer resident is stale.
         assert_eq!(l.classify(0, 9, Access::WriteProtect), Classified::Stale);
@@ -914,6 +907,59 @@ mod tests {
         // Faulted again, block 0 is read from where it was written.
         let back = plan(&mut l, 0, 0, false);
         assert_eq!(back[0].loc, victims[0].loc);
+    }
+
+    /// Faults `block` of `vm` in as a pager would; every dirty victim is
+    /// written with the hash `written`. Returns the victims as planned.
+    fn swap_in(
+        l: &mut Ledger,
+        vm: VmId,
+        block: BlockId,
+        write: bool,
+        written: u64,
+    ) -> Vec<PlanBlock> {
+        let access = if write { Access::Write } else { Access::Read };
+        assert_eq!(l.classify(vm, block, access), Classified::FaultIn);
+        let p = plan(l, vm, block, write);
+        let (mut wakes, mut planned) = (Vec::new(), Vec::new());
+        loop {
+            match l.admit(p.len() as u64, vm).unwrap() {
+                Admission::Go => break,
+                Admission::Wait => panic!("nothing is in flight to wait for"),
+                Admission::Evict(mut victims) => {
+                    planned.extend_from_slice(&victims);
+                    for v in victims.iter_mut().filter(|v| v.dirty) {
+                        v.sum = written;
+                    }
+                    l.finish_eviction(&victims, 0.0, &mut wakes);
+                }
+            }
+        }
+        l.finish_install(&p, 0.0, 0, &mut wakes);
+        planned
+    }
+
+    #[test]
+    fn a_written_copy_keeps_its_hash_until_it_is_written_again() {
+        let mut l = ledger(Some(1));
+        swap_in(&mut l, 0, 0, true, 0);
+        // Block 0 goes out for the first time: compared with zeros, written
+        // with hash 77.
+        let first = swap_in(&mut l, 0, 1, false, 77);
+        assert_eq!(
+            (first[0].block, first[0].dirty, first[0].old_loc),
+            (0, true, NO_LOC)
+        );
+        // Back in and flagged dirty, it goes out with that copy and its hash.
+        swap_in(&mut l, 0, 0, true, 0);
+        let second = swap_in(&mut l, 0, 1, false, 78);
+        assert_eq!((second[0].block, second[0].dirty), (0, true));
+        assert_eq!((second[0].old_loc, second[0].sum), (first[0].loc, 77));
+        // Written again, the new hash replaced the old one.
+        swap_in(&mut l, 0, 0, false, 0);
+        let third = swap_in(&mut l, 0, 1, false, 0);
+        assert_eq!((third[0].block, third[0].dirty), (0, false));
+        assert_eq!((third[0].old_loc, third[0].sum), (second[0].loc, 78));
     }
 
     #[test]

@@ -168,9 +168,11 @@ pub struct Pager {
     stop_fd: OwnedFd,
     threads: Mutex<Vec<JoinHandle<()>>>,
     /// Key of the block-content hash (keyed BLAKE3, random per process): a
-    /// guest cannot make a changed block hash like the installed one, so no
+    /// guest cannot make a changed block hash like its swap copy, so no
     /// write is skipped that should not be.
     content_key: [u8; 32],
+    /// Hash of a block of zeros: the content of a block without a swap copy.
+    zero_sum: u64,
     /// The layout rewrites whole eviction batches (`SwapLayout::rewrites_whole_batches`):
     /// an unchanged block is written all the same, where the ledger placed it.
     whole_batches: bool,
@@ -211,6 +213,8 @@ impl Pager {
         };
         epoll_ctl(&epoll, libc::EPOLL_CTL_ADD, stop_fd.as_raw_fd(), STOP_KEY)?;
         let space = SwapSpace::new(layout, capacity, block, vm_ram_bytes);
+        let content_key: [u8; 32] = rand::random();
+        let zero_sum = content_sum(&content_key, &vec![0; block as usize]);
         let pager = Arc::new(Pager {
             block: block as usize,
             vm_ram: vm_ram_bytes,
@@ -235,7 +239,8 @@ impl Pager {
             stop: AtomicBool::new(false),
             stop_fd,
             threads: Mutex::new(Vec::new()),
-            content_key: rand::random(),
+            content_key,
+            zero_sum,
             whole_batches: layout.rewrites_whole_batches(),
             cfg,
         });
@@ -625,22 +630,12 @@ impl Pager {
                 self.wake(&[(Arc::clone(space), baddr)]);
                 Ok(())
             }
-            Classified::Unprotect { first_write } => {
+            Classified::Unprotect => {
                 drop(st);
-                // Still protected, so still the installed content.
-                let sum = match first_write {
-                    true => {
-                        s.read.reserve(self.block);
-                        let data = &mut s.read.as_mut_slice()[..self.block];
-                        pread_exact(&place.space.memfd, data, place.offset(block, self.block))?;
-                        Some(self.content_sum(data))
-                    }
-                    false => None,
-                };
                 tolerate(space, space.uffd.write_protect(baddr, self.block, false))?;
                 let mut st = self.lock();
                 s.wakes.clear();
-                st.ledger.end_unprotect(vm, block, sum, &mut s.wakes);
+                st.ledger.end_unprotect(vm, block, &mut s.wakes);
                 st.addrs(&s.wakes, self.block, &mut s.addrs);
                 drop(st);
                 self.room.notify_all();
@@ -700,15 +695,6 @@ impl Pager {
         }
         drop(st);
         let io = self.read_plan(&plan, s)?;
-        let bs = self.block;
-        // Blocks installed writable are hashed now; write-protected ones at
-        // their first write, if any (most blocks of a read-mostly working
-        // set never pay for a hash).
-        for (i, p) in plan.iter_mut().enumerate() {
-            if p.dirty {
-                p.sum = self.content_sum(&s.read.as_slice()[i * bs..(i + 1) * bs]);
-            }
-        }
         self.install(&plan, &place, s)?;
         let latency = t0.elapsed().as_micros() as u64;
         let mut st = self.lock();
@@ -721,6 +707,7 @@ impl Pager {
         // Installed without waking: the faulting thread and any other
         // waiting on these blocks (deferred ones included) resume only now
         // that the ledger and the stats account for the install.
+        let bs = self.block;
         for run in runs(&plan, |a, b| b.block == a.block + 1) {
             let _ = place
                 .space
@@ -729,16 +716,6 @@ impl Pager {
         }
         s.plan = plan;
         r
-    }
-
-    /// Keyed hash of a block's content; never 0 (0 means unknown). BLAKE3
-    /// hashes a block's 1 KiB chunks in parallel SIMD lanes: a 32k block
-    /// costs a few microseconds, where SipHash took a quarter of the pager's
-    /// CPU.
-    fn content_sum(&self, data: &[u8]) -> u64 {
-        let hash = blake3::keyed_hash(&self.content_key, data);
-        let head: [u8; 8] = hash.as_bytes()[..8].try_into().expect("32-byte hash");
-        u64::from_le_bytes(head).max(1)
     }
 
     /// Reads the plan's blocks into `s.read` (slot i = plan[i]) with one
@@ -825,37 +802,49 @@ impl Pager {
                     .write_protect(addr(run.start), run.len() * bs, true),
             )?;
         }
-        // 2. Blocks flagged dirty whose content is what was installed need
-        //    no write: their swap copy (or zero) is still right. Not for a
-        //    layout that rewrites whole batches: the batch stays one extent.
-        if !self.whole_batches {
-            s.read.reserve(bs);
-            for (i, v) in victims.iter_mut().enumerate() {
-                if v.dirty && v.sum != 0 {
-                    let data = &mut s.read.as_mut_slice()[..bs];
-                    pread_exact(&places[i].space.memfd, data, offset(i))?;
-                    if self.content_sum(data) == v.sum {
-                        v.dirty = false;
-                    }
-                }
+        // 2. A block flagged dirty whose memory still hashes like its swap
+        //    copy (zeros without one) needs no write: the copy stays. One to
+        //    be written takes the hash of what is written. Not for a layout
+        //    that rewrites whole batches: the batch stays one extent, and
+        //    its hashes would never be compared. Victim i is read into slot
+        //    i of the write buffer, once: the blocks are write-protected,
+        //    nobody changes them until they are dropped.
+        s.write.reserve(victims.len() * bs);
+        let buf = s.write.as_mut_slice();
+        let mut in_buf = vec![false; victims.len()];
+        for (i, v) in victims.iter_mut().enumerate().filter(|(_, v)| v.dirty) {
+            if self.whole_batches {
+                v.sum = 0;
+                continue;
+            }
+            let slot = &mut buf[i * bs..(i + 1) * bs];
+            pread_exact(&places[i].space.memfd, slot, offset(i))?;
+            in_buf[i] = true;
+            let sum = content_sum(&self.content_key, slot);
+            let copy = if v.old_loc == NO_LOC {
+                self.zero_sum
+            } else {
+                v.sum
+            };
+            if sum == copy {
+                v.dirty = false;
+            } else {
+                v.sum = sum;
             }
         }
         // 3. Copy dirty blocks out, one write per run contiguous on swap,
-        //    runs joined across short gaps of unchanged blocks. The blocks
-        //    are write-protected: nobody changes them while they are read.
+        //    runs joined across short gaps of unchanged blocks.
         cluster_writes(victims, bs as u64);
         let mut io = 0.0;
         for std::ops::Range { start: i, end: j } in write_runs(victims, bs as u64) {
-            s.write.reserve((j - i) * bs);
-            let buf = s.write.as_mut_slice();
-            for k in i..j {
+            for k in (i..j).filter(|&k| !in_buf[k]) {
                 pread_exact(
                     &places[k].space.memfd,
-                    &mut buf[(k - i) * bs..(k - i + 1) * bs],
+                    &mut buf[k * bs..(k + 1) * bs],
                     offset(k),
                 )?;
             }
-            io += self.swap.write(victims[i].loc, &buf[..(j - i) * bs])?;
+            io += self.swap.write(victims[i].loc, &buf[i * bs..j * bs])?;
         }
         // 4. Free the blocks; their next touch faults them back in.
         for run in adjacent_runs {
@@ -863,6 +852,15 @@ impl Pager {
         }
         Ok(io)
     }
+}
+
+/// Keyed hash of a block's content; never 0 (0 means unknown). BLAKE3
+/// hashes a block's 1 KiB chunks in parallel SIMD lanes: a 32k block costs a
+/// few microseconds, where SipHash took a quarter of the pager's CPU.
+fn content_sum(key: &[u8; 32], data: &[u8]) -> u64 {
+    let hash = blake3::keyed_hash(key, data);
+    let head: [u8; 8] = hash.as_bytes()[..8].try_into().expect("32-byte hash");
+    u64::from_le_bytes(head).max(1)
 }
 
 fn epoll_ctl(epoll: &OwnedFd, op: libc::c_int, fd: RawFd, key: u64) -> Result<(), PagerError> {
