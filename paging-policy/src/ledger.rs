@@ -762,21 +762,10 @@ mod tests {
     /// Faults `block` of `vm` in, evicting as the ledger asks; returns the
     /// evicted (VM, block) pairs.
     fn fault(l: &mut Ledger, vm: VmId, block: BlockId) -> Vec<(VmId, BlockId)> {
-        assert_eq!(l.classify(vm, block, Access::Read), Classified::FaultIn);
-        let (mut plan, mut wakes, mut evicted) = (Vec::new(), Vec::new(), Vec::new());
-        l.plan_fault(vm, block, false, &mut plan).unwrap();
-        loop {
-            match l.admit(plan.len() as u64, vm).unwrap() {
-                Admission::Go => break,
-                Admission::Wait => panic!("nothing is in flight to wait for"),
-                Admission::Evict(victims) => {
-                    evicted.extend(victims.iter().map(|p| (p.vm, p.block)));
-                    l.finish_eviction(&victims, 0.0, &mut wakes);
-                }
-            }
-        }
-        l.finish_install(&plan, 0.0, 0, &mut wakes);
-        evicted
+        swap_in(l, vm, block, false, 0)
+            .iter()
+            .map(|p| (p.vm, p.block))
+            .collect()
     }
 
     fn resident(l: &Ledger, vm: VmId) -> u32 {
