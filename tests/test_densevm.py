@@ -390,3 +390,42 @@ def test_guest_runs_natively_on_pvm(monitor):
         pytest.skip("not a PVM host")
     assert monitor.ready["pvm"] is True
     assert os.path.exists("/dev/kvm")
+
+
+def test_pvm_guests_trap_only_for_the_doorbell_and_the_halt(tmp_path):
+    """On PVM a guest traps to the host for its doorbell `out` (one a request)
+    and its `hlt`, and for nothing else: PVM completes the EOI as it
+    delivers the interrupt, so an EOI `wrmsr` (a trap and an exit for every
+    interrupt) would end nothing."""
+    m = start(tmp_path, 1, "127.237.0.0", "--vcpu-stats")
+    try:
+        if m.ready["platform"] != "pvm":
+            pytest.skip("not a PVM host")
+
+        def counters() -> tuple[int, int, int, int]:
+            vm = m.control({"cmd": "stats"})["vms"][0]
+            kvm = vm["kvm"]
+            return vm["requests"], kvm["insn_emulation"], kvm["halt_exits"], kvm["irq_injections"]
+
+        client = HttpClient(m.addr(0))
+
+        def one_request() -> None:
+            client.send(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert client.response().body == SMALL
+
+        one_request()
+        before = counters()
+        for _ in range(200):
+            one_request()
+        after = counters()
+        requests, emulated, halts, injected = (a - b for a, b in zip(after, before, strict=True))
+        client.close()
+        assert requests == 200
+        assert injected >= requests, "the guest was not woken by interrupts"
+        doorbells = emulated - halts
+        # The old guest: 3.00 a request here (one EOI for each of two interrupts, one doorbell).
+        assert doorbells <= 1.1 * requests, (
+            f"{doorbells / requests:.2f} traps a request besides halts"
+        )
+    finally:
+        assert m.stop() == 0

@@ -24,8 +24,9 @@ extern const uint64_t exception_stubs[32];
 extern char irq_entry[], spurious_entry[];
 
 volatile uint32_t irq_seen;
-/* Read by irq_entry: return without iretq (set on PVM, see entry.S). */
-uint8_t irq_return_plain;
+/* Read by irq_entry: the host is PVM, which completes the EOI as it delivers
+ * an interrupt and emulates iretq (see entry.S). */
+uint8_t irq_pvm;
 static struct idt_gate idt[256] __attribute__((aligned(4096)));
 
 static void set_gate(int vector, uint64_t handler)
@@ -53,7 +54,7 @@ static void load_idt(uint16_t limit, uint64_t base)
 static void enable_interrupts(const struct dv_boot_info *bi)
 {
     if (bi->flags & DV_FLAG_PVM) {
-        irq_return_plain = 1;
+        irq_pvm = 1;
         *(volatile uint8_t *)DV_VIF_GPA = 1; /* PVM's interrupt flag is virtual */
     } else {
         __asm__ volatile("sti");

@@ -78,18 +78,22 @@ exception_stubs:
     .text
 /* The doorbell interrupt: note it, EOI, and if it landed between the idle
  * check and its hlt, resume after the hlt so the wake-up is not lost (a PVM
- * guest has no sti-shadow to make "enable and halt" atomic). */
+ * guest has no sti-shadow to make "enable and halt" atomic). PVM completes
+ * the EOI itself as it delivers the interrupt, so there the trapped wrmsr
+ * would only end a spurious EOI. */
     .globl irq_entry
 irq_entry:
     push %rax
     push %rcx
     push %rdx
     movl $1, irq_seen(%rip)
+    cmpb $0, irq_pvm(%rip)
+    jne 2f
     mov $0x80b, %ecx
     xor %eax, %eax
     xor %edx, %edx
     wrmsr
-    mov 24(%rsp), %rax
+2:  mov 24(%rsp), %rax
     lea idle_window_start(%rip), %rcx
     cmp %rcx, %rax
     jb 1f
@@ -97,7 +101,7 @@ irq_entry:
     cmp %rcx, %rax
     jae 1f
     mov %rcx, 24(%rsp)
-1:  cmpb $0, irq_return_plain(%rip)
+1:  cmpb $0, irq_pvm(%rip)
     jne plain_return
     pop %rdx
     pop %rcx
