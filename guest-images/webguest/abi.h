@@ -112,7 +112,8 @@ struct dv_ring_hdr {
     volatile uint32_t tx_prod;   uint32_t pad2[15]; /* guest */
     volatile uint32_t tx_cons;   uint32_t pad3[15]; /* host */
     volatile uint32_t guest_idle;                   /* guest: 1 while it may halt */
-    volatile uint32_t idle_gen;  uint32_t pad4[14]; /* guest: bumped per idle period */
+    volatile uint32_t idle_gen;                     /* guest: bumped per idle period */
+    volatile uint32_t tx_waiting; uint32_t pad4[13]; /* guest: idle with output held back */
 };
 
 /* Per-slot flow-control counters, free-running across the slot's lives. */

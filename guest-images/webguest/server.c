@@ -312,10 +312,23 @@ static int has_work(void)
     return 0;
 }
 
+/* Has a slot output that credit or ring room holds back? Announced while
+ * idle: only then does the host interrupt it for tx progress. */
+static int output_held_back(void)
+{
+    for (uint16_t s = 0; s < DV_MAX_SLOTS; s++) {
+        struct conn *c = &conns[s];
+        if (c->open && (c->resp.active || c->closing))
+            return 1;
+    }
+    return 0;
+}
+
 static void idle(void)
 {
     struct dv_ring_hdr *r = ring_hdr();
     irq_seen = 0;
+    r->tx_waiting = output_held_back();
     r->idle_gen++;
     r->guest_idle = 1;
     arch_mb();

@@ -181,6 +181,8 @@ pub mod ring_hdr {
     pub const GUEST_IDLE: u64 = 256;
     /// Guest: bumped at every idle period.
     pub const IDLE_GEN: u64 = 260;
+    /// Guest: 1 while it idles with output that credit or ring room holds back.
+    pub const TX_WAITING: u64 = 264;
 }
 
 /// `struct dv_credit`, one per slot at [`CREDIT_GPA`].

@@ -469,8 +469,7 @@ fn wait_for_room(vm: &mut MicroVm, key: usize) {
 /// Interrupts VM `index` if it is idle and the host gave it something.
 pub fn kick(vms: &mut VmTable, index: usize) {
     let Some(vm) = vms.live(index) else { return };
-    let holds_slots = vm.slots.iter().any(Option::is_some);
-    if vm.stream.take_kick(&vm.sys, holds_slots) {
+    if vm.stream.take_kick(&vm.sys) {
         let _ = vm.irq.write(1);
     }
 }

@@ -75,7 +75,7 @@ pub struct StreamDevice {
     /// The host put something in the rx ring since the last kick check.
     changed: bool,
     /// The host retired tx records or acknowledged response bytes since the
-    /// last kick check: news only to a guest that still holds a slot.
+    /// last kick check: news only to a guest whose output waits for it.
     tx_progress: bool,
 }
 
@@ -257,12 +257,15 @@ impl StreamDevice {
     /// change itself before it halts, so the change is consumed either way.
     ///
     /// Tx progress (ring room, acknowledgements) counts only while the guest
-    /// `holds_slots`: a guest whose connections are all closed waits for
-    /// nothing on the tx side, and waking it after every response it
-    /// finished would cost a vCPU switch per request for nothing.
-    pub fn take_kick(&mut self, sys: &Mapping, holds_slots: bool) -> bool {
-        let tx_news = std::mem::take(&mut self.tx_progress) && holds_slots;
-        if !(std::mem::take(&mut self.changed) || tx_news) {
+    /// says it idles with output held back (`tx_waiting`): a guest that
+    /// sent all it had waits for nothing on the tx side, and waking it after
+    /// every response would cost a vCPU switch per request for nothing. A
+    /// guest that claims to wait when it does not is only woken for the
+    /// progress of its own output.
+    pub fn take_kick(&mut self, sys: &Mapping) -> bool {
+        let rx_news = std::mem::take(&mut self.changed);
+        let tx_news = std::mem::take(&mut self.tx_progress);
+        if !(rx_news || tx_news) {
             return false;
         }
         fence(Ordering::SeqCst);
@@ -270,6 +273,15 @@ impl StreamDevice {
             .atomic_u32(abi::RINGHDR_GPA + ring_hdr::GUEST_IDLE)
             .load(Ordering::Acquire)
             == 0
+        {
+            return false;
+        }
+        // Read after guest_idle: the guest announces it first.
+        if !rx_news
+            && sys
+                .atomic_u32(abi::RINGHDR_GPA + ring_hdr::TX_WAITING)
+                .load(Ordering::Acquire)
+                == 0
         {
             return false;
         }
@@ -440,30 +452,27 @@ mod tests {
         let mut dev = StreamDevice::default();
         dev.rx_control(&sys, 0, abi::REC_OPEN);
         assert!(
-            !dev.take_kick(&sys, true),
+            !dev.take_kick(&sys),
             "busy guest: it sees the record itself"
         );
         sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::IDLE_GEN)
             .store(1, Ordering::Release);
         sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::GUEST_IDLE)
             .store(1, Ordering::Release);
-        assert!(!dev.take_kick(&sys, true), "idle, but nothing new for it");
+        assert!(!dev.take_kick(&sys), "idle, but nothing new for it");
         dev.rx_control(&sys, 0, abi::REC_FIN);
-        assert!(dev.take_kick(&sys, true));
+        assert!(dev.take_kick(&sys));
         dev.ack(&sys, 0, 0);
         assert!(
-            !dev.take_kick(&sys, true),
+            !dev.take_kick(&sys),
             "an unchanged acknowledgement is no news"
         );
         dev.rx_control(&sys, 0, abi::REC_FIN);
-        assert!(
-            !dev.take_kick(&sys, true),
-            "already kicked in this idle period"
-        );
+        assert!(!dev.take_kick(&sys), "already kicked in this idle period");
         sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::IDLE_GEN)
             .store(2, Ordering::Release);
         dev.rx_control(&sys, 0, abi::REC_FIN);
-        assert!(dev.take_kick(&sys, true));
+        assert!(dev.take_kick(&sys));
     }
 
     /// A guest that announced it is idle, and its fresh host side.
@@ -478,21 +487,23 @@ mod tests {
     fn an_open_alone_does_not_wake_the_guest_its_request_does() {
         let (sys, mut dev) = idle_guest();
         dev.rx_control(&sys, 0, abi::REC_OPEN);
-        assert!(!dev.take_kick(&sys, true));
+        assert!(!dev.take_kick(&sys));
         dev.rx_reserve(&sys, 16).expect("room");
         dev.rx_commit(&sys, 0, abi::REC_DATA, 16);
-        assert!(dev.take_kick(&sys, true));
+        assert!(dev.take_kick(&sys));
     }
 
     #[test]
-    fn tx_progress_kicks_only_a_guest_that_holds_a_slot() {
+    fn tx_progress_kicks_only_a_guest_whose_output_waits_for_it() {
         let (sys, mut dev) = idle_guest();
         dev.ack(&sys, 0, 10);
         assert!(
-            !dev.take_kick(&sys, false),
-            "every connection closed: ring room is no news"
+            !dev.take_kick(&sys),
+            "all its output sent: ring room is no news"
         );
+        sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::TX_WAITING)
+            .store(1, Ordering::Release);
         dev.ack(&sys, 0, 20);
-        assert!(dev.take_kick(&sys, true), "an open slot may wait for it");
+        assert!(dev.take_kick(&sys), "output held back waits for it");
     }
 }
