@@ -297,6 +297,12 @@ static int drain_rx(void)
     return 1;
 }
 
+/* Does the slot have response bytes or its CLOSE record still to send? */
+static int has_output(const struct conn *c)
+{
+    return c->open && (c->resp.active || c->closing);
+}
+
 /* Could a pass over the slots do anything now? Checked after announcing
  * idleness, so a host update made meanwhile is never missed. */
 static int has_work(void)
@@ -304,23 +310,20 @@ static int has_work(void)
     struct dv_ring_hdr *r = ring_hdr();
     if (load_acquire(&r->rx_prod) != r->rx_cons || ctrl_page()->host_cmd)
         return 1;
-    for (uint16_t s = 0; s < DV_MAX_SLOTS; s++) {
-        struct conn *c = &conns[s];
-        if (c->open && (c->resp.active || c->closing) && tx_credit(s) > 0 && tx_free_bytes() >= MIN_CHUNK)
+    for (uint16_t s = 0; s < DV_MAX_SLOTS; s++)
+        if (has_output(&conns[s]) && tx_credit(s) > 0 && tx_free_bytes() >= MIN_CHUNK)
             return 1;
-    }
     return 0;
 }
 
-/* Has a slot output that credit or ring room holds back? Announced while
- * idle: only then does the host interrupt it for tx progress. */
+/* Has a slot output still to send? When idle, credit or ring room holds it
+ * back; announced then, since only then does the host interrupt the guest
+ * for tx progress. */
 static int output_held_back(void)
 {
-    for (uint16_t s = 0; s < DV_MAX_SLOTS; s++) {
-        struct conn *c = &conns[s];
-        if (c->open && (c->resp.active || c->closing))
+    for (uint16_t s = 0; s < DV_MAX_SLOTS; s++)
+        if (has_output(&conns[s]))
             return 1;
-    }
     return 0;
 }
 
