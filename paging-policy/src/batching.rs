@@ -116,6 +116,7 @@ mod tests {
             dirty,
             old_loc: NO_LOC,
             sum: 0,
+            hash: false,
         }
     }
 

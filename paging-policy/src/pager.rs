@@ -173,9 +173,6 @@ pub struct Pager {
     content_key: [u8; 32],
     /// Hash of a block of zeros: the content of a block without a swap copy.
     zero_sum: u64,
-    /// The layout rewrites whole eviction batches (`SwapLayout::rewrites_whole_batches`):
-    /// an unchanged block is written all the same, where the ledger placed it.
-    whole_batches: bool,
 }
 
 impl Pager {
@@ -241,7 +238,6 @@ impl Pager {
             threads: Mutex::new(Vec::new()),
             content_key,
             zero_sum,
-            whole_batches: layout.rewrites_whole_batches(),
             cfg,
         });
         let mut threads = Vec::with_capacity(SERVICE_THREADS);
@@ -804,16 +800,16 @@ impl Pager {
         }
         // 2. A block flagged dirty whose memory still hashes like its swap
         //    copy (zeros without one) needs no write: the copy stays. One to
-        //    be written takes the hash of what is written. Not for a layout
-        //    that rewrites whole batches: the batch stays one extent, and
-        //    its hashes would never be compared. Victim i is read into slot
-        //    i of the write buffer, once: the blocks are write-protected,
-        //    nobody changes them until they are dropped.
+        //    be written takes the hash of what is written. The ledger says
+        //    which blocks to hash (`PlanBlock::hash`); the others are written
+        //    unhashed. Victim i is read into slot i of the write buffer,
+        //    once: the blocks are write-protected, nobody changes them until
+        //    they are dropped.
         s.write.reserve(victims.len() * bs);
         let buf = s.write.as_mut_slice();
         let mut in_buf = vec![false; victims.len()];
         for (i, v) in victims.iter_mut().enumerate().filter(|(_, v)| v.dirty) {
-            if self.whole_batches {
+            if !v.hash {
                 v.sum = 0;
                 continue;
             }
