@@ -13,10 +13,12 @@ static void ring_flood(void) __attribute__((noreturn));
 static void window_violation(void) __attribute__((noreturn));
 static void never_close(void) __attribute__((noreturn));
 static void spin(void) __attribute__((noreturn));
+static void lying_counter(void) __attribute__((noreturn));
+static void output_after_close(void) __attribute__((noreturn));
 static void dirty_system(void) __attribute__((noreturn));
 static void fault_storm(const struct dv_boot_info *bi) __attribute__((noreturn));
 
-static void publish_tx(uint16_t slot, uint32_t len)
+static void publish_tx_record(uint16_t slot, uint8_t type, uint32_t len)
 {
     struct dv_ring_hdr *r = ring_hdr();
     uint32_t pos = r->tx_prod % DV_TX_RING_BYTES;
@@ -28,8 +30,13 @@ static void publish_tx(uint16_t slot, uint32_t len)
         return;
     }
     struct dv_rec *rec = (struct dv_rec *)((uint8_t *)DV_TX_RING_GPA + pos);
-    *rec = (struct dv_rec){.slot = slot, .type = DV_REC_DATA, .len = len};
+    *rec = (struct dv_rec){.slot = slot, .type = type, .len = len};
     __atomic_store_n(&r->tx_prod, r->tx_prod + RECORD_HEADER + ((len + 7u) & ~7u), __ATOMIC_RELEASE);
+}
+
+static void publish_tx(uint16_t slot, uint32_t len)
+{
+    publish_tx_record(slot, DV_REC_DATA, len);
 }
 
 static uint32_t tx_room(void)
@@ -103,6 +110,50 @@ static void spin(void)
         __asm__ volatile("pause");
 }
 
+/* Burns its CPU while its request counter says it serves a great deal. */
+static void lying_counter(void)
+{
+    struct dv_ctrl *ctrl = ctrl_page();
+    for (;;)
+        ctrl->requests++;
+}
+
+/* Every connection gets a full window of response bytes and is released
+ * at once: what the host holds for a client that never reads is the host's
+ * to bound, since the slot is free for the next connection. */
+static void output_after_close(void)
+{
+    static uint8_t open[DV_MAX_SLOTS];
+    static uint32_t sent[DV_MAX_SLOTS];
+    struct dv_ring_hdr *r = ring_hdr();
+    for (;;) {
+        take_opens(open);
+        int busy = 0;
+        for (uint16_t s = 0; s < DV_MAX_SLOTS; s++) {
+            while (open[s] && sent[s] < DV_TX_WINDOW && tx_room() >= 8192 + 2 * RECORD_HEADER) {
+                publish_tx(s, 8192);
+                sent[s] += 8192;
+            }
+            if (open[s] && sent[s] >= DV_TX_WINDOW && tx_room() >= 2 * RECORD_HEADER) {
+                publish_tx_record(s, DV_REC_CLOSE, 0);
+                open[s] = 0;
+                sent[s] = 0;
+            }
+            busy |= open[s];
+        }
+        arch_doorbell();
+        if (busy)
+            continue;
+        irq_seen = 0;
+        r->idle_gen++;
+        r->guest_idle = 1;
+        arch_mb();
+        if (__atomic_load_n(&r->rx_prod, __ATOMIC_ACQUIRE) == r->rx_cons)
+            idle_wait();
+        r->guest_idle = 0;
+    }
+}
+
 static void dirty_system(void)
 {
     /* Between the credit page and the rx ring: no part of the ABI. */
@@ -151,6 +202,14 @@ void hostile_start(const struct dv_boot_info *bi)
         ctrl->state = DV_STATE_READY;
         arch_doorbell();
         spin();
+    case HOSTILE_LYING_COUNTER:
+        ctrl->state = DV_STATE_READY;
+        arch_doorbell();
+        lying_counter();
+    case HOSTILE_OUTPUT_AFTER_CLOSE:
+        ctrl->state = DV_STATE_READY;
+        arch_doorbell();
+        output_after_close();
     case HOSTILE_NONE:
         return;
     }

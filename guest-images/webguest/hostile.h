@@ -15,6 +15,8 @@ enum hostile_behaviour {
     HOSTILE_DIRTY_SYSTEM = 6,    /* write the system pages the ABI does not use */
     HOSTILE_FAULT_STORM = 7,     /* write every page of RAM, over and over */
     HOSTILE_SPIN = 8,            /* say ready, then spin without serving */
+    HOSTILE_LYING_COUNTER = 9,   /* spin without serving while counting requests it never served */
+    HOSTILE_OUTPUT_AFTER_CLOSE = 10, /* answer every connection with a full window, then release the slot at once */
 };
 
 /* Runs the behaviour the boot info selects for this VM, if any; returns
