@@ -38,3 +38,24 @@ def require_tool(name: str) -> str:
     if found is None:
         pytest.fail(f"{name} is not installed: run `make deps` first")
     return found
+
+
+# The database guest tests' shared set-up: one image lookup and one libvirtd per session.
+@pytest.fixture(scope="session")
+def db_image():  # type: ignore[no-untyped-def]
+    """The database guest image from the build cache outside the checkout
+    (guest-images/dbguest/README.md): built once on a fresh host, a lookup afterwards. Guests boot
+    it through copy-on-write overlays; the cached file is read-only."""
+    from scalebench.db.image import ensure_image
+
+    return ensure_image()
+
+
+@pytest.fixture(scope="session")
+def libvirt_conn():  # type: ignore[no-untyped-def]
+    """A connection to libvirtd, started for the session when none is running (and stopped at its
+    end); the command-line runs the tests make find it running too."""
+    from scalebench.db.daemon import Libvirt
+
+    with Libvirt() as lv:
+        yield lv.conn

@@ -34,7 +34,8 @@ REQUIRED_TOOLS = (
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="needs root (libvirtd, debootstrap, chroot)"
 )
-# The first test to run may build the image (a few minutes on a fresh machine, cached afterwards).
+# The first test to run may build the image (a few minutes on a fresh machine, cached outside the
+# checkout afterwards).
 guest_timeout = pytest.mark.timeout(1500)
 
 
@@ -52,19 +53,10 @@ def _require_deps() -> None:
 
 
 @pytest.fixture(scope="module")
-def image():  # type: ignore[no-untyped-def]
-    from scalebench.db.image import ensure_image
-
+def image(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """The session's image (conftest.db_image), once this module's tools are known present."""
     _require_deps()
-    return ensure_image()
-
-
-@pytest.fixture(scope="module")
-def libvirt_conn():  # type: ignore[no-untyped-def]
-    from scalebench.db.daemon import Libvirt
-
-    with Libvirt() as lv:
-        yield lv.conn
+    return request.getfixturevalue("db_image")
 
 
 def _base_state(path: str) -> tuple[int, float, int]:

@@ -83,9 +83,10 @@ def test_counters_become_sectors_with_one_wal_page_rewritten_per_write() -> None
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def run(tmp_path_factory: pytest.TempPathFactory, libvirt_conn: object) -> dict[str, Any]:
     """One traced pgbench run through the command line (a fixed 10 s warm-up keeps CI short; the
-    cross-check needs no steady state)."""
+    cross-check needs no steady state). It finds the session's libvirtd (conftest.libvirt_conn)
+    running."""
     for tool in ("libvirtd", "qemu-system-x86_64", "pgbench"):
         if shutil.which(tool) is None:
             pytest.fail(f"{tool} is not installed: run `make deps` first")

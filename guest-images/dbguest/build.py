@@ -14,34 +14,38 @@ The databases are loaded natively at build time by running PostgreSQL inside
 the build root (Unix socket only) and feeding it the SQL files in ``sql/``: a
 TCG guest would need hours for the same work.
 
-Two cache levels, each keyed by a content hash of its recipe:
-``base-<hash>/`` (debootstrap + packages + kernel) and ``image-<hash>/``
-(base + databases + guest init). A finished level has a ``done`` marker; a
-build that fails leaves no marker and its partial directory is removed.
-Concurrent builders serialise on a lock file.
+Two cache levels, each in a directory named by a SHA-256 of its inputs
+(``buildcache.py``: built aside, checked against a manifest, renamed in;
+concurrent builders wait on an flock):
 
-Usage: ``build.py [--cache DIR]``; prints one JSON object with the paths.
-The cache directory defaults to ``$SCALEBENCH_CACHE`` or ``cache/`` next to
-this file.
+- ``base-<key>/``: debootstrap + packages + kernel. Key: the suite, the
+  package list, the kernel package, the initrd modules and the source of the
+  functions that build it.
+- ``image-<key>/``: base + databases + guest init. Key: the base key and the
+  bytes of ``build.py``, ``sbinit.sh`` and every file under ``sql/``.
+
+Usage: ``build.py [--cache DIR] [--verify]``; prints one JSON object with the
+paths. The cache lives outside the checkout, shared by every clone on the
+host: ``$SCALEBENCH_CACHE_DIR/dbguest`` (default
+``/var/cache/scalebench/dbguest``).
 """
 
 from __future__ import annotations
 
 import argparse
-import fcntl
-import hashlib
+import inspect
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
 # The image record is the controller's (scalebench.db.image reads what this prints).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "controller"))
+from buildcache import BuildCache, input_key, tree_inputs, verify
 from scalebench.db.image import GuestImage
 
 HERE = Path(__file__).resolve().parent
@@ -97,9 +101,14 @@ class BuildError(RuntimeError):
     """The image could not be built; the message says which step failed."""
 
 
+DEFAULT_CACHE_ROOT = Path("/var/cache/scalebench")
+
+
 def default_cache_dir() -> Path:
-    env = os.environ.get("SCALEBENCH_CACHE")
-    return Path(env) if env else HERE / "cache"
+    """``$SCALEBENCH_CACHE_DIR/dbguest``, else ``/var/cache/scalebench/dbguest``: outside the
+    checkout, so that a fresh clone finds the image another one built."""
+    env = os.environ.get("SCALEBENCH_CACHE_DIR")
+    return (Path(env) if env else DEFAULT_CACHE_ROOT) / "dbguest"
 
 
 def apt_mirror() -> str:
@@ -121,41 +130,28 @@ def apt_mirror() -> str:
     return "http://deb.debian.org/debian"
 
 
-def _hash(parts: list[bytes]) -> str:
-    digest = hashlib.sha256()
-    for part in parts:
-        digest.update(len(part).to_bytes(8, "little"))
-        digest.update(part)
-    return digest.hexdigest()[:16]
-
-
 def base_key() -> str:
+    """What the base level is made from: the distribution, its packages and the code that
+    installs them (a change anywhere else in build.py keeps the base)."""
     recipe = {
         "suite": SUITE,
         "packages": BASE_PACKAGES,
         "kernel": KERNEL_PACKAGE,
         "modules": INITRD_MODULES,
     }
-    return _hash([json.dumps(recipe, sort_keys=True).encode(), _source_of(_build_base)])
+    code = "".join(inspect.getsource(f) for f in (_build_base, _run, _chroot_env, apt_mirror))
+    return input_key(
+        [("recipe", json.dumps(recipe, sort_keys=True).encode()), ("code", code.encode())]
+    )
 
 
-def image_key() -> str:
-    parts = [
-        base_key().encode(),
-        GUEST_PG_CONF.encode(),
-        GUEST_PG_HBA.encode(),
-        GUEST_INIT.read_bytes(),
-        _source_of(_build_image),
-        f"{ROOTFS_SLACK_MIB} {RECYCLED_WAL_SEGMENTS}".encode(),
-    ]
-    parts += [(SQL_DIR / f"{name}.sql").read_bytes() for name in (*DATABASES, "probe")]
-    return _hash(parts)
-
-
-def _source_of(func: object) -> bytes:
-    import inspect
-
-    return inspect.getsource(func).encode()  # type: ignore[arg-type]
+def image_key(base: str, src: Path = HERE) -> str:
+    """What the image level is made from: its base and every file of the recipe in ``src``
+    (build.py, sbinit.sh, sql/**)."""
+    parts = [("base", base.encode())]
+    parts += [(name, (src / name).read_bytes()) for name in ("build.py", "sbinit.sh")]
+    parts += tree_inputs(src / "sql", "sql")
+    return input_key(parts)
 
 
 def _run(cmd: list[str], step: str, log: Path, env: dict[str, str] | None = None) -> None:
@@ -427,42 +423,19 @@ def _build_image(base_root: Path, out: Path, log: Path) -> None:
     (out / "rootfs.img").chmod(0o444)
 
 
-def _cached_level(cache: Path, name: str, builder, log: Path) -> Path:  # type: ignore[no-untyped-def]
-    target = cache / name
-    if (target / "done").exists():
-        return target
-    if target.exists():
-        shutil.rmtree(target)
-    partial = cache / f"{name}.partial"
-    if partial.exists():
-        shutil.rmtree(partial)
-    partial.mkdir(parents=True)
-    try:
-        builder(partial)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    (partial / "done").write_text(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()) + "\n")
-    partial.rename(target)
-    return target
-
-
-def build(cache: Path | None = None) -> GuestImage:
+def build(cache_dir: Path | None = None) -> GuestImage:
     """Return the cached image, building whatever level is missing."""
-    cache = (cache or default_cache_dir()).resolve()
-    cache.mkdir(parents=True, exist_ok=True)
-    log = cache / "build.log"
-    with (cache / ".lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        for stale in cache.glob(
-            "*.partial"
-        ):  # left by a builder that was killed (we hold the lock)
-            shutil.rmtree(stale, ignore_errors=True)
-        bkey, ikey = base_key(), image_key()
-        base = _cached_level(cache, f"base-{bkey}", lambda d: _build_base(d / "root", log), log)
-        image = _cached_level(
-            cache, f"image-{ikey}", lambda d: _build_image(base / "root", d, log), log
-        )
+    cache_dir = (cache_dir or default_cache_dir()).resolve()
+    log = cache_dir / "build.log"
+    cache = BuildCache(cache_dir, log=lambda msg: print(f"build.py: {msg}", file=sys.stderr))
+    bname = f"base-{base_key()}"
+    ikey = image_key(base_key())
+
+    def build_image(out: Path) -> None:
+        base = cache.ensure(bname, lambda d: _build_base(d / "root", log))
+        _build_image(base / "root", out, log)
+
+    image = cache.ensure(f"image-{ikey}", build_image)
     probe = json.loads((image / "cpu_probe.json").read_text())
     return GuestImage(
         kernel=str(image / "vmlinuz"),
@@ -481,7 +454,13 @@ def main(argv: list[str] | None = None) -> int:
         "--cache",
         type=Path,
         default=None,
-        help="cache directory (default $SCALEBENCH_CACHE or ./cache)",
+        help="cache directory (default $SCALEBENCH_CACHE_DIR/dbguest or "
+        "/var/cache/scalebench/dbguest)",
+    )
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every cached file of the image against its SHA-256, large ones too",
     )
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
@@ -497,6 +476,11 @@ def main(argv: list[str] | None = None) -> int:
     except BuildError as err:
         print(f"build.py: error: {err}", file=sys.stderr)
         return 1
+    if args.verify:
+        bad = verify(Path(image.rootfs).parent, full=True)
+        if bad is not None:
+            print(f"build.py: error: the cached image is damaged: {bad}", file=sys.stderr)
+            return 1
     print(json.dumps(asdict(image)))
     return 0
 
