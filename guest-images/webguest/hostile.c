@@ -172,10 +172,16 @@ static void fault_storm(const struct dv_boot_info *bi)
 
 void hostile_start(const struct dv_boot_info *bi)
 {
-    if ((uint32_t)bi->guest_arg != bi->vm_id)
+    uint32_t chosen = (bi->guest_arg >> 32) & 0xff;
+    if (chosen == HOSTILE_ALL) {
+        if (bi->vm_id >= HOSTILE_LAST)
+            return;
+        chosen = bi->vm_id + 1;
+    } else if ((uint32_t)bi->guest_arg != bi->vm_id) {
         return;
+    }
     struct dv_ctrl *ctrl = ctrl_page();
-    switch ((enum hostile_behaviour)((bi->guest_arg >> 32) & 0xff)) {
+    switch ((enum hostile_behaviour)chosen) {
     case HOSTILE_NEVER_BOOT:
         spin();
     case HOSTILE_RING_FLOOD:
@@ -211,6 +217,7 @@ void hostile_start(const struct dv_boot_info *bi)
         arch_doorbell();
         output_after_close();
     case HOSTILE_NONE:
+    case HOSTILE_ALL:
         return;
     }
 }

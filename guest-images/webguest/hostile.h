@@ -4,7 +4,9 @@
 #include "abi.h"
 
 /* densevm --guest-arg: bits 0-31 the misbehaving VM's id, bits 32-39 what
- * it does (0: every VM is a plain webguest). */
+ * it does (0: every VM is a plain webguest). HOSTILE_ALL instead makes VM i
+ * behave as behaviour i + 1 for every behaviour up to HOSTILE_LAST, all at
+ * once, and every later VM a plain webguest. */
 enum hostile_behaviour {
     HOSTILE_NONE = 0,
     HOSTILE_RING_FLOOD = 1,      /* publish empty tx records as fast as the host retires them */
@@ -17,6 +19,8 @@ enum hostile_behaviour {
     HOSTILE_SPIN = 8,            /* say ready, then spin without serving */
     HOSTILE_LYING_COUNTER = 9,   /* spin without serving while counting requests it never served */
     HOSTILE_OUTPUT_AFTER_CLOSE = 10, /* answer every connection with a full window, then release the slot at once */
+    HOSTILE_LAST = HOSTILE_OUTPUT_AFTER_CLOSE,
+    HOSTILE_ALL = 0xff,
 };
 
 /* Runs the behaviour the boot info selects for this VM, if any; returns
