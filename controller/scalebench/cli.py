@@ -18,9 +18,6 @@ from typing import NoReturn
 from .config import ConfigError, RunConfig, check_addresses_free, validate
 from .model import DEFAULT_FAULT_US
 
-# `scalebench model` without --cpu-us on a host with no stored calibration: about
-# what the 4,000-VM main job calibrated on a (busy) development host, 527 us.
-UNCALIBRATED_CPU_US = 500.0
 SUBCOMMANDS = (
     "run",
     "model",
@@ -35,11 +32,40 @@ SUBCOMMANDS = (
 _DEFAULTS = RunConfig()
 
 
+class Parsed(Exception):
+    """parse(): the command line was parsed, and nothing is run."""
+
+    def __init__(self, namespace: argparse.Namespace) -> None:
+        super().__init__("parsed")
+        self.namespace = namespace
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with its errors as a single line (no usage dump), exit 2."""
 
+    parse_only = False  # set by parse(): stop right after parsing
+
     def error(self, message: str) -> None:  # type: ignore[override]
         fail(message)
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed = super().parse_args(args, namespace)
+        if Parser.parse_only:
+            raise Parsed(parsed)
+        return parsed
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The flags of `scalebench ARGV` as its subcommand parses them, with nothing run (for
+    checking documented commands). Bad input exits 2 as it does for the command."""
+    Parser.parse_only = True
+    try:
+        main(argv)
+    except Parsed as p:
+        return p.namespace
+    finally:
+        Parser.parse_only = False
+    raise RuntimeError(f"scalebench {' '.join(argv)}: no parser ran")
 
 
 def fail(message: str) -> NoReturn:
@@ -163,8 +189,7 @@ def cmd_run(argv: list[str]) -> int:
 
 def cmd_model(argv: list[str]) -> int:
     from . import calibration, diskbench
-    from .disks import disk_model
-    from .model import ModelInput, estimate_footprint, estimate_written, predict
+    from .model import estimate_footprint, model_input, predict, unmodeled
     from .units import parse_size
 
     p = Parser(prog="scalebench model", description="Predict throughput with Denali's model.")
@@ -180,8 +205,9 @@ def cmd_model(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     args = p.parse_args(argv)
     cfg = validate(config_from(args))
-    if cfg.policy not in ("demand", "wsswap"):
-        raise ConfigError(f"the model knows demand and wsswap, not {cfg.policy}")
+    error = unmodeled(cfg.policy)
+    if error:
+        raise ConfigError(error)
     try:
         footprint = (
             parse_size(args.footprint)
@@ -190,20 +216,11 @@ def cmd_model(argv: list[str]) -> int:
         )
     except ValueError as e:
         raise ConfigError(f"--footprint: {e}") from None
-    cpu_us, source = cfg.cpu_us, "flag"
-    if cpu_us is None:
-        cpu_us, source = calibration.load_cpu_us(cfg.object), "stored calibration"
-    if cpu_us is None:
-        # Out of core the disk decides and this hardly matters; in core it is the whole answer.
-        cpu_us, source = (
-            UNCALIBRATED_CPU_US,
-            "uncalibrated guess: pass --cpu-us or do one in-core run",
-        )
-    fault_us, fault_source = cfg.fault_us, "flag"
-    if fault_us is None:
-        fault_us, fault_source = calibration.load_fault_us(cfg.block_bytes), "stored calibration"
-    if fault_us is None:
-        fault_us, fault_source = DEFAULT_FAULT_US, "default"
+    # Out of core the disk decides and the in-core cost hardly matters; in core it is the
+    # whole answer.
+    cpu_us, source = calibration.cpu_us(cfg.cpu_us, cfg.object, fallback=calibration.UNCALIBRATED)
+    fault_us, fault_source = calibration.fault_us(cfg.fault_us, cfg.block_bytes)
+    assert cpu_us is not None and fault_us is not None  # both fallbacks have values
     bench = None
     if args.bench_dir != "none":
         try:
@@ -212,22 +229,7 @@ def cmd_model(argv: list[str]) -> int:
             )
         except OSError as e:
             raise ConfigError(f"--bench-dir: {e}") from None
-    pred = predict(
-        ModelInput(
-            cfg.vms,
-            cfg.alpha,
-            cfg.block_bytes,
-            cfg.mem_bytes,
-            footprint,
-            cfg.policy,
-            disk_model(cfg.disk),
-            cpu_us * 1e-6,
-            bench,
-            fault_us * 1e-6,
-            estimate_written(cfg.ws_bytes, cfg.block_bytes),
-            in_flight=cfg.concurrency,
-        )
-    )
+    pred = predict(model_input(cfg, footprint, cpu_us, fault_us, bench))
     if args.json:
         print(
             json.dumps(

@@ -25,44 +25,43 @@ class DenseVMError(RuntimeError):
 
 @dataclass(frozen=True)
 class DenseVMArgs:
-    """The densevm flags a run sets (INTERFACES.md `densevm serve`)."""
+    """The densevm serve flags a caller sets (INTERFACES.md `densevm serve`); a flag left None
+    takes densevm's default, and `extra` is appended as it is."""
 
     vms: int
     addr_base: str
     port: int
-    ws: str
-    mem: str
-    block: str
-    policy: str
-    disk: str
-    swap: Path
     api: Path
+    ws: str | None = None
+    mem: str | None = None
+    block: str | None = None
+    policy: str | None = None
+    disk: str | None = None
+    swap: Path | None = None
+    extra: tuple[str, ...] = ()
 
     def argv(self, binary: Path) -> list[str]:
-        return [
-            str(binary),
-            "serve",
-            "--vms",
-            str(self.vms),
-            "--addr-base",
-            self.addr_base,
-            "--port",
-            str(self.port),
-            "--ws",
-            self.ws,
-            "--mem",
-            self.mem,
-            "--block",
-            self.block,
-            "--policy",
-            self.policy,
-            "--disk",
-            self.disk,
-            "--swap",
-            str(self.swap),
-            "--api",
-            str(self.api),
-        ]
+        argv = [str(binary), "serve"]
+        for flag, value in (
+            ("--vms", self.vms),
+            ("--addr-base", self.addr_base),
+            ("--port", self.port),
+            ("--ws", self.ws),
+            ("--mem", self.mem),
+            ("--block", self.block),
+            ("--policy", self.policy),
+            ("--disk", self.disk),
+            ("--swap", self.swap),
+            ("--api", self.api),
+        ):
+            if value is not None:
+                argv += [flag, str(value)]
+        return [*argv, *self.extra]
+
+
+def boot_timeout_s(vms: int) -> float:
+    """How long densevm may take to report ready with `vms` VMs."""
+    return 120 + 0.1 * vms
 
 
 def control(api: Path, request: dict, timeout_s: float = 30.0) -> dict:
@@ -90,12 +89,20 @@ def control(api: Path, request: dict, timeout_s: float = 30.0) -> dict:
 
 
 class DenseVM:
-    """A running densevm; whoever starts it must call stop() on every path."""
+    """A running densevm, in its own process group; whoever starts it must call stop() on every
+    path. The one way the controller launches densevm: runs, trace recording and the scaling
+    sessions (scaling.Session) all start it here."""
 
     def __init__(
-        self, binary: Path, args: DenseVMArgs, log_path: Path, wrap=lambda argv: argv
+        self,
+        binary: Path,
+        args: DenseVMArgs,
+        log_path: Path,
+        wrap=lambda argv: argv,
+        stop_grace_s: float = 30.0,
     ) -> None:
         self.args = args
+        self.stop_grace_s = stop_grace_s
         self.log_path = log_path
         self.events: queue.Queue[dict] = queue.Queue()
         self.exit_event: dict | None = None
@@ -116,7 +123,7 @@ class DenseVM:
 
     def stop(self) -> int | None:
         # Destroying thousands of VMs takes seconds; only then is SIGKILL the answer.
-        code = self.child.stop(grace_s=30.0)
+        code = self.child.stop(grace_s=self.stop_grace_s)
         self._reader.join(timeout=5)
         self._log.close()
         return code
@@ -137,8 +144,9 @@ class DenseVM:
         errors = [x for x in lines if "error" in x]
         return (errors or lines or ["(empty log)"])[-1].strip()
 
-    def wait_ready(self, timeout_s: float, on_progress=lambda running: None) -> dict:
-        """Block until the `ready` event; reports booted VMs through on_progress meanwhile."""
+    def wait_ready(self, timeout_s: float, on_progress=None) -> dict:
+        """Block until the `ready` event; reports booted VMs through on_progress meanwhile (with
+        none, the control API is left alone during the boot)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
@@ -150,17 +158,17 @@ class DenseVM:
             why = self.failure()
             if why:
                 raise DenseVMError(why)
-            if self.args.api.exists():
+            if on_progress is not None and self.args.api.exists():
                 # The API may not answer until the monitor is set up.
                 with contextlib.suppress(DenseVMError):
                     on_progress(self.totals().get("running", 0))
         raise DenseVMError(f"densevm did not report ready within {timeout_s:.0f} s")
 
-    def request(self, request: dict) -> dict:
+    def request(self, request: dict, timeout_s: float = 30.0) -> dict:
         """A control-API request; if densevm has died, the error says how instead of "connection
         refused"."""
         try:
-            return control(self.args.api, request)
+            return control(self.args.api, request, timeout_s)
         except DenseVMError:
             why = self.failure()
             if why:

@@ -58,13 +58,17 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .describe import fact, vms_swap_is_sized_for
 from .diskbench import DiskBench
-from .disks import UNIFORM_SQRT_DISTANCE, DiskModel
+from .disks import UNIFORM_SQRT_DISTANCE, DiskModel, disk_model
 from .units import KIB
+
+if TYPE_CHECKING:
+    from .config import RunConfig
 
 # The webguest's paged RAM as densevm lays it out (`densevm describe`, guest):
 # connection state at the head of bss (RAM offset 0), the working set right
@@ -294,6 +298,40 @@ class ModelInput:
         return min(after - 1, self.footprint_bytes // self.block_bytes)
 
 
+def unmodeled(policy: str) -> str | None:
+    """Why the model cannot predict `policy` (a plugin), or None for a policy it knows."""
+    known = fact("pager.policy.builtin")
+    return None if policy in known else f"the model knows {' and '.join(known)}, not {policy}"
+
+
+def model_input(
+    cfg: RunConfig,
+    footprint_bytes: int,
+    cpu_us: float,
+    fault_us: float,
+    bench: DiskBench | None,
+    swap_bytes: int | None = None,
+) -> ModelInput:
+    """The model's input for a run's configuration, its footprint, its costs (chosen by
+    calibration.cpu_us and fault_us) and the swap device's benchmark: the one place both a run
+    and `scalebench model` build it."""
+    return ModelInput(
+        vms=cfg.vms,
+        alpha=cfg.alpha,
+        block_bytes=cfg.block_bytes,
+        budget_bytes=cfg.mem_bytes,
+        footprint_bytes=footprint_bytes,
+        policy=cfg.policy,
+        disk=disk_model(cfg.disk),
+        cpu_s=cpu_us * 1e-6,
+        bench=bench,
+        fault_s=fault_us * 1e-6,
+        written_bytes=estimate_written(cfg.ws_bytes, cfg.block_bytes),
+        swap_bytes=swap_bytes,
+        in_flight=cfg.concurrency,
+    )
+
+
 @dataclass(frozen=True)
 class Prediction:
     """The model's figures; JSON-ready through as_dict()."""
@@ -414,9 +452,9 @@ def cliff_vms(inp: ModelInput) -> int:
 
 def predict(inp: ModelInput) -> Prediction:
     """Predicted throughput and its parts for one configuration."""
-    known = fact("pager.policy.builtin")
-    if inp.policy not in known:
-        raise ValueError(f"the model knows the policies {', '.join(known)}, not {inp.policy!r}")
+    error = unmodeled(inp.policy)
+    if error:
+        raise ValueError(error)
     b = _bounds(inp)
     # In core while paging costs under IN_CORE_LOSS of the in-core throughput.
     in_core = b.rps >= (1.0 - IN_CORE_LOSS) / inp.cpu_s

@@ -17,6 +17,7 @@ import statistics
 import time
 import traceback
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -25,14 +26,14 @@ from pathlib import Path
 from . import calibration, diskbench
 from .cgroup import Containment, memory_limit
 from .config import RunConfig, binary
-from .densevm import DenseVM, DenseVMArgs, DenseVMError
+from .densevm import DenseVM, DenseVMArgs, DenseVMError, boot_timeout_s
 from .disks import differences, disk_model
 from .model import (
     DEFAULT_FAULT_US,
-    ModelInput,
     estimate_footprint,
-    estimate_written,
+    model_input,
     predict,
+    unmodeled,
     zipf_popularity,
 )
 from .procs import Terminated, interrupted, stop_signals_deferred
@@ -390,9 +391,8 @@ class Run:
             self.bins.densevm, args, self.out / "densevm.log", wrap=self.containment.wrap
         )
         stack.callback(self.dvm.stop)
-        boot_timeout = 120 + 0.1 * cfg.vms
         with self.reporter.phase("boot", cfg.vms, "VMs") as update:
-            ready = self.dvm.wait_ready(boot_timeout, update)
+            ready = self.dvm.wait_ready(boot_timeout_s(cfg.vms), update)
         r.boot_seconds = ready.get("boot_seconds")
         r.phases["boot"] = ready
         self._check_pager()
@@ -539,7 +539,8 @@ class Run:
         no eviction; the touch that follows sets the steady state whatever the
         window did. Measured after the run instead, among thousands of paging VMs,
         busy VMs touch connection state beyond their footprint, every such fault
-        waits for an eviction, and the phase measured 1,566 us where in core is ~100.
+        waits for an eviction, and the phase measured many times the in-core cost
+        (docs/measurements/2026-11-27.md#controller).
         """
         cfg = self.cfg
         width = max(
@@ -584,33 +585,36 @@ class Run:
     def _cpu_us(self) -> tuple[float | None, str]:
         """In-core CPU microseconds per request: --cpu-us, an in-core warm-up, this run's
         calibration phase, the host's stored calibration, or (an overestimate) this run's
-        calibration phase that paged, in that order."""
+        calibration phase that paged, in that order (calibration.cpu_us)."""
+        cfg, cal = self.cfg, self.calibration
+        fallback = calibration.NO_CPU_US
+        if cal and cal["paged"]:
+            fallback = cal["cpu_us"], cal["source"] + ", paged: an overestimate"
+        return calibration.cpu_us(cfg.cpu_us, cfg.object, self._measured_cpu_us(), fallback)
+
+    def _measured_cpu_us(self) -> Iterator[tuple[float | None, str]]:
+        """This run's in-core CPU costs, best first; the warm-up's is stored when it is taken."""
         cfg = self.cfg
-        if cfg.cpu_us is not None:
-            return cfg.cpu_us, "flag"
         window = self.sampler.late_window("warmup")
         if window and window.in_core:
             cpu_us = 1e6 / window.rps
             calibration.store_cpu_us(cfg.object, cpu_us, cfg.vms, "warm-up")
-            return cpu_us, "warm-up"
+            yield cpu_us, "warm-up"
         if self.calibration and not self.calibration["paged"]:
-            return self.calibration["cpu_us"], self.calibration["source"]
-        stored = calibration.load_cpu_us(cfg.object)
-        if stored is not None:
-            return stored, "stored"
-        if self.calibration:
-            return self.calibration["cpu_us"], self.calibration[
-                "source"
-            ] + ", paged: an overestimate"
-        return (
-            None,
-            "none: the warm-up paged and no calibration is stored (pass --cpu-us, or run once in "
-            "core)",
-        )
+            yield self.calibration["cpu_us"], self.calibration["source"]
 
     def _fault_us(self, cpu_us: float | None) -> tuple[float, str]:
         """Host microseconds per pager fault: --fault-us, this run's settle phase, the host's
-        stored calibration, or the default, in that order.
+        stored calibration, or the default, in that order (calibration.fault_us)."""
+        cfg = self.cfg
+        fault_us, source = calibration.fault_us(
+            cfg.fault_us, cfg.block_bytes, self._measured_fault_us(cpu_us)
+        )
+        assert fault_us is not None  # the default has a value
+        return fault_us, source
+
+    def _measured_fault_us(self, cpu_us: float | None) -> Iterator[tuple[float | None, str]]:
+        """The settle phase's host time per fault, stored when it is taken.
 
         The settle phase pages with the disk model off and enough requests in flight to keep
         the host busy, so its second half spends the host's time on requests and faults alone:
@@ -618,8 +622,6 @@ class Run:
         --disk none, and the CPU side of a modeled disk's misses.
         """
         cfg = self.cfg
-        if cfg.fault_us is not None:
-            return cfg.fault_us, "flag"
         window = self.sampler.late_window("settle")
         if window and cpu_us is not None and window.faults_per_request > 0:
             rps, faults_per_request = window.rps, window.faults_per_request
@@ -627,14 +629,10 @@ class Run:
             if spare > 0:
                 fault_us = spare / (rps * faults_per_request) * 1e6
                 calibration.store_fault_us(cfg.block_bytes, fault_us, cfg.vms, "settle phase")
-                return (
+                yield (
                     fault_us,
                     f"settle phase ({rps * faults_per_request:,.0f} faults/s, disk model off)",
                 )
-        stored = calibration.load_fault_us(cfg.block_bytes)
-        if stored is not None:
-            return stored, "stored"
-        return DEFAULT_FAULT_US, "default"
 
     # -- results ---------------------------------------------------------------
 
@@ -709,25 +707,18 @@ def footprint_of(r: RunResult, cfg: RunConfig) -> int:
 
 def apply_model(r: RunResult, cfg: RunConfig, cpu_us: float, bench: diskbench.DiskBench) -> None:
     """The model's prediction for a measured run, from what the run recorded, into `r`."""
-    footprint = footprint_of(r, cfg)
-    if cfg.policy not in ("demand", "wsswap"):
-        r.model = {"error": f"no model for policy {cfg.policy}"}
+    error = unmodeled(cfg.policy)
+    if error:
+        r.model = {"error": error}
         return
     p = predict(
-        ModelInput(
-            vms=cfg.vms,
-            alpha=cfg.alpha,
-            block_bytes=cfg.block_bytes,
-            budget_bytes=cfg.mem_bytes,
-            footprint_bytes=footprint,
-            policy=cfg.policy,
-            disk=disk_model(cfg.disk),
-            cpu_s=cpu_us * 1e-6,
-            bench=bench,
-            fault_s=recorded_fault_us(r, cfg) * 1e-6,
-            written_bytes=estimate_written(cfg.ws_bytes, cfg.block_bytes),
+        model_input(
+            cfg,
+            footprint_of(r, cfg),
+            cpu_us,
+            recorded_fault_us(r, cfg),
+            bench,
             swap_bytes=(r.pager.get("pager") or {}).get("swap_bytes"),
-            in_flight=cfg.concurrency,
         )
     )
     r.model = p.as_dict()

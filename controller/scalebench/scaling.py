@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from .densevm import control
+from .densevm import DenseVM, DenseVMArgs, DenseVMError, boot_timeout_s
 from .nginx import NginxServer
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -259,7 +259,9 @@ class LoadTarget:
 class Session(LoadTarget):
     """One densevm serving `vms` VMs at addr_base; a context manager that stops it on exit.
 
-    `args` are further serve flags (--mem, --block, --disk, --cell-vms, ...)."""
+    `args` are further serve flags (--mem, --block, --disk, --cell-vms, ...). densevm is
+    launched as every controller run launches it (densevm.DenseVM); its swap file, API socket
+    and log are in `workdir`."""
 
     def __init__(
         self,
@@ -271,39 +273,31 @@ class Session(LoadTarget):
         port: int = 8080,
     ) -> None:
         self.build, self.vms, self.addr_base, self.port = build, vms, addr_base, port
-        workdir = workdir.resolve()  # densevm runs in it: a relative path would resolve twice
+        workdir = workdir.resolve()
         self.api = workdir / f"densevm-{addr_base}.sock"
+        own_swap = any(a == "--swap" or a.startswith("--swap=") for a in args)
+        serve = DenseVMArgs(
+            vms=vms,
+            addr_base=addr_base,
+            port=port,
+            api=self.api,
+            swap=None if own_swap else workdir / f"densevm-swap-{addr_base}.img",
+            extra=(*args, *build.extra),
+        )
         settle_s = 1.0
         time.sleep(settle_s)
         before = mem_available()
-        self.proc = subprocess.Popen(
-            [
-                str(build.densevm),
-                "serve",
-                "--vms",
-                str(vms),
-                "--addr-base",
-                addr_base,
-                "--port",
-                str(port),
-                "--api",
-                str(self.api),
-                *args,
-                *build.extra,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=workdir,
+        # Stopping thousands of VMs takes a while: SIGKILL only after minutes.
+        self.densevm = DenseVM(
+            build.densevm, serve, workdir / f"densevm-{addr_base}.log", stop_grace_s=300.0
         )
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            err = self.proc.stderr.read().strip()
-            self.proc.wait()
-            raise RuntimeError(f"densevm failed: {err}")
+        self.proc = self.densevm.child.popen
+        self._stopped = False
         try:
-            self.ready: dict = json.loads(line)
+            try:
+                self.ready: dict = self.densevm.wait_ready(boot_timeout_s(vms))
+            except DenseVMError:
+                raise DenseVMError(f"densevm failed: {self.densevm.last_error()}") from None
             time.sleep(settle_s)
             drop = before - mem_available()
             self.boot = Boot(
@@ -327,15 +321,15 @@ class Session(LoadTarget):
         self.stop()
 
     def stop(self) -> float:
-        """Stop densevm; seconds the shutdown took."""
+        """Stop densevm (its whole process group); seconds the shutdown took."""
         started = time.monotonic()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(300)
+        if not self._stopped:
+            self._stopped = True
+            self.densevm.stop()
         return time.monotonic() - started
 
     def stats(self, per_vm: bool = False) -> dict:
-        return control(self.api, {"cmd": "stats", "vms": per_vm}, timeout_s=120)
+        return self.densevm.request({"cmd": "stats", "vms": per_vm}, timeout_s=120)
 
     def totals(self) -> dict:
         """The cheap totals (no per-VM list, no mincore counts)."""
