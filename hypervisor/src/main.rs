@@ -1,29 +1,15 @@
 //! densevm: thousands of tiny web-server microVMs on /dev/kvm, spread over
 //! worker processes (cells) that share one pager. See hypervisor/README.md.
 
-mod abi;
-mod api;
-mod boot;
 mod cell;
-mod cells;
-mod cpu_governor;
-mod describe;
+mod config;
 mod devices;
-mod framing;
+mod guest;
 mod holder;
-mod loader;
-mod memory;
-mod monitor;
-mod pager_link;
+mod link;
+mod parent;
 mod platform;
-mod protocol;
-mod proxy;
 mod scheduling;
-mod serve;
-mod stats;
-mod supervisor;
-mod vm;
-mod vmtable;
 mod vstate;
 
 use clap::{Parser, Subcommand};
@@ -42,11 +28,11 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Boot N VMs and serve HTTP on their loopback addresses until SIGTERM.
-    Serve(Box<serve::ServeArgs>),
+    Serve(Box<config::ServeArgs>),
     /// Print, as JSON, the facts a controller needs about a configuration
     /// (the same flags as `serve`): guest layout, block limits, policies,
     /// swap sizing and the disk models' parameters. Starts nothing.
-    Describe(Box<describe::DescribeArgs>),
+    Describe(Box<parent::describe::DescribeArgs>),
     /// A worker process of `serve` (started by it; its stdin is the link).
     #[command(hide = true)]
     Cell,
@@ -86,8 +72,8 @@ fn main() {
         }
     };
     let code = match cli.command {
-        Command::Serve(args) => serve::run(*args),
-        Command::Describe(args) => describe::run(*args),
+        Command::Serve(args) => parent::serve::run(*args),
+        Command::Describe(args) => parent::describe::run(*args),
         Command::Cell => {
             tame_allocator();
             cell::run()

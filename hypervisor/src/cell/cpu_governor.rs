@@ -17,7 +17,7 @@
 //! restored when what it wants falls below [`RESTORE_SHARE`] or it serves. A
 //! demoted guest keeps running: on an idle host it loses nothing.
 
-use crate::vm::MicroVm;
+use crate::cell::microvm::MicroVm;
 use std::time::{Duration, Instant};
 
 /// How often the vCPUs' CPU use is looked at.

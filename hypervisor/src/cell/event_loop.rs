@@ -7,16 +7,17 @@
 //! doorbell eventfds, one per VM, so a ring names the VM to look at; it
 //! notifies guests through their irqfds, only when a guest is idle.
 
-use crate::abi;
-use crate::cpu_governor::CpuGovernor;
-use crate::framing::{FrameError, LineStream};
+use crate::cell::cpu_governor::CpuGovernor;
+use crate::cell::microvm::{self, MicroVm};
+use crate::cell::proxy::{self, Drained, Proxy, Readiness, MIN_REQUEST_BYTES};
+use crate::cell::stats;
+use crate::cell::vmtable::{DeadVm, VmEntry, VmState, VmTable};
+use crate::guest::abi;
+use crate::holder::builder::BuildContext;
 use crate::holder::{FromHolder, Holder};
-use crate::pager_link::PagerLink;
-use crate::protocol::{FromCell, ToCell, MAX_LINK_LINE};
-use crate::proxy::{self, Drained, Proxy, Readiness, MIN_REQUEST_BYTES};
-use crate::stats;
-use crate::vm::{self, BuildContext, MicroVm};
-use crate::vmtable::{DeadVm, VmEntry, VmState, VmTable};
+use crate::link::framing::{FrameError, LineStream};
+use crate::link::pager_link::PagerLink;
+use crate::link::protocol::{FromCell, ToCell, MAX_LINK_LINE};
 use crate::vstate::vcpu::RunState;
 use mio::net::UnixStream;
 use mio::{Events, Interest, Poll, Token};
@@ -57,8 +58,8 @@ pub enum Exit {
     ParentGone,
 }
 
-/// Parameters of [`Monitor::new`].
-pub struct MonitorSetup {
+/// Parameters of [`CellLoop::new`].
+pub struct CellLoopSetup {
     /// Shared build context.
     pub ctx: BuildContext,
     /// Doorbell eventfds, one per slot.
@@ -117,7 +118,7 @@ impl PagerLink for ParentLink {
 }
 
 /// A cell's monitor: its VMs, their connections, the link to the parent.
-pub struct Monitor {
+pub struct CellLoop {
     poll: Poll,
     ctx: BuildContext,
     doorbells: Vec<EventFd>,
@@ -152,9 +153,9 @@ struct Seen {
     rx_bytes: u64,
 }
 
-impl Monitor {
+impl CellLoop {
     /// Registers the links and doorbells; the VMs come with [`Self::create`].
-    pub fn new(setup: MonitorSetup) -> io::Result<Self> {
+    pub fn new(setup: CellLoopSetup) -> io::Result<Self> {
         let poll = Poll::new()?;
         setup.link.set_nonblocking(true)?;
         let mut link = UnixStream::from_std(setup.link);
@@ -170,7 +171,7 @@ impl Monitor {
                 Interest::READABLE,
             )?;
         }
-        Ok(Monitor {
+        Ok(CellLoop {
             poll,
             vms: VmTable::new(setup.ctx.first_id),
             ctx: setup.ctx,
@@ -233,7 +234,7 @@ impl Monitor {
                 .chain([self.governor.due()])
                 .map(|at| at.saturating_duration_since(Instant::now()))
                 .fold(timeout, Duration::min);
-            crate::framing::nonblocking(|| self.poll.poll(&mut events, Some(timeout)))
+            crate::link::framing::nonblocking(|| self.poll.poll(&mut events, Some(timeout)))
                 .map_err(|e| format!("event loop: {e}"))?;
             for event in events.iter() {
                 let Token(t) = event.token();
@@ -306,7 +307,7 @@ impl Monitor {
         let busy: Vec<bool> = self
             .holders
             .iter_mut()
-            .map(|h| h.dead.is_none() && h.busy(crate::cpu_governor::DEMOTE_SHARE))
+            .map(|h| h.dead.is_none() && h.busy(crate::cell::cpu_governor::DEMOTE_SHARE))
             .collect();
         let per_holder = self.ctx.ram_slots_per_holder;
         let (entries, seen) = (self.vms.entries(), &self.seen);
@@ -538,7 +539,7 @@ impl Monitor {
             Ok(()) => false,
             // A reset link is the parent going away; it says why itself.
             Err(FrameError::Closed) => true,
-            Err(FrameError::Io(e)) if crate::framing::peer_gone(&e) => true,
+            Err(FrameError::Io(e)) if crate::link::framing::peer_gone(&e) => true,
             Err(e) => {
                 eprintln!("densevm: cell link: {e}");
                 true
@@ -698,7 +699,7 @@ impl Monitor {
             .take()
             .ok_or_else(|| format!("VM {id}: no irq"))?;
         let vcpu = self.holders[h].vcpu(tid);
-        let vm = vm::adopt(&self.ctx, id, vcpu, irq, stats_fd).map_err(|e| e.to_string())?;
+        let vm = microvm::adopt(&self.ctx, id, vcpu, irq, stats_fd).map_err(|e| e.to_string())?;
         self.adopt(vm).map_err(|e| format!("VM {id}: {e}"))
     }
 
@@ -728,7 +729,7 @@ fn register_doorbell(poll: &Poll, evt: &EventFd, index: usize) -> io::Result<()>
 mod tests {
     use super::*;
 
-    /// What [`Monitor::doorbell`] relies on: an edge-triggered eventfd
+    /// What [`CellLoop::doorbell`] relies on: an edge-triggered eventfd
     /// reports every signal, read or not.
     #[test]
     fn an_unread_doorbell_still_reports_every_ring() {

@@ -6,18 +6,27 @@
 //! its VMs' memory, forks the holders that will own them (`holder`), hands
 //! their guest RAM (memfds, each registered with its holder's userfaultfd)
 //! to the parent's pager, boots its VMs once the pager knows them, and then
-//! runs the monitor until the parent says stop or goes away.
+//! runs its event loop (`event_loop`) until the parent says stop or goes
+//! away.
 
-use crate::framing::peer_gone;
+pub mod cpu_governor;
+pub mod event_loop;
+pub mod microvm;
+pub mod proxy;
+pub mod stats;
+pub mod vmtable;
+
+use crate::cell::event_loop::{CellLoop, CellLoopSetup, Exit};
+use crate::config::{self, ConfigError};
+use crate::guest::memory;
+use crate::guest::memory::HolderSlots;
+use crate::holder::builder::{self, BuildContext};
 use crate::holder::{self, HolderInputs};
-use crate::memory::HolderSlots;
-use crate::monitor::{Exit, Monitor, MonitorSetup};
-use crate::protocol::{CellConfig, FromCell, Hello, Space, ToCell, MAX_LINK_LINE};
+use crate::link::framing::peer_gone;
+use crate::link::protocol::{CellConfig, FromCell, Hello, Space, ToCell, MAX_LINK_LINE};
+use crate::platform;
 use crate::scheduling::{self, CellPlacement};
-use crate::serve::{self, ConfigError};
-use crate::vm::{self, BuildContext};
 use crate::vstate::vm::VmCaps;
-use crate::{memory, platform};
 use kvm_ioctls::Kvm;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd};
@@ -72,7 +81,7 @@ fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
     }
     scheduling::use_cell_policy().map_err(|e| format!("scheduling policy: {e}"))?;
     let setup = (|| -> Result<_, ConfigError> {
-        serve::ensure_fd_budget(config.capacity, serve::fds_per_vm(&config.args))?;
+        config::ensure_fd_budget(config.capacity, config::fds_per_vm(&config.args))?;
         build_context(&config)
     })();
     let mut ctx = setup.map_err(|ConfigError(e)| e)?;
@@ -126,7 +135,7 @@ fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
     }
     let boot_started = Instant::now();
     let (first_id, count) = (ctx.first_id, config.count);
-    let setup = MonitorSetup {
+    let setup = CellLoopSetup {
         ctx,
         doorbells,
         irqs: irqs.into_iter().map(Some).collect(),
@@ -136,16 +145,17 @@ fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
         boot_timeout: Duration::from_secs(config.args.boot_timeout),
         inject_request: Duration::from_micros(config.args.inject_request_us),
     };
-    let mut monitor = Monitor::new(setup).map_err(|e| report(&link, format!("event loop: {e}")))?;
-    let booted = monitor.create(first_id, count);
+    let mut event_loop =
+        CellLoop::new(setup).map_err(|e| report(&link, format!("event loop: {e}")))?;
+    let booted = event_loop.create(first_id, count);
     if let Some(error) = booted.get("error").and_then(|e| e.as_str()) {
         let error = error.trim_start_matches("create: ").to_string();
-        monitor.shutdown();
+        event_loop.shutdown();
         return Err(report(&link, error).into());
     }
-    match monitor.run() {
+    match event_loop.run() {
         Ok(Exit::Shutdown) => {
-            monitor.shutdown();
+            event_loop.shutdown();
             Ok(())
         }
         // The parent died without a word: PDEATHSIG ends us anyway.
@@ -175,7 +185,7 @@ fn link_error(what: &str, e: std::io::Error) -> CellError {
 }
 
 /// Reads one handshake line, a byte at a time: nothing after it may be
-/// taken from the socket, since the monitor reads the rest.
+/// taken from the socket, since the event loop reads the rest.
 fn read_message<T: serde::de::DeserializeOwned>(mut link: &UnixStream) -> Result<T, CellError> {
     let mut line = Vec::new();
     let mut byte = [0u8];
@@ -212,7 +222,7 @@ fn stay_with_parent(parent_pid: u32) -> Result<(), CellError> {
 
 fn build_context(config: &CellConfig) -> Result<BuildContext, ConfigError> {
     let args = &config.args;
-    let (image, layout) = serve::load_guest(args)?;
+    let (image, layout) = config::load_guest(args)?;
     let kvm = Kvm::new().map_err(|e| ConfigError(format!("cannot open /dev/kvm: {e}")))?;
     let caps = VmCaps::probe(&kvm).map_err(ConfigError)?;
     let platform =
@@ -224,7 +234,7 @@ fn build_context(config: &CellConfig) -> Result<BuildContext, ConfigError> {
     let slots = config.capacity as usize;
     let ram = HolderSlots::guest_ram(layout.ram_bytes as usize, slots, per_holder)
         .map_err(|e| ConfigError(e.to_string()))?;
-    let sys = HolderSlots::system(crate::abi::SYS_BYTES as usize, slots, per_holder)
+    let sys = HolderSlots::system(crate::guest::abi::SYS_BYTES as usize, slots, per_holder)
         .map_err(|e| ConfigError(e.to_string()))?;
     let ctx = BuildContext {
         first_id: config.first_id,
@@ -235,7 +245,7 @@ fn build_context(config: &CellConfig) -> Result<BuildContext, ConfigError> {
         image,
         layout,
         extra_flags: if args.selfcheck {
-            crate::abi::FLAG_SELFCHECK
+            crate::guest::abi::FLAG_SELFCHECK
         } else {
             0
         },
@@ -250,7 +260,10 @@ fn build_context(config: &CellConfig) -> Result<BuildContext, ConfigError> {
         ram,
         ram_slots_per_holder: per_holder,
         boot_threads: args.boot_threads,
-        stack_arena: memory::Arena::new(crate::vstate::vcpu::VCPU_STACK_BYTES, vm::ARENA_CHUNK_VMS),
+        stack_arena: memory::Arena::new(
+            crate::vstate::vcpu::VCPU_STACK_BYTES,
+            builder::ARENA_CHUNK_VMS,
+        ),
         vcpu_stats: args.vcpu_stats,
     };
     Ok(ctx)

@@ -12,11 +12,11 @@
 //! sends past its window is a protocol violator, and a guest that keeps a
 //! slot after the client's FIN loses the host socket after [`FIN_GRACE`].
 
-use crate::abi;
+use crate::cell::microvm::MicroVm;
+use crate::cell::vmtable::VmTable;
 use crate::devices::stream::TxRecord;
-use crate::framing::nonblocking;
-use crate::vm::MicroVm;
-use crate::vmtable::VmTable;
+use crate::guest::abi;
+use crate::link::framing::nonblocking;
 use mio::net::TcpStream;
 use mio::{Interest, Registry, Token};
 use slab::Slab;

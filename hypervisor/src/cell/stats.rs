@@ -1,7 +1,7 @@
 //! Statistics replies: per VM and totals.
 
-use crate::cpu_governor::CpuGovernor;
-use crate::vmtable::{VmEntry, VmState};
+use crate::cell::cpu_governor::CpuGovernor;
+use crate::cell::vmtable::{VmEntry, VmState};
 use serde_json::{json, Value};
 
 /// One VM's summary for `list`.

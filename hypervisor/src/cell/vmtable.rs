@@ -1,7 +1,7 @@
 //! A cell's VMs: live ones, and what is left of dead ones, by id.
 
-use crate::abi;
-use crate::vm::MicroVm;
+use crate::cell::microvm::MicroVm;
+use crate::guest::abi;
 use crate::vstate::vcpu::RunState;
 use serde::Serialize;
 use std::net::SocketAddrV4;

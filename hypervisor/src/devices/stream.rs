@@ -4,8 +4,8 @@
 //! Everything the guest writes is validated here: a malformed record makes
 //! the VM a protocol violator, never a monitor crash.
 
-use crate::abi::{self, credit, ring_hdr};
-use crate::memory::Mapping;
+use crate::guest::abi::{self, credit, ring_hdr};
+use crate::guest::memory::Mapping;
 use std::sync::atomic::{fence, Ordering};
 
 const RX_SIZE: u32 = abi::RX_RING_BYTES as u32;

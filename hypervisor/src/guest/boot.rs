@@ -1,8 +1,8 @@
 //! What a VM finds at boot: identity page tables, a GDT with a TSS, the
 //! boot-info page, and the layout of its RAM.
 
-use crate::abi::{self, BootInfo};
-use crate::memory::Mapping;
+use crate::guest::abi::{self, BootInfo};
+use crate::guest::memory::Mapping;
 use paging_policy::config::blocks_touched;
 
 const PAGE: u64 = 4096;

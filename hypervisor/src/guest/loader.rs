@@ -1,7 +1,7 @@
 //! Loads the webguest ELF once into the image shared by every VM.
 
-use crate::abi::{IMAGE_BYTES, IMAGE_GPA, RAM_GPA};
-use crate::memory::Mapping;
+use crate::guest::abi::{IMAGE_BYTES, IMAGE_GPA, RAM_GPA};
+use crate::guest::memory::Mapping;
 use goblin::elf::{header::EM_X86_64, program_header::PT_LOAD, Elf};
 use std::path::{Path, PathBuf};
 

@@ -1,13 +1,12 @@
-//! One microVM: the front's view of it ([`MicroVm`]: listener, rings,
-//! connections), the holder's ([`HeldVm`]: KVM VM and vCPU thread), and the
-//! builders that assemble each (see `holder`).
+//! How a holder builds a microVM (after Firecracker's `builder.rs`): the
+//! context every VM of a cell is built from ([`BuildContext`]), the empty
+//! KVM VM and parked vCPU made ahead ([`Prebuilt`]), and the steps that
+//! complete and start them ([`build`]) into a [`HeldVm`].
 
-use crate::abi::{self, BootInfo};
-use crate::boot::{self, RamLayout};
-use crate::devices::stream::StreamDevice;
-use crate::holder::RemoteVcpu;
-use crate::loader::GuestImage;
-use crate::memory::{Arena, HolderSlots, Mapping};
+use crate::guest::abi::{self, BootInfo};
+use crate::guest::boot::{self, RamLayout};
+use crate::guest::loader::GuestImage;
+use crate::guest::memory::{Arena, HolderSlots, Mapping};
 use crate::platform::Platform;
 use crate::vstate::stats::VcpuStats;
 use crate::vstate::vcpu::{self, VcpuHandle};
@@ -15,7 +14,7 @@ use crate::vstate::vm::{self as kvm_vm, Slot, VmCaps};
 use kvm_bindings::CpuId;
 use kvm_ioctls::{Kvm, VmFd};
 use std::net::{Ipv4Addr, SocketAddrV4};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -48,16 +47,6 @@ pub enum BuildError {
         vm: u32,
         /// The vCPU error.
         source: vcpu::VcpuError,
-    },
-    /// The VM's listener could not be bound.
-    #[error("VM {vm}: listen on {addr}: {source}")]
-    Listen {
-        /// VM index.
-        vm: u32,
-        /// The address.
-        addr: SocketAddrV4,
-        /// The bind error.
-        source: std::io::Error,
     },
     /// The cell's guest RAM has no slot for the VM.
     #[error("VM {vm}: no RAM slot left in this cell")]
@@ -127,40 +116,6 @@ impl BuildContext {
     }
 }
 
-/// A booted microVM as the cell's front holds it.
-pub struct MicroVm {
-    /// Its vCPU, in a holder.
-    pub vcpu: RemoteVcpu,
-    /// Index of the VM.
-    pub id: u32,
-    /// Where it listens.
-    pub addr: SocketAddrV4,
-    /// Its TCP listener.
-    pub listener: mio::net::TcpListener,
-    /// Host-to-guest interrupt.
-    pub irq: EventFd,
-    /// Host side of the stream device.
-    pub stream: StreamDevice,
-    /// Connection (slab key) on each slot.
-    pub slots: [Option<usize>; abi::MAX_SLOTS],
-    /// Connections whose unread bytes wait for credit or ring room.
-    pub waiting: Vec<usize>,
-    /// Accepting paused until a slot or ring room frees up.
-    pub accept_paused: bool,
-    /// The guest reported ready.
-    pub ready: bool,
-    /// Request bytes the host has put in its rx ring.
-    pub rx_bytes: u64,
-    /// The guest's allowance of tx records (a rate, see `proxy`).
-    pub tx_records: crate::proxy::RecordBudget,
-    /// System pages (rings, control page).
-    pub sys: Mapping,
-    /// Guest RAM.
-    pub ram: Mapping,
-    /// KVM's counters for the vCPU, when requested.
-    pub kvm_stats: Option<VcpuStats>,
-}
-
 /// A microVM as its holder holds it.
 pub struct HeldVm {
     /// The vCPU thread; first so it stops before anything else goes.
@@ -182,35 +137,6 @@ impl HeldVm {
     pub fn release(&mut self) {
         self.vcpu.stop();
         self.kvm.take();
-    }
-}
-
-impl MicroVm {
-    /// The guest's control page.
-    pub fn ctrl(&self) -> abi::Ctrl {
-        self.sys.read_volatile(abi::CTRL_GPA)
-    }
-
-    /// Writes the host command word.
-    pub fn command(&self, cmd: u32) {
-        self.sys
-            .atomic_u32(abi::CTRL_GPA + 4)
-            .store(cmd, std::sync::atomic::Ordering::Release);
-    }
-
-    /// Why the VM stopped, once its vCPU has: the vCPU's reason, with the
-    /// vector and address the guest reported if it panicked.
-    pub fn stop_reason(&self) -> Option<String> {
-        let base = self.vcpu.reason()?;
-        let ctrl = self.ctrl();
-        Some(if ctrl.state == abi::STATE_PANICKED {
-            format!(
-                "{base}: vector {} at rip {:#x}, error code {:#x}",
-                ctrl.panic_vector, ctrl.panic_rip, ctrl.panic_error_code
-            )
-        } else {
-            base
-        })
     }
 }
 
@@ -331,124 +257,4 @@ pub fn build(
         _sys: sys,
         _ram: ram,
     })
-}
-
-/// The front's side of VM `id`, which its holder built and started: its
-/// listener, its interrupt and its memory as the front maps them.
-pub fn adopt(
-    ctx: &BuildContext,
-    id: u32,
-    vcpu: RemoteVcpu,
-    irq: EventFd,
-    stats_fd: Option<OwnedFd>,
-) -> Result<MicroVm, BuildError> {
-    let slot = ctx.slot_of(id);
-    let sys = ctx.sys.slot(slot).ok_or(BuildError::NoSlot { vm: id })?;
-    let ram = ctx.ram.slot(slot).ok_or(BuildError::NoSlot { vm: id })?;
-    let addr = ctx.addr_of(id);
-    let listener = listen(addr).map_err(|source| BuildError::Listen {
-        vm: id,
-        addr,
-        source,
-    })?;
-    let kvm_stats = stats_fd
-        .map(|fd| VcpuStats::from_descriptor(std::fs::File::from(fd)))
-        .transpose()
-        .map_err(|source| BuildError::Memory { vm: id, source })?;
-    Ok(MicroVm {
-        vcpu,
-        id,
-        addr,
-        listener,
-        irq,
-        stream: StreamDevice::default(),
-        slots: [None; abi::MAX_SLOTS],
-        waiting: Vec::new(),
-        accept_paused: false,
-        ready: false,
-        rx_bytes: 0,
-        tx_records: crate::proxy::RecordBudget::new(std::time::Instant::now()),
-        sys,
-        ram,
-        kvm_stats,
-    })
-}
-
-/// How long the kernel holds a connection whose client has sent nothing
-/// before the listener reports it (TCP_DEFER_ACCEPT, rounded up to its
-/// first SYN-ACK retransmission).
-const DEFER_ACCEPT_SECS: libc::c_int = 1;
-/// Connections a listener queues. Deferred connections wait in the SYN
-/// queue until their request arrives, and past this length the kernel
-/// answers with SYN cookies, whose connections skip the deferral and are
-/// accepted ahead of older ones that already sent their request.
-const LISTEN_BACKLOG: i32 = 1024;
-
-/// A VM's nonblocking listener. Connections accepted from it inherit
-/// TCP_NODELAY (Linux copies the option on accept): one call per VM
-/// instead of one per connection. With TCP_DEFER_ACCEPT a connection
-/// becomes acceptable when its request arrives, so accepting it and reading
-/// the request take one wake-up of the cell's loop instead of two.
-fn listen(addr: SocketAddrV4) -> std::io::Result<mio::net::TcpListener> {
-    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
-    socket.set_reuse_address(true)?;
-    socket.set_nonblocking(true)?;
-    socket.set_tcp_nodelay(true)?;
-    // SAFETY: an open socket and an int-sized option value that outlives the call.
-    let rc = unsafe {
-        libc::setsockopt(
-            socket.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_DEFER_ACCEPT,
-            (&DEFER_ACCEPT_SECS as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    socket.bind(&addr.into())?;
-    socket.listen(LISTEN_BACKLOG)?;
-    Ok(mio::net::TcpListener::from_std(socket.into()))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::io::{Read, Write};
-
-    fn accept(listener: &mio::net::TcpListener) -> mio::net::TcpStream {
-        loop {
-            match listener.accept() {
-                Ok((stream, _)) => return stream,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::yield_now(),
-                Err(e) => panic!("accept: {e}"),
-            }
-        }
-    }
-
-    #[test]
-    fn an_accepted_connection_has_nodelay_from_the_listener() {
-        let listener = listen(SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 0)).unwrap();
-        let mut client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        client.write_all(b"GET").unwrap();
-        assert!(accept(&listener).nodelay().unwrap());
-    }
-
-    #[test]
-    fn a_connection_is_accepted_once_its_request_arrives() {
-        let listener = listen(SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 0)).unwrap();
-        let mut client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        // The handshake is complete on the client's side, but nothing was sent.
-        let early = listener.accept().map(|_| ()).unwrap_err();
-        assert_eq!(early.kind(), std::io::ErrorKind::WouldBlock);
-        client.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
-        let mut request = [0u8; 18];
-        let mut accepted = accept(&listener);
-        socket2::SockRef::from(&accepted)
-            .set_nonblocking(false)
-            .unwrap();
-        accepted.read_exact(&mut request).unwrap();
-        assert_eq!(&request, b"GET / HTTP/1.0\r\n\r\n");
-    }
 }

@@ -16,9 +16,11 @@
 //! The link is a SOCK_SEQPACKET pair: one JSON object per record, with
 //! descriptors attached to the record they belong to.
 
-use crate::framing::nonblocking;
-use crate::vm::{self, BuildContext, HeldVm};
+pub mod builder;
+
+use crate::link::framing::nonblocking;
 use crate::vstate::vcpu::RunState;
+use builder::{BuildContext, HeldVm};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -657,8 +659,8 @@ fn build_all(
     // one visits every VMA, so this keeps the boot linear in the VM count.
     let mut parts = Vec::with_capacity(count as usize);
     for id in ids.clone() {
-        match vm::create(ctx, id).and_then(|kvm| Ok((kvm, vm::park_vcpu(ctx, id)?))) {
-            Ok((kvm, vcpu)) => parts.push(Mutex::new(Some(vm::Prebuilt { vcpu, kvm }))),
+        match builder::create(ctx, id).and_then(|kvm| Ok((kvm, builder::park_vcpu(ctx, id)?))) {
+            Ok((kvm, vcpu)) => parts.push(Mutex::new(Some(builder::Prebuilt { vcpu, kvm }))),
             Err(e) => return (Vec::new(), Some(e.to_string())),
         }
     }
@@ -679,7 +681,7 @@ fn build_all(
                     .expect("each VM built once");
                 let id = first + index;
                 let slot = ctx.slot_of(id);
-                let result = vm::build(ctx, id, prebuilt, &irqs[slot], &doorbells[slot])
+                let result = builder::build(ctx, id, prebuilt, &irqs[slot], &doorbells[slot])
                     .map_err(|e| e.to_string());
                 built.lock().expect("built")[index as usize] = Some(result);
             });

@@ -12,7 +12,7 @@
 //!    ([`FromCell::Booted`], [`FromCell::Access`], [`FromCell::Stopped`],
 //!    [`FromCell::Failed`]) whenever they happen.
 
-use crate::serve::ServeArgs;
+use crate::config::ServeArgs;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 

@@ -1,9 +1,9 @@
 //! The parent's side of its cells: starting one, the handshake that hands
 //! its guest memory to the pager, and the link it is driven through.
 
-use crate::framing::{FrameError, LineStream};
-use crate::protocol::{CellConfig, FromCell, Hello, ToCell, MAX_LINK_LINE};
-use crate::serve::ServeArgs;
+use crate::config::ServeArgs;
+use crate::link::framing::{FrameError, LineStream};
+use crate::link::protocol::{CellConfig, FromCell, Hello, ToCell, MAX_LINK_LINE};
 use paging_policy::{Pager, SpaceHandoff, SpaceId};
 use std::io::{Read, Write};
 use std::os::fd::{FromRawFd, OwnedFd};
@@ -15,43 +15,6 @@ use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 /// Longest a cell may take to start and hand over its memory.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// Most VMs a cell holds by default while every VM's working set fits in the
-/// budget: in core, cost is the cells' event loops waking, and four loops a
-/// core serve 0.72-0.77 of nginx at 4,000 VMs where twenty serve 0.61
-/// (hypervisor/README.md, "Choosing --cell-vms").
-pub const IN_CORE_CELL_VMS: u32 = 500;
-/// Most VMs a cell holds by default when they page: cells of 100 faulted
-/// 10-15% faster than of 500 while a cell's VMs shared one address space;
-/// with holders the two are within the noise (hypervisor/README.md).
-pub const PAGING_CELL_VMS: u32 = 100;
-
-/// The default of `--cell-vms`: whether `vms` VMs, each holding
-/// `resident_bytes` once it has served requests, fit in `budget_bytes`.
-pub fn default_cell_vms(vms: u32, resident_bytes: u64, budget_bytes: u64) -> u32 {
-    if u64::from(vms).saturating_mul(resident_bytes) <= budget_bytes {
-        IN_CORE_CELL_VMS
-    } else {
-        PAGING_CELL_VMS
-    }
-}
-
-/// How many VMs each cell boots with, in ID order: `vms` spread evenly over
-/// the fewest cells that hold at most `cell_vms` each. Pinned cells go round
-/// robin over `pinned_cpus` CPUs, so their number is rounded up to a multiple
-/// of it (at most one cell per VM): every CPU then serves as many VMs, and an
-/// uneven split would leave one core with twice the load of another.
-pub fn boot_layout(vms: u32, cell_vms: u32, pinned_cpus: Option<usize>) -> Vec<u32> {
-    let cpus = u32::try_from(pinned_cpus.unwrap_or(1).max(1)).unwrap_or(u32::MAX);
-    let cells = vms
-        .div_ceil(cell_vms.max(1))
-        .div_ceil(cpus)
-        .saturating_mul(cpus)
-        .min(vms);
-    (0..cells)
-        .map(|i| vms / cells + u32::from(i < vms % cells))
-        .collect()
-}
 
 /// A cell started but not yet handed over.
 pub struct PendingCell {
@@ -335,40 +298,5 @@ impl Cell {
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{boot_layout, default_cell_vms, IN_CORE_CELL_VMS, PAGING_CELL_VMS};
-
-    #[test]
-    fn cells_are_large_while_the_working_sets_fit_and_small_once_they_page() {
-        let mib = 1 << 20;
-        assert_eq!(default_cell_vms(1024, mib, 1 << 30), IN_CORE_CELL_VMS);
-        assert_eq!(default_cell_vms(1025, mib, 1 << 30), PAGING_CELL_VMS);
-        assert_eq!(
-            default_cell_vms(u32::MAX, u64::MAX, 1 << 30),
-            PAGING_CELL_VMS
-        );
-    }
-
-    #[test]
-    fn vms_spread_evenly_over_the_fewest_cells_that_fit() {
-        assert_eq!(boot_layout(10, 3, None), [3, 3, 2, 2]);
-        assert_eq!(boot_layout(4000, 500, None), [500; 8]);
-        assert_eq!(boot_layout(750, 500, None), [375, 375]);
-        assert_eq!(boot_layout(7, 100, None), [7]);
-    }
-
-    #[test]
-    fn pinned_cells_give_every_cpu_the_same_share() {
-        assert_eq!(boot_layout(1100, 500, Some(2)), [275; 4]);
-        assert_eq!(boot_layout(250, 500, Some(2)), [125, 125]);
-        assert_eq!(boot_layout(4000, 500, Some(2)), [500; 8]);
-        assert_eq!(boot_layout(10, 3, Some(3)), [2, 2, 2, 2, 1, 1]);
-        // Never an empty cell, and nothing changes on one CPU.
-        assert_eq!(boot_layout(1, 500, Some(2)), [1]);
-        assert_eq!(boot_layout(10, 3, Some(1)), boot_layout(10, 3, None));
     }
 }

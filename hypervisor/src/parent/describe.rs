@@ -2,8 +2,8 @@
 //! `serve` flags, as JSON. The controller reads them (cached per binary)
 //! instead of keeping copies of constants that would drift.
 
-use crate::abi;
-use crate::serve::{self, ConfigError, ServeArgs};
+use crate::config::{self, ConfigError, ServeArgs};
+use crate::guest::abi;
 use clap::Args;
 use serde_json::{json, Value};
 
@@ -21,8 +21,8 @@ pub struct DescribeArgs {
 /// The description of `args.serve`'s configuration, checked as `serve`
 /// checks it (guest, block, budget, policy, disk, swap path).
 pub fn describe(args: &ServeArgs) -> Result<Value, ConfigError> {
-    let (_, layout) = serve::load_guest(args)?;
-    let pager = serve::pager_config(args, &layout)?;
+    let (_, layout) = config::load_guest(args)?;
+    let pager = config::pager_config(args, &layout)?;
     Ok(json!({
         "schema": "densevm-describe/1",
         "version": env!("CARGO_PKG_VERSION"),
@@ -32,17 +32,17 @@ pub fn describe(args: &ServeArgs) -> Result<Value, ConfigError> {
             "ws_bytes": layout.ws_bytes,
             "stack_bytes": abi::STACK_BYTES,
             "request_ranges": layout.request_ranges(),
-            "ws_write_stride_default": serve::DEFAULT_WS_WRITE_STRIDE,
+            "ws_write_stride_default": config::DEFAULT_WS_WRITE_STRIDE,
         },
         "config": {
             "block_bytes": pager.block_bytes,
             "budget_bytes": pager.budget_bytes,
             "policy": pager.policy.to_string(),
             "disk": pager.disk.text,
-            "cell_vms": serve::cell_vms(args, &layout, &pager),
+            "cell_vms": config::cell_vms(args, &layout, &pager),
         },
         "swap": {
-            "vms_sized_for": serve::vms_with_headroom(args.vms),
+            "vms_sized_for": config::vms_with_headroom(args.vms),
             "rule": "max(2 x vms, vms + 64) VMs, each ram_bytes x swap_bytes_per_ram_byte[layout]",
         },
         "pager": paging_policy::describe::describe(),

@@ -1,202 +1,28 @@
 //! `densevm serve`: validate the configuration, start the pager and the
 //! cells that hold the VMs, supervise them until a signal, tear down.
 
-use crate::boot::RamLayout;
-use crate::cells::{boot_layout, default_cell_vms, PendingCell};
-use crate::loader::{self, GuestImage};
+use crate::config::{
+    boot_layout, cell_vms, check_flags, ensure_fd_budget, fds_per_vm, load_guest, pager_config,
+    vms_with_headroom, ConfigError, ServeArgs,
+};
+use crate::guest::boot::RamLayout;
+use crate::parent::cell_handle::PendingCell;
+use crate::parent::supervisor::{Exit, Supervisor, SupervisorSetup};
 use crate::platform;
 use crate::scheduling::{self, CellPlacement};
-use crate::supervisor::{Exit, Supervisor, SupervisorSetup};
-use clap::Args;
 use kvm_ioctls::Kvm;
 use paging_policy::trace::{TraceHeader, TraceWriter};
-use paging_policy::{parse_size, DiskSpec, Pager, PagerConfig, PolicySpec};
-use serde::{Deserialize, Serialize};
+use paging_policy::Pager;
 use serde_json::json;
 use std::io::Write;
-use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// File descriptors a VM needs in one process of its cell, at most: its
-/// listener, irqfd and doorbell in the front; in its holder, its VM and vCPU
-/// besides every irqfd and doorbell of the cell (inherited at the fork).
-const FDS_PER_VM: u64 = 4;
-/// Descriptors kept free for connections, the API and the pager.
-const FD_HEADROOM: u64 = 1024;
 /// Descriptors the parent holds per cell: link, userfaultfd, memfd, pidfd slack.
 const FDS_PER_CELL: u64 = 4;
-/// Kernel memory a 1-vCPU KVM VM holds (docs/host-facts.md, "Costs of KVM operations"):
-/// a VM count the host cannot hold is refused up front.
-const KERNEL_BYTES_PER_VM: u64 = 600 << 10;
-/// A request writes one word in every 4th working-set page by default.
-pub const DEFAULT_WS_WRITE_STRIDE: u32 = 4;
 /// Longest orderly teardown before the process just exits.
 const TEARDOWN_GRACE: Duration = Duration::from_secs(30);
-
-/// Flags of `densevm serve`.
-#[derive(Args, Debug, Clone, Serialize, Deserialize)]
-pub struct ServeArgs {
-    /// Number of VMs to boot.
-    #[arg(long, default_value_t = 16)]
-    pub vms: u32,
-    /// At most this many VMs per worker process (cell): each cell has its own
-    /// address space, so a change to guest memory visits only its VMs' MMU
-    /// notifiers. The VMs are spread evenly over as few cells as fit (pinned:
-    /// as many on every CPU). [default: 500 if the blocks every VM's requests
-    /// touch fit in --mem together, else 100]
-    #[arg(long)]
-    pub cell_vms: Option<u32>,
-    /// Where cells run: pinned (cell i and all its threads on one CPU, round
-    /// robin over the CPUs densevm may use) or floating (the scheduler's choice).
-    #[arg(long, value_enum, default_value_t = CellPlacement::Pinned)]
-    pub cell_placement: CellPlacement,
-    /// Address of VM 0; VM i listens on this address plus i.
-    #[arg(long, default_value = "127.1.0.0")]
-    pub addr_base: Ipv4Addr,
-    /// TCP port every VM listens on.
-    #[arg(long, default_value_t = 8080)]
-    pub port: u16,
-    /// Working set every request touches (e.g. 896K).
-    #[arg(long, default_value = "896K")]
-    pub ws: String,
-    /// Write one word in every Nth working-set page per request (1 = every page).
-    #[arg(long, default_value_t = DEFAULT_WS_WRITE_STRIDE)]
-    pub ws_write_stride: u32,
-    /// A number given to every guest in its boot info, opaque to the monitor
-    /// (the test guests read their behaviour from it).
-    #[arg(long, default_value_t = 0)]
-    pub guest_arg: u64,
-    /// RAM of each VM.
-    #[arg(long, default_value = "4M")]
-    pub guest_mem: String,
-    /// Control socket path [default: densevm-<pid>.sock in the current directory].
-    #[arg(long)]
-    pub api: Option<PathBuf>,
-    /// Guest image [default: webguest.elf beside the densevm binary].
-    #[arg(long)]
-    pub guest: Option<PathBuf>,
-    /// Guests stamp and verify every working-set page on every request.
-    #[arg(long)]
-    pub selfcheck: bool,
-    /// KVM halt polling per VM, in ns [default: the host's setting].
-    #[arg(long)]
-    pub halt_poll_ns: Option<u64>,
-    /// A VM not up after this many seconds is stopped as a boot failure.
-    #[arg(long, default_value_t = 120)]
-    pub boot_timeout: u64,
-    /// Memory budget for all guest RAM together.
-    #[arg(long, default_value = "1G")]
-    pub mem: String,
-    /// Paging block size: the unit of fault-in and eviction (4k..256k, a power of two).
-    #[arg(long, default_value = "32k")]
-    pub block: String,
-    /// Paging policy: demand, wsswap, or the path of a policy plugin (.so).
-    #[arg(long, default_value = "demand")]
-    pub policy: String,
-    /// Swap file or block device [default: densevm-swap-<pid>.img in the current directory].
-    #[arg(long)]
-    pub swap: Option<PathBuf>,
-    /// Keep the swap file at exit.
-    #[arg(long)]
-    pub keep_swap: bool,
-    /// Size of the swap device [default: room for every VM's RAM].
-    #[arg(long)]
-    pub swap_size: Option<String>,
-    /// Disk model added to the swap I/O: none, hdd, hdd15k, ssd, array:N, raid5:N, with overrides (hdd,seek_ms=9).
-    #[arg(long, default_value = "none")]
-    pub disk: String,
-    /// Record the VM of every served request, for pagesim.
-    #[arg(long)]
-    pub record_trace: Option<PathBuf>,
-    /// Report KVM's per-vCPU counters in the stats (one more fd per VM).
-    #[arg(long)]
-    pub vcpu_stats: bool,
-    /// Threads that create VMs at boot, per cell.
-    #[arg(long, default_value_t = 2)]
-    pub boot_threads: u32,
-    /// Most resident memory one VM may hold (e.g. 512k); past it the VM's
-    /// own blocks are evicted, whatever the policy chooses, so a thrashing
-    /// VM pages against itself rather than its neighbours. Default: none.
-    #[arg(long)]
-    pub vm_resident_max: Option<String>,
-    /// Busy CPU work per served request, in microseconds: a known slowdown of
-    /// the in-core path, only for checking regression detection.
-    #[arg(long, default_value_t = 0)]
-    pub inject_request_us: u64,
-    /// Kernel CPU work per page fault-in, in microseconds: a known slowdown
-    /// of the out-of-core path, only for checking regression detection.
-    #[arg(long, default_value_t = 0)]
-    pub inject_fault_us: u64,
-}
-
-/// A configuration or set-up error: one line, exit code 2.
-#[derive(Debug)]
-pub struct ConfigError(pub String);
-
-fn default_guest() -> PathBuf {
-    std::env::current_exe()
-        .ok()
-        .and_then(|exe| exe.parent().map(|dir| dir.join("webguest.elf")))
-        .unwrap_or_else(|| PathBuf::from("webguest.elf"))
-}
-
-/// Descriptors a VM holds in its cell with these flags.
-pub fn fds_per_vm(args: &ServeArgs) -> u64 {
-    FDS_PER_VM + args.vcpu_stats as u64
-}
-
-/// Raises the soft fd limit to the hard one; checks it covers `count`
-/// holders of `fds_each` descriptors.
-pub fn ensure_fd_budget(count: u32, fds_each: u64) -> Result<(), ConfigError> {
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: plain getrlimit/setrlimit on our own process.
-    unsafe {
-        libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit);
-        limit.rlim_cur = limit.rlim_max;
-        libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
-    }
-    let needed = count as u64 * fds_each + FD_HEADROOM;
-    if needed > limit.rlim_max {
-        return Err(ConfigError(format!(
-            "{count} x {fds_each} file descriptors need about {needed} but RLIMIT_NOFILE allows {}",
-            limit.rlim_max
-        )));
-    }
-    Ok(())
-}
-
-/// The guest image and the RAM layout of every VM.
-pub fn load_guest(args: &ServeArgs) -> Result<(GuestImage, RamLayout), ConfigError> {
-    let ws = size("--ws", &args.ws)?;
-    let guest_mem = size("--guest-mem", &args.guest_mem)?;
-    let guest = args.guest.clone().unwrap_or_else(default_guest);
-    let image = loader::load(&guest).map_err(|e| ConfigError(e.to_string()))?;
-    let layout = RamLayout::new(guest_mem, image.bss_end, image.rx_buffers, ws).ok_or_else(|| {
-        ConfigError(format!(
-            "--guest-mem {} cannot hold the guest ({} KiB of bss), a {} KiB working set and its stack: needs at least {} KiB",
-            args.guest_mem,
-            image.bss_end / 1024,
-            ws / 1024,
-            RamLayout::min_ram_bytes(image.bss_end, ws) / 1024
-        ))
-    })?;
-    Ok((image, layout))
-}
-
-/// The VMs the swap is sized for: room for VMs created later through the
-/// API, too.
-pub fn vms_with_headroom(vms: u32) -> u32 {
-    vms.saturating_mul(2).max(vms.saturating_add(64))
-}
-
-fn size(flag: &str, text: &str) -> Result<u64, ConfigError> {
-    parse_size(text).map_err(|e| ConfigError(format!("{flag}: {e}")))
-}
 
 struct Prepared {
     api: std::os::unix::net::UnixListener,
@@ -209,102 +35,6 @@ struct Prepared {
     cell_vms: u32,
     /// VMs each cell boots with, in ID order.
     cell_sizes: Vec<u32>,
-}
-
-fn check_flags(args: &ServeArgs) -> Result<(), ConfigError> {
-    if args.vms == 0 {
-        return Err(ConfigError("--vms must be at least 1".into()));
-    }
-    if args.cell_vms == Some(0) {
-        return Err(ConfigError("--cell-vms must be at least 1".into()));
-    }
-    if args.ws_write_stride == 0 {
-        return Err(ConfigError("--ws-write-stride must be at least 1".into()));
-    }
-    let ws = size("--ws", &args.ws)?;
-    let guest_mem = size("--guest-mem", &args.guest_mem)?;
-    if ws % 4096 != 0 || guest_mem % 4096 != 0 {
-        return Err(ConfigError(
-            "--ws and --guest-mem must be multiples of 4 KiB".into(),
-        ));
-    }
-    if guest_mem > 1 << 30 {
-        return Err(ConfigError("--guest-mem is at most 1G".into()));
-    }
-    let last = u32::from(args.addr_base).checked_add(args.vms - 1);
-    match last.map(Ipv4Addr::from) {
-        Some(addr) if addr.is_loopback() && args.addr_base.is_loopback() => {}
-        _ => {
-            return Err(ConfigError(format!(
-                "--addr-base {} + {} VMs leaves 127.0.0.0/8",
-                args.addr_base, args.vms
-            )))
-        }
-    }
-    let needed = args.vms as u64 * KERNEL_BYTES_PER_VM;
-    match mem_available() {
-        Some(available) if needed > available => Err(ConfigError(format!(
-            "--vms {} needs about {:.1} GiB of kernel memory ({} KiB a VM) but {:.1} GiB is available",
-            args.vms,
-            needed as f64 / GIB,
-            KERNEL_BYTES_PER_VM >> 10,
-            available as f64 / GIB
-        ))),
-        _ => Ok(()),
-    }
-}
-
-const GIB: f64 = (1u64 << 30) as f64;
-
-/// MemAvailable from /proc/meminfo, in bytes.
-fn mem_available() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    line.split_whitespace()
-        .nth(1)?
-        .parse::<u64>()
-        .ok()
-        .map(|kib| kib << 10)
-}
-
-/// The pager's configuration from `serve`'s flags, parsed once and checked
-/// against the guest's layout.
-pub fn pager_config(args: &ServeArgs, layout: &RamLayout) -> Result<PagerConfig, ConfigError> {
-    let config = PagerConfig {
-        budget_bytes: size("--mem", &args.mem)?,
-        block_bytes: size("--block", &args.block)?,
-        policy: PolicySpec::parse(&args.policy).map_err(|e| ConfigError(e.to_string()))?,
-        swap_path: args.swap.clone(),
-        keep_swap: args.keep_swap,
-        disk: DiskSpec::parse(&args.disk).map_err(|e| ConfigError(e.to_string()))?,
-        swap_bytes: args
-            .swap_size
-            .as_deref()
-            .map(|s| size("--swap-size", s))
-            .transpose()?,
-        vm_resident_max: args
-            .vm_resident_max
-            .as_deref()
-            .map(|s| size("--vm-resident-max", s))
-            .transpose()?,
-        inject_fault: std::time::Duration::from_micros(args.inject_fault_us),
-    };
-    config
-        .validate(layout.ram_bytes, layout.request_footprint())
-        .map_err(|e| ConfigError(e.to_string()))?;
-    Ok(config)
-}
-
-/// Most VMs a cell holds: `--cell-vms`, or the default for the regime the
-/// flags put the VMs in.
-pub fn cell_vms(args: &ServeArgs, layout: &RamLayout, pager: &PagerConfig) -> u32 {
-    args.cell_vms.unwrap_or_else(|| {
-        default_cell_vms(
-            args.vms,
-            layout.request_blocks_bytes(pager.block_bytes),
-            pager.budget_bytes,
-        )
-    })
 }
 
 fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {

@@ -7,11 +7,12 @@
 //! only its own VMs down: they are reported crashed with the reason, and
 //! their budget and swap go back to the pager.
 
-use crate::api::{self, Request};
-use crate::cells::{Cell, PendingCell};
-use crate::framing::{FrameError, LineStream, More};
-use crate::protocol::{FromCell, ToCell};
-use crate::serve::{self, ServeArgs};
+use crate::config::ServeArgs;
+use crate::link::framing::{FrameError, LineStream, More};
+use crate::link::protocol::{FromCell, ToCell};
+use crate::parent::api::{self, Request};
+use crate::parent::cell_handle::{Cell, PendingCell};
+use crate::parent::serve;
 use mio::net::{UnixListener, UnixStream};
 use mio::{Events, Interest, Poll, Token};
 use paging_policy::trace::TraceWriter;
@@ -161,7 +162,7 @@ impl Supervisor {
             } else {
                 Duration::from_millis(250)
             };
-            crate::framing::nonblocking(|| self.poll.poll(&mut events, Some(timeout)))
+            crate::link::framing::nonblocking(|| self.poll.poll(&mut events, Some(timeout)))
                 .map_err(|e| format!("event loop: {e}"))?;
             for event in events.iter() {
                 let Token(t) = event.token();
@@ -378,7 +379,7 @@ impl Supervisor {
 
     fn accept_clients(&mut self) {
         loop {
-            match crate::framing::nonblocking(|| self.api.accept()) {
+            match crate::link::framing::nonblocking(|| self.api.accept()) {
                 Ok(Some((mut stream, _))) => {
                     if self.clients.len() >= MAX_API_CLIENTS {
                         let refusal = format!("{{\"error\":\"more than {MAX_API_CLIENTS} control clients at once\"}}\n");

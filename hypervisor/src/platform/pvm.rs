@@ -1,7 +1,7 @@
 //! PVM: detection through its identification MSR, and the VIF page.
 
 use super::{Platform, PlatformError};
-use crate::abi::{FLAG_PVM, VIF_GPA};
+use crate::guest::abi::{FLAG_PVM, VIF_GPA};
 use kvm_bindings::{kvm_msr_entry, Msrs};
 use kvm_ioctls::VcpuFd;
 

@@ -1,8 +1,8 @@
 //! The vCPU: its boot state, and the thread that keeps it in KVM_RUN.
 
-use crate::abi;
-use crate::boot;
-use crate::memory::Mapping;
+use crate::guest::abi;
+use crate::guest::boot;
+use crate::guest::memory::Mapping;
 use crate::platform::{Platform, PlatformError};
 use kvm_bindings::{kvm_msr_entry, kvm_regs, kvm_segment, CpuId, Msrs};
 use kvm_ioctls::{VcpuExit, VcpuFd};

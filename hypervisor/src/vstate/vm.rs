@@ -1,7 +1,7 @@
 //! A KVM VM with its memory slots and interrupt wiring.
 
-use crate::abi;
-use crate::memory::Mapping;
+use crate::guest::abi;
+use crate::guest::memory::Mapping;
 use kvm_bindings::{
     kvm_enable_cap, kvm_irq_routing_entry, kvm_userspace_memory_region, KvmIrqRouting,
     KVM_CAP_HALT_POLL, KVM_CAP_SPLIT_IRQCHIP, KVM_IRQ_ROUTING_MSI, KVM_MEM_READONLY,

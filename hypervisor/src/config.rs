@@ -1,0 +1,357 @@
+//! The configuration of `densevm serve` (and `describe`): its flags
+//! ([`ServeArgs`]), and everything derived from them once, in the parent:
+//! the checks that refuse a configuration, the guest's RAM layout, the
+//! pager's settings and the size of the cells.
+
+use crate::guest::boot::RamLayout;
+use crate::guest::loader::{self, GuestImage};
+use crate::scheduling::CellPlacement;
+use clap::Args;
+use paging_policy::{parse_size, DiskSpec, PagerConfig, PolicySpec};
+use serde::{Deserialize, Serialize};
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+
+/// File descriptors a VM needs in one process of its cell, at most: its
+/// listener, irqfd and doorbell in the front; in its holder, its VM and vCPU
+/// besides every irqfd and doorbell of the cell (inherited at the fork).
+const FDS_PER_VM: u64 = 4;
+/// Descriptors kept free for connections, the API and the pager.
+const FD_HEADROOM: u64 = 1024;
+/// Descriptors the parent holds per cell: link, userfaultfd, memfd, pidfd slack.
+/// Kernel memory a 1-vCPU KVM VM holds (docs/host-facts.md, "Costs of KVM operations"):
+/// a VM count the host cannot hold is refused up front.
+const KERNEL_BYTES_PER_VM: u64 = 600 << 10;
+/// A request writes one word in every 4th working-set page by default.
+pub const DEFAULT_WS_WRITE_STRIDE: u32 = 4;
+
+/// Flags of `densevm serve`.
+#[derive(Args, Debug, Clone, Serialize, Deserialize)]
+pub struct ServeArgs {
+    /// Number of VMs to boot.
+    #[arg(long, default_value_t = 16)]
+    pub vms: u32,
+    /// At most this many VMs per worker process (cell): each cell has its own
+    /// address space, so a change to guest memory visits only its VMs' MMU
+    /// notifiers. The VMs are spread evenly over as few cells as fit (pinned:
+    /// as many on every CPU). [default: 500 if the blocks every VM's requests
+    /// touch fit in --mem together, else 100]
+    #[arg(long)]
+    pub cell_vms: Option<u32>,
+    /// Where cells run: pinned (cell i and all its threads on one CPU, round
+    /// robin over the CPUs densevm may use) or floating (the scheduler's choice).
+    #[arg(long, value_enum, default_value_t = CellPlacement::Pinned)]
+    pub cell_placement: CellPlacement,
+    /// Address of VM 0; VM i listens on this address plus i.
+    #[arg(long, default_value = "127.1.0.0")]
+    pub addr_base: Ipv4Addr,
+    /// TCP port every VM listens on.
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Working set every request touches (e.g. 896K).
+    #[arg(long, default_value = "896K")]
+    pub ws: String,
+    /// Write one word in every Nth working-set page per request (1 = every page).
+    #[arg(long, default_value_t = DEFAULT_WS_WRITE_STRIDE)]
+    pub ws_write_stride: u32,
+    /// A number given to every guest in its boot info, opaque to the monitor
+    /// (the test guests read their behaviour from it).
+    #[arg(long, default_value_t = 0)]
+    pub guest_arg: u64,
+    /// RAM of each VM.
+    #[arg(long, default_value = "4M")]
+    pub guest_mem: String,
+    /// Control socket path [default: densevm-<pid>.sock in the current directory].
+    #[arg(long)]
+    pub api: Option<PathBuf>,
+    /// Guest image [default: webguest.elf beside the densevm binary].
+    #[arg(long)]
+    pub guest: Option<PathBuf>,
+    /// Guests stamp and verify every working-set page on every request.
+    #[arg(long)]
+    pub selfcheck: bool,
+    /// KVM halt polling per VM, in ns [default: the host's setting].
+    #[arg(long)]
+    pub halt_poll_ns: Option<u64>,
+    /// A VM not up after this many seconds is stopped as a boot failure.
+    #[arg(long, default_value_t = 120)]
+    pub boot_timeout: u64,
+    /// Memory budget for all guest RAM together.
+    #[arg(long, default_value = "1G")]
+    pub mem: String,
+    /// Paging block size: the unit of fault-in and eviction (4k..256k, a power of two).
+    #[arg(long, default_value = "32k")]
+    pub block: String,
+    /// Paging policy: demand, wsswap, or the path of a policy plugin (.so).
+    #[arg(long, default_value = "demand")]
+    pub policy: String,
+    /// Swap file or block device [default: densevm-swap-<pid>.img in the current directory].
+    #[arg(long)]
+    pub swap: Option<PathBuf>,
+    /// Keep the swap file at exit.
+    #[arg(long)]
+    pub keep_swap: bool,
+    /// Size of the swap device [default: room for every VM's RAM].
+    #[arg(long)]
+    pub swap_size: Option<String>,
+    /// Disk model added to the swap I/O: none, hdd, hdd15k, ssd, array:N, raid5:N, with overrides (hdd,seek_ms=9).
+    #[arg(long, default_value = "none")]
+    pub disk: String,
+    /// Record the VM of every served request, for pagesim.
+    #[arg(long)]
+    pub record_trace: Option<PathBuf>,
+    /// Report KVM's per-vCPU counters in the stats (one more fd per VM).
+    #[arg(long)]
+    pub vcpu_stats: bool,
+    /// Threads that create VMs at boot, per cell.
+    #[arg(long, default_value_t = 2)]
+    pub boot_threads: u32,
+    /// Most resident memory one VM may hold (e.g. 512k); past it the VM's
+    /// own blocks are evicted, whatever the policy chooses, so a thrashing
+    /// VM pages against itself rather than its neighbours. Default: none.
+    #[arg(long)]
+    pub vm_resident_max: Option<String>,
+    /// Busy CPU work per served request, in microseconds: a known slowdown of
+    /// the in-core path, only for checking regression detection.
+    #[arg(long, default_value_t = 0)]
+    pub inject_request_us: u64,
+    /// Kernel CPU work per page fault-in, in microseconds: a known slowdown
+    /// of the out-of-core path, only for checking regression detection.
+    #[arg(long, default_value_t = 0)]
+    pub inject_fault_us: u64,
+}
+
+/// A configuration or set-up error: one line, exit code 2.
+#[derive(Debug)]
+pub struct ConfigError(pub String);
+
+fn default_guest() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(|dir| dir.join("webguest.elf")))
+        .unwrap_or_else(|| PathBuf::from("webguest.elf"))
+}
+
+/// Descriptors a VM holds in its cell with these flags.
+pub fn fds_per_vm(args: &ServeArgs) -> u64 {
+    FDS_PER_VM + args.vcpu_stats as u64
+}
+
+/// Raises the soft fd limit to the hard one; checks it covers `count`
+/// holders of `fds_each` descriptors.
+pub fn ensure_fd_budget(count: u32, fds_each: u64) -> Result<(), ConfigError> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: plain getrlimit/setrlimit on our own process.
+    unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit);
+        limit.rlim_cur = limit.rlim_max;
+        libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+    }
+    let needed = count as u64 * fds_each + FD_HEADROOM;
+    if needed > limit.rlim_max {
+        return Err(ConfigError(format!(
+            "{count} x {fds_each} file descriptors need about {needed} but RLIMIT_NOFILE allows {}",
+            limit.rlim_max
+        )));
+    }
+    Ok(())
+}
+
+/// The guest image and the RAM layout of every VM.
+pub fn load_guest(args: &ServeArgs) -> Result<(GuestImage, RamLayout), ConfigError> {
+    let ws = size("--ws", &args.ws)?;
+    let guest_mem = size("--guest-mem", &args.guest_mem)?;
+    let guest = args.guest.clone().unwrap_or_else(default_guest);
+    let image = loader::load(&guest).map_err(|e| ConfigError(e.to_string()))?;
+    let layout = RamLayout::new(guest_mem, image.bss_end, image.rx_buffers, ws).ok_or_else(|| {
+        ConfigError(format!(
+            "--guest-mem {} cannot hold the guest ({} KiB of bss), a {} KiB working set and its stack: needs at least {} KiB",
+            args.guest_mem,
+            image.bss_end / 1024,
+            ws / 1024,
+            RamLayout::min_ram_bytes(image.bss_end, ws) / 1024
+        ))
+    })?;
+    Ok((image, layout))
+}
+
+/// The VMs the swap is sized for: room for VMs created later through the
+/// API, too.
+pub fn vms_with_headroom(vms: u32) -> u32 {
+    vms.saturating_mul(2).max(vms.saturating_add(64))
+}
+
+fn size(flag: &str, text: &str) -> Result<u64, ConfigError> {
+    parse_size(text).map_err(|e| ConfigError(format!("{flag}: {e}")))
+}
+
+pub fn check_flags(args: &ServeArgs) -> Result<(), ConfigError> {
+    if args.vms == 0 {
+        return Err(ConfigError("--vms must be at least 1".into()));
+    }
+    if args.cell_vms == Some(0) {
+        return Err(ConfigError("--cell-vms must be at least 1".into()));
+    }
+    if args.ws_write_stride == 0 {
+        return Err(ConfigError("--ws-write-stride must be at least 1".into()));
+    }
+    let ws = size("--ws", &args.ws)?;
+    let guest_mem = size("--guest-mem", &args.guest_mem)?;
+    if ws % 4096 != 0 || guest_mem % 4096 != 0 {
+        return Err(ConfigError(
+            "--ws and --guest-mem must be multiples of 4 KiB".into(),
+        ));
+    }
+    if guest_mem > 1 << 30 {
+        return Err(ConfigError("--guest-mem is at most 1G".into()));
+    }
+    let last = u32::from(args.addr_base).checked_add(args.vms - 1);
+    match last.map(Ipv4Addr::from) {
+        Some(addr) if addr.is_loopback() && args.addr_base.is_loopback() => {}
+        _ => {
+            return Err(ConfigError(format!(
+                "--addr-base {} + {} VMs leaves 127.0.0.0/8",
+                args.addr_base, args.vms
+            )))
+        }
+    }
+    let needed = args.vms as u64 * KERNEL_BYTES_PER_VM;
+    match mem_available() {
+        Some(available) if needed > available => Err(ConfigError(format!(
+            "--vms {} needs about {:.1} GiB of kernel memory ({} KiB a VM) but {:.1} GiB is available",
+            args.vms,
+            needed as f64 / GIB,
+            KERNEL_BYTES_PER_VM >> 10,
+            available as f64 / GIB
+        ))),
+        _ => Ok(()),
+    }
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// MemAvailable from /proc/meminfo, in bytes.
+fn mem_available() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    line.split_whitespace()
+        .nth(1)?
+        .parse::<u64>()
+        .ok()
+        .map(|kib| kib << 10)
+}
+
+/// The pager's configuration from `serve`'s flags, parsed once and checked
+/// against the guest's layout.
+pub fn pager_config(args: &ServeArgs, layout: &RamLayout) -> Result<PagerConfig, ConfigError> {
+    let config = PagerConfig {
+        budget_bytes: size("--mem", &args.mem)?,
+        block_bytes: size("--block", &args.block)?,
+        policy: PolicySpec::parse(&args.policy).map_err(|e| ConfigError(e.to_string()))?,
+        swap_path: args.swap.clone(),
+        keep_swap: args.keep_swap,
+        disk: DiskSpec::parse(&args.disk).map_err(|e| ConfigError(e.to_string()))?,
+        swap_bytes: args
+            .swap_size
+            .as_deref()
+            .map(|s| size("--swap-size", s))
+            .transpose()?,
+        vm_resident_max: args
+            .vm_resident_max
+            .as_deref()
+            .map(|s| size("--vm-resident-max", s))
+            .transpose()?,
+        inject_fault: std::time::Duration::from_micros(args.inject_fault_us),
+    };
+    config
+        .validate(layout.ram_bytes, layout.request_footprint())
+        .map_err(|e| ConfigError(e.to_string()))?;
+    Ok(config)
+}
+
+/// Most VMs a cell holds: `--cell-vms`, or the default for the regime the
+/// flags put the VMs in.
+pub fn cell_vms(args: &ServeArgs, layout: &RamLayout, pager: &PagerConfig) -> u32 {
+    args.cell_vms.unwrap_or_else(|| {
+        default_cell_vms(
+            args.vms,
+            layout.request_blocks_bytes(pager.block_bytes),
+            pager.budget_bytes,
+        )
+    })
+}
+
+/// Most VMs a cell holds by default while every VM's working set fits in the
+/// budget: in core, cost is the cells' event loops waking, and four loops a
+/// core serve 0.72-0.77 of nginx at 4,000 VMs where twenty serve 0.61
+/// (hypervisor/README.md, "Choosing --cell-vms").
+pub const IN_CORE_CELL_VMS: u32 = 500;
+/// Most VMs a cell holds by default when they page: cells of 100 faulted
+/// 10-15% faster than of 500 while a cell's VMs shared one address space;
+/// with holders the two are within the noise (hypervisor/README.md).
+pub const PAGING_CELL_VMS: u32 = 100;
+
+/// The default of `--cell-vms`: whether `vms` VMs, each holding
+/// `resident_bytes` once it has served requests, fit in `budget_bytes`.
+pub fn default_cell_vms(vms: u32, resident_bytes: u64, budget_bytes: u64) -> u32 {
+    if u64::from(vms).saturating_mul(resident_bytes) <= budget_bytes {
+        IN_CORE_CELL_VMS
+    } else {
+        PAGING_CELL_VMS
+    }
+}
+
+/// How many VMs each cell boots with, in ID order: `vms` spread evenly over
+/// the fewest cells that hold at most `cell_vms` each. Pinned cells go round
+/// robin over `pinned_cpus` CPUs, so their number is rounded up to a multiple
+/// of it (at most one cell per VM): every CPU then serves as many VMs, and an
+/// uneven split would leave one core with twice the load of another.
+pub fn boot_layout(vms: u32, cell_vms: u32, pinned_cpus: Option<usize>) -> Vec<u32> {
+    let cpus = u32::try_from(pinned_cpus.unwrap_or(1).max(1)).unwrap_or(u32::MAX);
+    let cells = vms
+        .div_ceil(cell_vms.max(1))
+        .div_ceil(cpus)
+        .saturating_mul(cpus)
+        .min(vms);
+    (0..cells)
+        .map(|i| vms / cells + u32::from(i < vms % cells))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cells_are_large_while_the_working_sets_fit_and_small_once_they_page() {
+        let mib = 1 << 20;
+        assert_eq!(default_cell_vms(1024, mib, 1 << 30), IN_CORE_CELL_VMS);
+        assert_eq!(default_cell_vms(1025, mib, 1 << 30), PAGING_CELL_VMS);
+        assert_eq!(
+            default_cell_vms(u32::MAX, u64::MAX, 1 << 30),
+            PAGING_CELL_VMS
+        );
+    }
+
+    #[test]
+    fn vms_spread_evenly_over_the_fewest_cells_that_fit() {
+        assert_eq!(boot_layout(10, 3, None), [3, 3, 2, 2]);
+        assert_eq!(boot_layout(4000, 500, None), [500; 8]);
+        assert_eq!(boot_layout(750, 500, None), [375, 375]);
+        assert_eq!(boot_layout(7, 100, None), [7]);
+    }
+
+    #[test]
+    fn pinned_cells_give_every_cpu_the_same_share() {
+        assert_eq!(boot_layout(1100, 500, Some(2)), [275; 4]);
+        assert_eq!(boot_layout(250, 500, Some(2)), [125, 125]);
+        assert_eq!(boot_layout(4000, 500, Some(2)), [500; 8]);
+        assert_eq!(boot_layout(10, 3, Some(3)), [2, 2, 2, 2, 1, 1]);
+        // Never an empty cell, and nothing changes on one CPU.
+        assert_eq!(boot_layout(1, 500, Some(2)), [1]);
+        assert_eq!(boot_layout(10, 3, Some(1)), boot_layout(10, 3, None));
+    }
+}
