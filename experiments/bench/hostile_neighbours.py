@@ -1,22 +1,30 @@
 #!/usr/bin/env python3
-"""Neighbours of a hostile VM: their p99 latency with each misbehaviour of
-webguest-hostile.elf in turn, against the same run with no hostile VM.
+"""Neighbours of hostile VMs: their p99 latency with each misbehaviour of
+webguest-hostile.elf in turn, and with all of them at once, against the same
+run with no hostile VM.
 
 Each row boots N VMs (default 1,000) with VM 0 misbehaving as chosen by
---guest-arg (see guest-images/webguest/hostile.h), lets the behaviour run
-for a few seconds, then drives the other N-1 VMs with zipfperf (Zipf 1.0, a
-new connection per request, 64 in flight) and reports their throughput and
-latency. The acceptance (issue 14): every p99 within 2x of the baseline's,
-and VM 0 stopped or still running (throttled) as the behaviour calls for.
+--guest-arg (see guest-images/webguest/hostile.h), or, in the row `all`,
+VMs 0-9 each misbehaving in its own way at once. It lets the behaviour run
+for a few seconds, with clients that send a request and never read on the
+VMs whose misbehaviour needs one, then drives the other VMs with zipfperf
+(Zipf 1.0, a new connection per request, 64 in flight) and reports their
+throughput and latency, and densevm's memory and descriptors (every process
+of its tree) before and after the window. The acceptance (issues 14 and
+39): every p99 within 2x of the baseline's, the hostile VMs stopped or still
+running (throttled) as the behaviour calls for, and memory and descriptors
+bounded.
 
 Usage: experiments/bench/hostile_neighbours.py [--vms 1000] [--window 15] [--rounds 3]
-       [--only ring-flood,...] [--vm-resident-max SIZE]
+       [--only ring-flood,...,all] [--vm-resident-max SIZE]
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -29,10 +37,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "controller"))
 from scalebench.densevm import control  # noqa: E402
+from scalebench.scaling import descendants  # noqa: E402
 
 RELEASE = ROOT / "target" / "release"
-ADDR_BASE = "127.230.0.0"
-NEIGHBOURS_BASE = "127.230.0.1"
+ADDR_BASE = ipaddress.IPv4Address("127.230.0.0")
 BEHAVIOURS = {
     "none": 0,
     "ring-flood": 1,
@@ -43,7 +51,13 @@ BEHAVIOURS = {
     "dirty-system": 6,
     "fault-storm": 7,
     "spin": 8,
+    "lying-counter": 9,
+    "output-after-close": 10,
+    "all": 0xFF,
 }
+# Behaviours whose harm needs a client that sends a request and never reads.
+NEEDS_READERS = {"window": 1, "output-after-close": 256}
+ALL_AT_ONCE = 10  # VMs 0-9 in the row `all` (hostile.h HOSTILE_LAST)
 
 
 @dataclass
@@ -53,6 +67,38 @@ class Row:
     replies_per_s: float
     p99_ms: float
     errors: int
+    rss_mib: tuple[float, float]
+    fds: tuple[int, int]
+
+
+def tree_usage(pid: int) -> tuple[float, int]:
+    """RSS (MiB) and open descriptors of densevm's whole process tree."""
+    rss_kib, fds = 0, 0
+    for p in descendants(pid):
+        try:
+            with open(f"/proc/{p}/status") as status:
+                rss_kib += next(int(x.split()[1]) for x in status if x.startswith("VmRSS:"))
+            fds += len(os.listdir(f"/proc/{p}/fd"))
+        except (FileNotFoundError, ProcessLookupError, StopIteration):
+            continue
+    return rss_kib / 1024, fds
+
+
+def never_reading(vm: int, count: int) -> list[socket.socket]:
+    """`count` clients of VM `vm` that send a request and never read."""
+    held = []
+    for _ in range(count):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.settimeout(2)
+        try:
+            s.connect((str(ADDR_BASE + vm), 8080))
+            s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        except OSError:
+            s.close()
+            continue
+        held.append(s)
+    return held
 
 
 def run(behaviour: str, vms: int, window: float, workdir: Path, extra: list[str]) -> Row:
@@ -63,7 +109,7 @@ def run(behaviour: str, vms: int, window: float, workdir: Path, extra: list[str]
         "--vms",
         str(vms),
         "--addr-base",
-        ADDR_BASE,
+        str(ADDR_BASE),
         "--api",
         str(api),
         "--guest",
@@ -77,21 +123,24 @@ def run(behaviour: str, vms: int, window: float, workdir: Path, extra: list[str]
         f"{vms * 896 // 1024 + 64}M",
         *extra,
     ]
+    hostile_vms = ALL_AT_ONCE if behaviour == "all" else 1
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, cwd=workdir)
+    held: list[socket.socket] = []
     try:
         if not proc.stdout.readline():
             raise SystemExit(f"densevm did not start for {behaviour}")
-        if behaviour == "window":
-            hold = socket.create_connection((ADDR_BASE, 8080), timeout=5)
-            hold.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        for name, count in NEEDS_READERS.items():
+            if behaviour in (name, "all"):
+                held += never_reading(BEHAVIOURS[name] - 1 if behaviour == "all" else 0, count)
         time.sleep(3)
+        before = tree_usage(proc.pid)
         load = subprocess.run(
             [
                 str(RELEASE / "zipfperf"),
                 "--targets",
-                str(vms - 1),
+                str(vms - hostile_vms),
                 "--addr-base",
-                NEIGHBOURS_BASE,
+                str(ADDR_BASE + hostile_vms),
                 "--port",
                 "8080",
                 "--alpha",
@@ -109,17 +158,23 @@ def run(behaviour: str, vms: int, window: float, workdir: Path, extra: list[str]
             text=True,
             check=True,
         )
+        after = tree_usage(proc.pid)
         stats = json.loads(load.stdout)
-        vm0 = next(v for v in control(api, {"cmd": "list"})["vms"] if v["id"] == 0)
+        listed = control(api, {"cmd": "list"})["vms"]
+        states = sorted({v["state"] for v in listed if v["id"] < hostile_vms})
     finally:
+        for s in held:
+            s.close()
         proc.terminate()
         proc.wait(60)
     return Row(
         behaviour,
-        vm0["state"],
+        "/".join(states),
         stats["replies"]["rate"],
         stats["latency_ms"]["p99"],
         stats["errors"]["total"],
+        (before[0], after[0]),
+        (before[1], after[1]),
     )
 
 
@@ -155,7 +210,9 @@ def main() -> int:
                 rounds[-1][behaviour] = r
                 print(
                     f"  round {i + 1}: {r.behaviour}: {r.replies_per_s:.0f} replies/s, "
-                    f"p99 {r.p99_ms:.2f} ms, VM 0 {r.hostile_state}",
+                    f"p99 {r.p99_ms:.2f} ms, hostile {r.hostile_state}, "
+                    f"RSS {r.rss_mib[0]:.0f} -> {r.rss_mib[1]:.0f} MiB, "
+                    f"fds {r.fds[0]} -> {r.fds[1]}",
                     flush=True,
                 )
     print(
@@ -164,7 +221,10 @@ def main() -> int:
         + (f"; --vm-resident-max {args.vm_resident_max}" if extra else "")
         + ")"
     )
-    print(f"{'behaviour':<14}{'VM 0':<10}{'replies/s':>10}{'p99 ms':>9}{'x base':>8}{'errors':>8}")
+    print(
+        f"{'behaviour':<20}{'hostile':<18}{'replies/s':>10}{'p99 ms':>9}{'x base':>8}"
+        f"{'errors':>8}{'RSS MiB':>14}{'fds':>12}"
+    )
     worst = 0.0
     for behaviour in ["none", *hostile]:
         rows = [rd[behaviour] for rd in rounds]
@@ -174,11 +234,14 @@ def main() -> int:
         )
         worst = max(worst, ratio)
         states = sorted({r.hostile_state for r in rows})
+        rss = max(rows, key=lambda r: r.rss_mib[1]).rss_mib
+        fds = max(rows, key=lambda r: r.fds[1]).fds
         print(
-            f"{behaviour:<14}{'/'.join(states):<10}"
+            f"{behaviour:<20}{'/'.join(states):<18}"
             f"{statistics.median(r.replies_per_s for r in rows):>10.0f}"
             f"{statistics.median(r.p99_ms for r in rows):>9.2f}{ratio:>8.2f}"
             f"{sum(r.errors for r in rows):>8}"
+            f"{f'{rss[0]:.0f}->{rss[1]:.0f}':>14}{f'{fds[0]}->{fds[1]}':>12}"
         )
     print(f"worst p99 ratio {worst:.2f} (target <= 2.0): {'met' if worst <= 2.0 else 'NOT met'}")
     return 0
