@@ -26,6 +26,7 @@ Usage: experiments/bench/cell_chaos.py [--vms 4000] [--mem 1G] [--minutes 10]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import ipaddress
 import json
@@ -43,8 +44,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "controller"))
-import contextlib
-
 from scalebench.densevm import control  # noqa: E402
 from scalebench.scaling import children  # noqa: E402
 
