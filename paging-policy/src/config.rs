@@ -112,12 +112,6 @@ impl PagerConfig {
         vm_min_footprint_bytes: u64,
     ) -> Result<(), PagerError> {
         check_block(self.block_bytes)?;
-        if !vm_ram_bytes.is_multiple_of(self.block_bytes) {
-            return Err(PagerError::RamNotBlockMultiple {
-                ram: vm_ram_bytes,
-                block: self.block_bytes,
-            });
-        }
         let footprint = vm_min_footprint_bytes.div_ceil(self.block_bytes).max(1) * self.block_bytes;
         if self.budget_bytes < footprint {
             return Err(PagerError::BudgetTooSmall {
@@ -127,6 +121,29 @@ impl PagerConfig {
             });
         }
         check_vm_quota(self.vm_resident_max, footprint)?;
+        self.validate_settings(vm_ram_bytes)
+    }
+
+    /// The checks that need no request footprint (what [`crate::Pager::new`]
+    /// runs; the caller runs [`PagerConfig::validate`] with the footprint
+    /// first): the block size, the VM's RAM in whole blocks, a budget and a
+    /// quota of at least one block, the plugin, the swap size and path.
+    pub fn validate_settings(&self, vm_ram_bytes: u64) -> Result<(), PagerError> {
+        check_block(self.block_bytes)?;
+        if !vm_ram_bytes.is_multiple_of(self.block_bytes) {
+            return Err(PagerError::RamNotBlockMultiple {
+                ram: vm_ram_bytes,
+                block: self.block_bytes,
+            });
+        }
+        if self.budget_bytes < self.block_bytes {
+            return Err(PagerError::BudgetTooSmall {
+                budget: self.budget_bytes,
+                footprint: self.block_bytes,
+                block: self.block_bytes,
+            });
+        }
+        check_vm_quota(self.vm_resident_max, self.block_bytes)?;
         if let PolicySpec::Plugin { path, .. } = &self.policy {
             if !path.is_file() {
                 return Err(PagerError::PluginMissing(path.clone()));
@@ -148,21 +165,34 @@ impl PagerConfig {
     }
 }
 
-/// Verifies that `path` can be opened for writing, creating (and removing
-/// again) a file that did not exist.
+/// Verifies that the swap device can be opened as [`crate::swap::SwapDevice::open`]
+/// will: a block device opened for writing, or a file that does not exist
+/// yet and can be created (made exclusively, 0600, and removed again).
 fn check_writable(path: &Path) -> Result<(), PagerError> {
-    let existed = path.exists();
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let unwritable = |source| PagerError::SwapUnwritable {
+        path: path.to_path_buf(),
+        source,
+    };
+    match std::fs::metadata(path) {
+        Ok(m) if m.file_type().is_block_device() => {
+            OpenOptions::new().write(true).open(path).map_err(unwritable)?;
+            return Ok(());
+        }
+        Ok(_) => return Err(PagerError::SwapExists(path.to_path_buf())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(unwritable(e)),
+    }
+    if std::fs::symlink_metadata(path).is_ok() {
+        return Err(PagerError::SwapExists(path.to_path_buf()));
+    }
     OpenOptions::new()
         .write(true)
-        .create(true)
-        .truncate(false)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
         .open(path)
-        .map_err(|source| PagerError::SwapUnwritable {
-            path: path.to_path_buf(),
-            source,
-        })?;
-    if !existed {
-        let _ = std::fs::remove_file(path);
-    }
+        .map_err(unwritable)?;
+    let _ = std::fs::remove_file(path);
     Ok(())
 }

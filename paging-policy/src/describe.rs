@@ -8,15 +8,10 @@ use crate::config::{DEFAULT_BLOCK, DEFAULT_BUDGET, MAX_BLOCK, MIN_BLOCK};
 use crate::disk::{DiskSpec, DriveKind, DriveParams};
 use crate::pager::SERVICE_THREADS;
 use crate::policy::{wsswap, SwapLayout};
-
-/// Swap bytes the pager sizes per byte of VM RAM, by the policy's layout:
-/// the log needs slack to find contiguous extents.
-pub fn swap_bytes_per_ram_byte(layout: SwapLayout) -> u64 {
-    match layout {
-        SwapLayout::PerVm => 1,
-        SwapLayout::Log => 2,
-    }
-}
+// Lives with the swap layouts (the pager sizes swap by it); re-exported
+// here so that describe.rs and pager.rs both depend on space.rs and not on
+// each other.
+pub use crate::space::swap_bytes_per_ram_byte;
 
 fn drive(p: DriveParams) -> Value {
     json!({

@@ -81,6 +81,10 @@ pub enum PagerError {
         /// The underlying error.
         source: io::Error,
     },
+    /// The swap path names an existing file or a symlink: the pager
+    /// creates its swap file itself, exclusively.
+    #[error("swap {0} already exists and is not a block device: the pager creates its swap file itself (0600, exclusively); remove it or name a new path")]
+    SwapExists(PathBuf),
     /// The swap size is invalid for the configuration.
     #[error("invalid swap size {bytes} bytes: {reason}")]
     BadSwapSize {

@@ -53,13 +53,12 @@ use serde_json::{json, Map, Value};
 
 use crate::batching::{cluster_writes, read_runs, runs, write_runs};
 use crate::config::{default_swap_path, PagerConfig};
-use crate::describe::swap_bytes_per_ram_byte;
 use crate::error::PagerError;
 use crate::guest_memory::{SpaceHandoff, SpaceId};
 use crate::injected;
 use crate::ledger::{Access, Admission, Classified, Ledger, PlanBlock, Wakes, NO_LOC};
 use crate::policy::{build_policy, BlockId, SwapLayout, VmId};
-use crate::space::SwapSpace;
+use crate::space::{swap_bytes_per_ram_byte, SwapSpace};
 use crate::stats::TotalLatency;
 use crate::swap::{AlignedBuf, SwapDevice};
 use crate::uffd::{space_gone, Fault, FaultKind, Uffd};
@@ -184,7 +183,10 @@ impl Pager {
         max_vms: u32,
         vm_ram_bytes: u64,
     ) -> Result<Arc<Pager>, PagerError> {
-        cfg.validate(vm_ram_bytes, cfg.block_bytes)?;
+        // The request footprint is the caller's (densevm checks it with
+        // `PagerConfig::validate` before it boots anything); here only what
+        // does not depend on it.
+        cfg.validate_settings(vm_ram_bytes)?;
         let block = cfg.block_bytes;
         let budget_blocks = cfg.budget_bytes / block;
         let policy = build_policy(&cfg.policy, block, budget_blocks)?;

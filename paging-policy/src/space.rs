@@ -17,6 +17,15 @@ use std::collections::{BTreeMap, HashMap};
 use crate::error::PagerError;
 use crate::policy::SwapLayout;
 
+/// Swap bytes the pager sizes per byte of VM RAM, by the policy's layout:
+/// the log needs slack to find contiguous extents.
+pub fn swap_bytes_per_ram_byte(layout: SwapLayout) -> u64 {
+    match layout {
+        SwapLayout::PerVm => 1,
+        SwapLayout::Log => 2,
+    }
+}
+
 /// Free-space map of the log layout.
 #[derive(Debug)]
 struct LogSpace {

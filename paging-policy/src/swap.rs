@@ -83,11 +83,51 @@ impl Drop for AlignedBuf {
     }
 }
 
+/// Creates a swap file at `path`: O_DIRECT, mode 0600, never following a
+/// symlink nor opening an existing file. Unless `keep`, the file ends up
+/// without a name: an O_TMPFILE in `path`'s directory, or (on a filesystem
+/// without O_TMPFILE) the exclusive create unlinked at once.
+fn create_swap_file(path: &Path, keep: bool) -> io::Result<File> {
+    if !keep {
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        let tmp = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .mode(0o600)
+            .custom_flags(libc::O_TMPFILE | libc::O_DIRECT)
+            .open(dir);
+        match tmp {
+            Ok(file) => return Ok(file),
+            // Unsupported here (EOPNOTSUPP, EISDIR on old kernels, EINVAL
+            // with O_DIRECT): fall back to create + unlink.
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EOPNOTSUPP) | Some(libc::EISDIR) | Some(libc::EINVAL)
+                ) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_DIRECT | libc::O_NOFOLLOW)
+        .open(path)?;
+    if !keep {
+        std::fs::remove_file(path)?;
+    }
+    Ok(file)
+}
+
 /// The opened swap device.
 pub struct SwapDevice {
     file: File,
     path: PathBuf,
-    remove_at_close: bool,
     is_blockdev: bool,
     capacity: u64,
     /// Bytes from the start of a swap file whose blocks are allocated.
@@ -99,10 +139,16 @@ pub struct SwapDevice {
 }
 
 impl SwapDevice {
-    /// Opens (creating if absent) `path` with O_DIRECT and sizes a regular
-    /// file to `capacity`, sparse until [`Self::reserve`] allocates it. A
-    /// block device must hold `capacity`.
-    /// A file created here is removed at close unless `keep`.
+    /// Opens the swap device with O_DIRECT. A block device at `path` is
+    /// opened as it is (never created, never removed) and must hold
+    /// `capacity`. Otherwise `path` must not exist: the file is created
+    /// mode 0600 and exclusively (O_EXCL | O_NOFOLLOW: a file or a symlink
+    /// planted at the name is refused, never followed or reused), sized
+    /// sparse to `capacity` until [`Self::reserve`] allocates it. Unless
+    /// `keep`, it has no name from the moment it is opened (an O_TMPFILE in
+    /// the path's directory where the filesystem supports it, else unlinked
+    /// right after the exclusive create), so nothing is left behind however
+    /// the process ends, SIGKILL included.
     pub fn open(
         path: &Path,
         capacity: u64,
@@ -113,17 +159,28 @@ impl SwapDevice {
             path: path.to_path_buf(),
             source,
         };
-        let existed = path.exists();
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .custom_flags(libc::O_DIRECT)
-            .open(path)
-            .map_err(unwritable)?;
-        let meta = file.metadata().map_err(unwritable)?;
-        let is_blockdev = meta.file_type().is_block_device();
+        let is_blockdev = match std::fs::metadata(path) {
+            Ok(meta) if meta.file_type().is_block_device() => true,
+            Ok(_) => return Err(PagerError::SwapExists(path.to_path_buf())),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => false,
+            Err(e) => return Err(unwritable(e)),
+        };
+        if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink()) && !is_blockdev {
+            return Err(PagerError::SwapExists(path.to_path_buf()));
+        }
+        let file = if is_blockdev {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(path)
+                .map_err(unwritable)?
+        } else {
+            create_swap_file(path, keep).map_err(|e| match e.raw_os_error() {
+                Some(libc::EEXIST) | Some(libc::ELOOP) => PagerError::SwapExists(path.to_path_buf()),
+                _ => unwritable(e),
+            })?
+        };
         if is_blockdev {
             let mut size: u64 = 0;
             // SAFETY: BLKGETSIZE64 writes one u64.
@@ -144,15 +201,13 @@ impl SwapDevice {
                 });
             }
         } else {
-            // Fresh contents: stale data from an earlier run is never read
-            // (every read is of a block this run wrote), but a smaller file
-            // would make reads past its end short.
+            // A fresh file: every read is of a block this run wrote, but a
+            // smaller file would make reads past its end short.
             file.set_len(capacity).map_err(unwritable)?;
         }
         Ok(SwapDevice {
             file,
             path: path.to_path_buf(),
-            remove_at_close: !keep && !is_blockdev && !existed,
             is_blockdev,
             capacity,
             reserved: Mutex::new(0),
@@ -339,15 +394,8 @@ impl SwapDevice {
 
     /// Removes the swap file if this run created it and it is not kept.
     pub fn remove_if_owned(&self) {
-        if self.remove_at_close {
-            let _ = std::fs::remove_file(&self.path);
-        }
-    }
-}
-
-impl Drop for SwapDevice {
-    fn drop(&mut self) {
-        self.remove_if_owned();
+        // Nothing to do: a swap file not kept lost its name when it was
+        // opened (see `open`), a kept one and a block device stay.
     }
 }
 
@@ -386,5 +434,61 @@ mod tests {
             modeled_busy(&dev) > 0.0,
             "the resumed model charges the next request"
         );
+    }
+
+    fn open_at(path: &Path, keep: bool) -> Result<SwapDevice, PagerError> {
+        let model = DiskSpec::parse("none").expect("none").build(1 << 20);
+        SwapDevice::open(path, 1 << 20, keep, model)
+    }
+
+    fn scratch_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("swap-open-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).expect("scratch dir");
+        dir
+    }
+
+    /// Issue 39 item 2: not kept, the swap file has no name once opened
+    /// (SIGKILL leaves nothing), and a file it made is 0600 to its process.
+    #[test]
+    fn swap_file_is_nameless_unless_kept_and_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = scratch_dir("nameless");
+        let path = dir.join("swap.img");
+        let dev = open_at(&path, false).expect("open");
+        assert!(!path.exists(), "an unkept swap file must be unlinked at open");
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "no file left in the directory");
+        let buf = AlignedBuf::new(4096);
+        dev.write(0, buf.as_slice()).expect("the nameless file is usable");
+        let meta = dev.file.metadata().unwrap();
+        assert_eq!(meta.permissions().mode() & 0o777 & !0o600, 0, "at most 0600");
+        drop(dev);
+        let kept = open_at(&path, true).expect("open kept");
+        let mode = std::fs::metadata(&path).expect("a kept file has its name").permissions().mode();
+        assert_eq!(mode & 0o077, 0, "kept swap file is 0600, not {mode:o}");
+        drop(kept);
+        assert!(path.exists(), "kept");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// An existing file or a symlink at the swap path is refused: never
+    /// reused, never followed (O_EXCL | O_NOFOLLOW), never truncated.
+    #[test]
+    fn swap_path_that_exists_is_refused() {
+        let dir = scratch_dir("exists");
+        let target = dir.join("victim");
+        std::fs::write(&target, b"precious").unwrap();
+        let link = dir.join("swap.img");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        for (path, keep) in [(&target, false), (&target, true), (&link, false), (&link, true)] {
+            let e = open_at(path, keep).err().expect("refused").to_string();
+            assert!(e.contains("already exists") && !e.contains('\n'), "{e}");
+        }
+        let dangling = dir.join("dangling.img");
+        std::os::unix::fs::symlink(dir.join("nowhere"), &dangling).unwrap();
+        assert!(open_at(&dangling, true).is_err());
+        assert!(!dir.join("nowhere").exists(), "a dangling symlink is not followed");
+        assert_eq!(std::fs::read(&target).unwrap(), b"precious");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -20,7 +20,7 @@ pub mod plugin;
 pub mod wsswap;
 
 use crate::error::PagerError;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Identifier of a VM (densevm's VM index).
 pub type VmId = u32;
@@ -128,7 +128,9 @@ pub enum PolicySpec {
 
 impl PolicySpec {
     /// Parses a `--policy` value. Anything containing a `/` or ending in `.so`
-    /// is a plugin path; other names must be built in.
+    /// is a plugin path; other names must be built in. A bare `x.so` is
+    /// `./x.so` (see [`plugin::explicit_path`]): never looked up on the
+    /// dynamic loader's search path.
     pub fn parse(s: &str) -> Result<PolicySpec, PagerError> {
         let (head, args) = match s.split_once(',') {
             Some((h, a)) => (h, a),
@@ -144,7 +146,7 @@ impl PolicySpec {
                 _ => Err(PagerError::UnknownPolicy(s.to_string())),
             },
             _ if head.contains('/') || head.ends_with(".so") => Ok(PolicySpec::Plugin {
-                path: PathBuf::from(head),
+                path: plugin::explicit_path(Path::new(head)),
                 args: args.to_string(),
             }),
             _ => Err(PagerError::UnknownPolicy(s.to_string())),
@@ -209,6 +211,27 @@ mod tests {
             }
         );
         assert!(PolicySpec::parse("lru").is_err());
+    }
+
+    #[test]
+    fn a_bare_plugin_name_is_a_path_in_the_current_directory() {
+        // Handed to dlopen as "libx.so", it would be searched for on the
+        // library path instead of read from the current directory.
+        assert_eq!(
+            PolicySpec::parse("libx.so,a=1").unwrap(),
+            PolicySpec::Plugin {
+                path: "./libx.so".into(),
+                args: "a=1".into()
+            }
+        );
+        assert_eq!(
+            plugin::explicit_path(Path::new("libm.so.6")),
+            Path::new("./libm.so.6")
+        );
+        assert_eq!(
+            plugin::explicit_path(Path::new("/lib/x.so")),
+            Path::new("/lib/x.so")
+        );
     }
 
     #[test]

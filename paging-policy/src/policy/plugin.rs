@@ -26,7 +26,7 @@
 
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::{BlockId, Policy, SwapLayout, VmId};
 use crate::error::PagerError;
@@ -335,14 +335,30 @@ unsafe impl Send for PluginPolicy {}
 /// for any realistic budget and is refused rather than allocated.
 const MAX_ANSWER: usize = 1 << 20;
 
+/// The path `dlopen` is given for a plugin: `path` itself when it holds a
+/// '/', else `./path`. Given a bare name (`x.so`), the dynamic loader would
+/// search LD_LIBRARY_PATH, the cache and the system directories, not the
+/// current directory, so a library other than the one checked could be
+/// loaded; with a '/' it opens exactly that file.
+pub fn explicit_path(path: &Path) -> PathBuf {
+    use std::os::unix::ffi::OsStrExt;
+    if path.as_os_str().as_bytes().contains(&b'/') {
+        path.to_path_buf()
+    } else {
+        Path::new(".").join(path)
+    }
+}
+
 impl PluginPolicy {
-    /// Loads `path`, checks the ABI, and creates an instance with `args`.
+    /// Loads `path` (through [`explicit_path`]: never searched on the
+    /// loader's path), checks the ABI, and creates an instance with `args`.
     pub fn load(
         path: &Path,
         args: &str,
         block_bytes: u64,
         budget_blocks: u64,
     ) -> Result<PluginPolicy, PagerError> {
+        let path = &explicit_path(path);
         let fail = |reason: String| PagerError::PluginLoad {
             path: path.to_path_buf(),
             reason,
