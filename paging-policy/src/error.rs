@@ -151,6 +151,13 @@ pub enum PagerError {
         /// Why.
         reason: String,
     },
+    /// A guest memory handed to the pager was refused (see
+    /// [`crate::guest_memory::check_handoff`]).
+    #[error("guest memory refused: {reason}")]
+    BadSpace {
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The pager is stopped because of an earlier fatal error.
     #[error("pager stopped: {0}")]
     Stopped(String),

@@ -8,7 +8,7 @@
 //! and frees them with `fallocate(PUNCH_HOLE)`, which also unmaps them from
 //! the holder. Tests use it in one process, with threads as vCPUs.
 
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::Mutex;
 
@@ -17,6 +17,81 @@ use crate::uffd::Uffd;
 
 /// Identifies an attached [`GuestMemory`] within the pager.
 pub type SpaceId = u32;
+
+/// Seals every guest-RAM memfd carries from its creation: its size can
+/// neither shrink nor grow, and no seal can be added (F_SEAL_WRITE would
+/// stop the pager installing blocks).
+pub const GUEST_RAM_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+
+/// Highest address a mapping of a user process can end at (x86-64 with
+/// 5-level paging; 4-level ends lower, 2^47).
+const USER_ADDRESS_END: usize = 1 << 56;
+
+fn refused(reason: String) -> PagerError {
+    PagerError::BadSpace { reason }
+}
+
+/// Checks that `memfd` is guest memory the pager can rely on: a memfd (a
+/// regular file) of at least `len` bytes, sealed against shrinking
+/// (`F_SEAL_SHRINK`, as [`GuestMemory`] seals it). An unsealed memfd could
+/// be cut short by the process that shares it, under the pager's reads.
+pub fn check_sealed(memfd: BorrowedFd<'_>, len: usize) -> Result<(), PagerError> {
+    // SAFETY: fstat into a zeroed struct on a descriptor we borrow.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat(memfd.as_raw_fd(), &mut st) } != 0 {
+        return Err(refused(format!(
+            "memfd: fstat failed: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+        return Err(refused("memfd is not a memory file".into()));
+    }
+    if (st.st_size as u64) < len as u64 {
+        return Err(refused(format!(
+            "memfd holds {} bytes, the mapping is {len}",
+            st.st_size
+        )));
+    }
+    // SAFETY: F_GET_SEALS reads flags of a descriptor we borrow.
+    let seals = unsafe { libc::fcntl(memfd.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+        return Err(refused(
+            "memfd is not sealed against shrinking (create it with MFD_ALLOW_SEALING and add F_SEAL_SHRINK)"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `fd` is a userfaultfd.
+fn is_userfaultfd(fd: BorrowedFd<'_>) -> bool {
+    std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+        .is_ok_and(|target| target.as_os_str() == "anon_inode:[userfaultfd]")
+}
+
+/// Checks everything a cell hands over for one space before the pager
+/// touches it (the pager runs it in [`crate::Pager::attach_space`]): a
+/// page-aligned, non-empty mapping inside a user address space, a
+/// userfaultfd, and a memfd that [`check_sealed`] accepts. Every refusal is
+/// a [`PagerError::BadSpace`], one line.
+pub fn check_handoff(handoff: &SpaceHandoff) -> Result<(), PagerError> {
+    let (base, len) = (handoff.base, handoff.len);
+    if base == 0 || !base.is_multiple_of(4096) || len == 0 || !len.is_multiple_of(4096) {
+        return Err(refused(format!(
+            "mapping {base:#x}+{len:#x} is not a non-empty run of whole pages"
+        )));
+    }
+    if base.checked_add(len).is_none_or(|end| end > USER_ADDRESS_END) {
+        return Err(refused(format!(
+            "mapping {base:#x}+{len:#x} ends past the user address space"
+        )));
+    }
+    if !is_userfaultfd(handoff.uffd.as_fd()) {
+        return Err(refused("its uffd descriptor is not a userfaultfd".into()));
+    }
+    check_sealed(handoff.memfd.as_fd(), len)
+}
 
 /// What the pager needs of a [`GuestMemory`], possibly in another process.
 #[derive(Debug)]
@@ -89,7 +164,12 @@ impl GuestMemory {
             });
         }
         // SAFETY: plain syscall; the name is a NUL-terminated literal.
-        let fd = unsafe { libc::memfd_create(c"densevm-guest-ram".as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe {
+            libc::memfd_create(
+                c"densevm-guest-ram".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
         if fd < 0 {
             return Err(mm_error("memfd_create"));
         }
@@ -98,6 +178,13 @@ impl GuestMemory {
         // SAFETY: sizing our own memfd.
         if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
             return Err(mm_error("ftruncate(memfd)"));
+        }
+        // Its size is final: a holder that shrank it would make the pager's
+        // reads of victims fail (and the guests' accesses SIGBUS), and the
+        // pager refuses a memfd that could be ([`check_sealed`]).
+        // SAFETY: sealing our own memfd.
+        if unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, GUEST_RAM_SEALS) } != 0 {
+            return Err(mm_error("fcntl(F_ADD_SEALS)"));
         }
         // SAFETY: a fresh shared mapping of our memfd aliases nothing of ours.
         let ptr = unsafe {
@@ -147,7 +234,7 @@ impl GuestMemory {
 
     /// The memfd behind the mapping.
     pub fn memfd(&self) -> std::os::fd::BorrowedFd<'_> {
-        std::os::fd::AsFd::as_fd(&self.memfd)
+        self.memfd.as_fd()
     }
 
     /// Never: guest memory has at least one page.

@@ -54,7 +54,7 @@ use serde_json::{json, Map, Value};
 use crate::batching::{cluster_writes, read_runs, runs, write_runs};
 use crate::config::{default_swap_path, PagerConfig};
 use crate::error::PagerError;
-use crate::guest_memory::{SpaceHandoff, SpaceId};
+use crate::guest_memory::{check_handoff, SpaceHandoff, SpaceId};
 use crate::injected;
 use crate::ledger::{Access, Admission, Classified, Ledger, PlanBlock, Wakes, NO_LOC};
 use crate::policy::{build_policy, BlockId, SwapLayout, VmId};
@@ -66,6 +66,10 @@ use crate::uffd::{space_gone, Fault, FaultKind, Uffd};
 /// Fault-service threads. Faults mostly wait on I/O (or on the disk
 /// model's sleep), so more threads than cores keep the swap queue busy.
 pub const SERVICE_THREADS: usize = 8;
+
+/// VM ids are below this: the ledger indexes VMs by id, so a cell's wild
+/// id must be refused, not allocated for.
+pub const MAX_VM_ID: u32 = 1 << 20;
 
 /// How long a fault waiting for room re-checks for a fatal error.
 const WAIT_SLICE: Duration = Duration::from_millis(50);
@@ -283,10 +287,21 @@ impl Pager {
 
     /// Attaches a guest memory (see [`crate::GuestMemory::handoff`]): its
     /// faults are served from now on; its VMs are registered one by one.
+    ///
+    /// What a cell hands over is checked first ([`check_handoff`]: whole
+    /// pages, a userfaultfd, a memfd sealed against shrinking and as long as
+    /// the mapping) and refused with [`PagerError::BadSpace`] otherwise. The
+    /// descriptors the pager keeps are made close-on-exec (received over
+    /// SCM_RIGHTS without MSG_CMSG_CLOEXEC they would pass to every process
+    /// the pager's process spawns) and the userfaultfd non-blocking (a
+    /// blocking one would hold a service thread in `read`).
     pub fn attach_space(&self, handoff: SpaceHandoff) -> Result<SpaceId, PagerError> {
         if let Some(e) = self.fatal_error() {
             return Err(PagerError::Stopped(e));
         }
+        check_handoff(&handoff)?;
+        keep_private(&handoff.uffd, true)?;
+        keep_private(&handoff.memfd, false)?;
         let mut st = self.lock();
         let id = st.next_space;
         let space = Arc::new(Space {
@@ -319,6 +334,9 @@ impl Pager {
         len: usize,
     ) -> Result<(), PagerError> {
         let bad = |reason: String| PagerError::BadVm { vm, reason };
+        if vm >= MAX_VM_ID {
+            return Err(bad(format!("id past the largest, {}", MAX_VM_ID - 1)));
+        }
         if !offset.is_multiple_of(4096)
             || len == 0
             || !len.is_multiple_of(self.block)
@@ -872,6 +890,28 @@ fn epoll_ctl(epoll: &OwnedFd, op: libc::c_int, fd: RawFd, key: u64) -> Result<()
             op: "epoll_ctl",
             source: std::io::Error::last_os_error(),
         });
+    }
+    Ok(())
+}
+
+/// Sets close-on-exec on a descriptor the pager keeps (and O_NONBLOCK too
+/// when `nonblocking`).
+fn keep_private(fd: &OwnedFd, nonblocking: bool) -> Result<(), PagerError> {
+    let fd = fd.as_raw_fd();
+    let err = |op| PagerError::Mm {
+        op,
+        source: std::io::Error::last_os_error(),
+    };
+    // SAFETY: fcntl on a descriptor we own.
+    if unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) } != 0 {
+        return Err(err("fcntl(F_SETFD, FD_CLOEXEC)"));
+    }
+    if nonblocking {
+        // SAFETY: as above.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } != 0 {
+            return Err(err("fcntl(F_SETFL, O_NONBLOCK)"));
+        }
     }
     Ok(())
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{config, plugin, Region, Rng};
-use paging_policy::{DiskSpec, Pager, PagerConfig, PagerError, PolicySpec};
+use paging_policy::{DiskSpec, GuestMemory, Pager, PagerConfig, PagerError, PolicySpec};
 
 const WORDS_PER_PAGE: usize = 512;
 
@@ -653,5 +653,87 @@ fn unregister_frees_memory_and_swap() {
         assert_eq!(c.read(i * wpb), 30 + i as u64);
     }
     assert_eq!(pager.fatal_error(), None);
+    pager.shutdown();
+}
+
+/// Issue 39 item 4: what a cell hands over for a space is checked, each
+/// inconsistency refused with a typed one-line error (never a panic); the
+/// descriptors the pager keeps are close-on-exec whatever they arrived as;
+/// a VM id no cell could mean is refused, not allocated for.
+#[test]
+fn attach_space_refuses_an_inconsistent_handoff_and_keeps_descriptors_private() {
+    use paging_policy::guest_memory::check_sealed;
+    use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+    let block = 32u64 << 10;
+    let cfg = config("demand", block, 8 * block, "handoff");
+    let pager = Pager::new(cfg, 2, 16 * block).unwrap();
+    let memory = GuestMemory::new(16 * block as usize).unwrap();
+    let refused = |h: paging_policy::SpaceHandoff, want: &str| {
+        let e = pager.attach_space(h).unwrap_err();
+        assert!(matches!(e, PagerError::BadSpace { .. }), "{e}");
+        let e = e.to_string();
+        assert!(e.contains(want) && !e.contains('\n'), "{e}");
+    };
+    let mut h = memory.handoff().unwrap();
+    h.base += 8;
+    refused(h, "whole pages");
+    let mut h = memory.handoff().unwrap();
+    h.len = 0;
+    refused(h, "whole pages");
+    let mut h = memory.handoff().unwrap();
+    h.base = usize::MAX - 4095;
+    refused(h, "address space");
+    let mut h = memory.handoff().unwrap();
+    h.len = 2 * memory.len();
+    refused(h, "holds");
+    let mut h = memory.handoff().unwrap();
+    h.uffd = h.memfd.try_clone().unwrap();
+    refused(h, "not a userfaultfd");
+    let mut h = memory.handoff().unwrap();
+    h.memfd = h.uffd.try_clone().unwrap();
+    refused(h, "not a memory file");
+    let mut h = memory.handoff().unwrap();
+    let pipe = {
+        let mut fds = [0; 2];
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        unsafe { libc::close(fds[1]) };
+        unsafe { OwnedFd::from_raw_fd(fds[0]) }
+    };
+    h.memfd = pipe;
+    refused(h, "not a memory file");
+    // A memfd its sharer could shrink under the pager's reads.
+    let unsealed = unsafe {
+        let fd = libc::memfd_create(c"unsealed".as_ptr(), libc::MFD_CLOEXEC);
+        assert!(fd >= 0);
+        assert_eq!(libc::ftruncate(fd, memory.len() as libc::off_t), 0);
+        OwnedFd::from_raw_fd(fd)
+    };
+    assert!(check_sealed(unsealed.as_fd(), memory.len()).is_err());
+    let mut h = memory.handoff().unwrap();
+    h.memfd = unsealed;
+    refused(h, "sealed against shrinking");
+    // GuestMemory's own memfd is sealed: it cannot shrink.
+    assert!(check_sealed(memory.memfd(), memory.len()).is_ok());
+    assert_ne!(
+        unsafe { libc::ftruncate(memory.memfd().as_raw_fd(), 4096) },
+        0,
+        "guest RAM must not shrink"
+    );
+    // Accepted, as received over SCM_RIGHTS without MSG_CMSG_CLOEXEC: the
+    // pager makes what it keeps close-on-exec.
+    let h = memory.handoff().unwrap();
+    let raw = [h.uffd.as_raw_fd(), h.memfd.as_raw_fd()];
+    for fd in raw {
+        assert_eq!(unsafe { libc::fcntl(fd, libc::F_SETFD, 0) }, 0);
+    }
+    let space = pager.attach_space(h).unwrap();
+    for fd in raw {
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+        assert!(flags >= 0 && flags & libc::FD_CLOEXEC != 0, "fd {fd} not close-on-exec");
+    }
+    let e = pager.register_vm(u32::MAX, space, 0, block as usize).unwrap_err();
+    assert!(matches!(e, PagerError::BadVm { .. }), "{e}");
+    assert!(pager.fatal_error().is_none());
+    pager.detach_space(space);
     pager.shutdown();
 }
