@@ -13,6 +13,7 @@ static void ring_flood(void) __attribute__((noreturn));
 static void window_violation(void) __attribute__((noreturn));
 static void never_close(void) __attribute__((noreturn));
 static void spin(void) __attribute__((noreturn));
+static void take_rx(uint8_t *open, int credit);
 static void lying_counter(void) __attribute__((noreturn));
 static void output_after_close(void) __attribute__((noreturn));
 static void dirty_system(void) __attribute__((noreturn));
@@ -55,8 +56,9 @@ static void ring_flood(void)
     }
 }
 
-/* Takes the host's rx records; marks each slot that opened. */
-static void take_opens(uint8_t *open)
+/* Takes the host's rx records; marks each slot that opened, and with
+ * `credit` hands the host back room for the bytes taken, as a reader would. */
+static void take_rx(uint8_t *open, int credit)
 {
     struct dv_ring_hdr *r = ring_hdr();
     uint32_t cons = r->rx_cons, prod = __atomic_load_n(&r->rx_prod, __ATOMIC_ACQUIRE);
@@ -69,9 +71,17 @@ static void take_opens(uint8_t *open)
         }
         if (rec->type == DV_REC_OPEN && rec->slot < DV_MAX_SLOTS)
             open[rec->slot] = 1;
+        if (credit && rec->type == DV_REC_DATA && rec->slot < DV_MAX_SLOTS)
+            __atomic_store_n(&credits()[rec->slot].rx_consumed,
+                             credits()[rec->slot].rx_consumed + rec->len, __ATOMIC_RELEASE);
         cons += RECORD_HEADER + ((rec->len + 7u) & ~7u);
     }
     __atomic_store_n(&r->rx_cons, cons, __ATOMIC_RELEASE);
+}
+
+static void take_opens(uint8_t *open)
+{
+    take_rx(open, 0);
 }
 
 /* Response bytes on every open slot, whatever the host acknowledged. */
@@ -110,12 +120,18 @@ static void spin(void)
         __asm__ volatile("pause");
 }
 
-/* Burns its CPU while its request counter says it serves a great deal. */
+/* Burns its CPU while its request counter says it serves a great deal,
+ * taking every request sent so that the host keeps sending more. */
 static void lying_counter(void)
 {
+    static uint8_t open[DV_MAX_SLOTS];
     struct dv_ctrl *ctrl = ctrl_page();
-    for (;;)
-        ctrl->requests++;
+    for (;;) {
+        take_rx(open, 1);
+        arch_doorbell();
+        for (int i = 0; i < 4096; i++)
+            ctrl->requests++;
+    }
 }
 
 /* Every connection gets a full window of response bytes and is released
