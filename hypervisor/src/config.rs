@@ -3,14 +3,16 @@
 //! the checks that refuse a configuration, the guest's RAM layout, the
 //! pager's settings and the size of the cells.
 
+use crate::guest::abi;
 use crate::guest::boot::RamLayout;
-use crate::guest::loader::{self, GuestImage};
+use crate::guest::loader;
 use crate::scheduling::CellPlacement;
 use clap::Args;
 use paging_policy::{parse_size, DiskSpec, PagerConfig, PolicySpec};
 use serde::{Deserialize, Serialize};
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
+use std::time::Duration;
 
 /// File descriptors a VM needs in one process of its cell, at most: its
 /// listener, irqfd and doorbell in the front; in its holder, its VM and vCPU
@@ -18,7 +20,6 @@ use std::path::PathBuf;
 const FDS_PER_VM: u64 = 4;
 /// Descriptors kept free for connections, the API and the pager.
 const FD_HEADROOM: u64 = 1024;
-/// Descriptors the parent holds per cell: link, userfaultfd, memfd, pidfd slack.
 /// Kernel memory a 1-vCPU KVM VM holds (docs/host-facts.md, "Costs of KVM operations"):
 /// a VM count the host cannot hold is refused up front.
 const KERNEL_BYTES_PER_VM: u64 = 600 << 10;
@@ -26,7 +27,7 @@ const KERNEL_BYTES_PER_VM: u64 = 600 << 10;
 pub const DEFAULT_WS_WRITE_STRIDE: u32 = 4;
 
 /// Flags of `densevm serve`.
-#[derive(Args, Debug, Clone, Serialize, Deserialize)]
+#[derive(Args, Debug)]
 pub struct ServeArgs {
     /// Number of VMs to boot.
     #[arg(long, default_value_t = 16)]
@@ -125,6 +126,91 @@ pub struct ServeArgs {
 #[derive(Debug)]
 pub struct ConfigError(pub String);
 
+/// What every cell runs with: the flags' values a cell needs, derived and
+/// checked once by the parent and sent to each cell in its configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CellSettings {
+    /// Where the cell's threads run.
+    pub placement: CellPlacement,
+    /// The guest image, which the parent loaded and laid out.
+    pub guest: PathBuf,
+    /// The RAM layout of every VM.
+    pub layout: RamLayout,
+    /// Descriptors a VM holds in each process of its cell.
+    pub fds_per_vm: u64,
+    /// Flags for every guest's boot info beyond the platform's
+    /// (`FLAG_SELFCHECK` or 0).
+    pub boot_flags: u32,
+    /// Write one word in every Nth working-set page per request.
+    pub ws_write_stride: u32,
+    /// `--guest-arg`, passed to every guest in its boot info.
+    pub guest_arg: u64,
+    /// Address of VM 0; VM i listens on this plus i.
+    pub addr_base: Ipv4Addr,
+    /// TCP port of every VM.
+    pub port: u16,
+    /// Per-VM halt polling, if set.
+    pub halt_poll_ns: Option<u64>,
+    /// Threads a holder builds VMs on.
+    pub boot_threads: u32,
+    /// Open each vCPU's KVM statistics (one more fd per VM).
+    pub vcpu_stats: bool,
+    /// A VM not up after this long is stopped as a boot failure.
+    pub boot_timeout: Duration,
+    /// Busy work per served request (`--inject-request-us`).
+    pub inject_request: Duration,
+}
+
+impl CellSettings {
+    /// The address VM `id` listens on.
+    pub fn addr_of(&self, id: u32) -> std::net::SocketAddrV4 {
+        std::net::SocketAddrV4::new(
+            Ipv4Addr::from(u32::from(self.addr_base).wrapping_add(id)),
+            self.port,
+        )
+    }
+}
+
+/// What the cells run with, from checked flags and the guest's layout.
+pub fn cell_settings(args: &ServeArgs, guest: PathBuf, layout: RamLayout) -> CellSettings {
+    CellSettings {
+        placement: args.cell_placement,
+        guest,
+        layout,
+        fds_per_vm: fds_per_vm(args),
+        boot_flags: if args.selfcheck {
+            abi::FLAG_SELFCHECK
+        } else {
+            0
+        },
+        ws_write_stride: args.ws_write_stride,
+        guest_arg: args.guest_arg,
+        addr_base: args.addr_base,
+        port: args.port,
+        halt_poll_ns: args.halt_poll_ns,
+        boot_threads: args.boot_threads,
+        vcpu_stats: args.vcpu_stats,
+        boot_timeout: Duration::from_secs(args.boot_timeout),
+        inject_request: Duration::from_micros(args.inject_request_us),
+    }
+}
+
+/// A process's descriptor limit cannot cover its VMs.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{count} x {fds_each} file descriptors need about {needed} but RLIMIT_NOFILE allows {allowed}"
+)]
+pub struct FdShortage {
+    /// Holders of descriptors (VMs or cells).
+    pub count: u32,
+    /// Descriptors each holds.
+    pub fds_each: u64,
+    /// Descriptors needed, with the headroom.
+    pub needed: u64,
+    /// The hard limit.
+    pub allowed: u64,
+}
+
 fn default_guest() -> PathBuf {
     std::env::current_exe()
         .ok()
@@ -139,7 +225,7 @@ pub fn fds_per_vm(args: &ServeArgs) -> u64 {
 
 /// Raises the soft fd limit to the hard one; checks it covers `count`
 /// holders of `fds_each` descriptors.
-pub fn ensure_fd_budget(count: u32, fds_each: u64) -> Result<(), ConfigError> {
+pub fn ensure_fd_budget(count: u32, fds_each: u64) -> Result<(), FdShortage> {
     let mut limit = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -152,16 +238,19 @@ pub fn ensure_fd_budget(count: u32, fds_each: u64) -> Result<(), ConfigError> {
     }
     let needed = count as u64 * fds_each + FD_HEADROOM;
     if needed > limit.rlim_max {
-        return Err(ConfigError(format!(
-            "{count} x {fds_each} file descriptors need about {needed} but RLIMIT_NOFILE allows {}",
-            limit.rlim_max
-        )));
+        return Err(FdShortage {
+            count,
+            fds_each,
+            needed,
+            allowed: limit.rlim_max,
+        });
     }
     Ok(())
 }
 
-/// The guest image and the RAM layout of every VM.
-pub fn load_guest(args: &ServeArgs) -> Result<(GuestImage, RamLayout), ConfigError> {
+/// The guest image's path and the RAM layout of every VM: the image is
+/// loaded to check it and to lay its bss out.
+pub fn load_guest(args: &ServeArgs) -> Result<(PathBuf, RamLayout), ConfigError> {
     let ws = size("--ws", &args.ws)?;
     let guest_mem = size("--guest-mem", &args.guest_mem)?;
     let guest = args.guest.clone().unwrap_or_else(default_guest);
@@ -175,7 +264,7 @@ pub fn load_guest(args: &ServeArgs) -> Result<(GuestImage, RamLayout), ConfigErr
             RamLayout::min_ram_bytes(image.bss_end, ws) / 1024
         ))
     })?;
-    Ok((image, layout))
+    Ok((guest, layout))
 }
 
 /// The VMs the swap is sized for: room for VMs created later through the
@@ -188,6 +277,8 @@ fn size(flag: &str, text: &str) -> Result<u64, ConfigError> {
     parse_size(text).map_err(|e| ConfigError(format!("{flag}: {e}")))
 }
 
+/// Refuses flags that cannot work together, or a VM count the host's
+/// memory cannot hold.
 pub fn check_flags(args: &ServeArgs) -> Result<(), ConfigError> {
     if args.vms == 0 {
         return Err(ConfigError("--vms must be at least 1".into()));

@@ -8,7 +8,7 @@
 //! notifies guests through their irqfds, only when a guest is idle.
 
 use crate::cell::cpu_governor::CpuGovernor;
-use crate::cell::microvm::{self, MicroVm};
+use crate::cell::microvm::{self, AdoptError, MicroVm};
 use crate::cell::proxy::{self, Drained, Proxy, Readiness, MIN_REQUEST_BYTES};
 use crate::cell::stats;
 use crate::cell::vmtable::{DeadVm, VmEntry, VmState, VmTable};
@@ -56,6 +56,33 @@ pub enum Exit {
     Shutdown,
     /// The parent is gone (its end of the link closed).
     ParentGone,
+}
+
+/// Why the event loop could not go on.
+#[derive(Debug, thiserror::Error)]
+pub enum LoopError {
+    /// Polling or registering a source failed.
+    #[error("event loop: {0}")]
+    Poll(#[from] io::Error),
+}
+
+/// Why the front could not take a VM its holder built.
+#[derive(Debug, thiserror::Error)]
+enum AdoptFailure {
+    /// The VM's slot has no irq eventfd left.
+    #[error("VM {0}: no irq")]
+    NoIrq(u32),
+    /// Its listener, memory or statistics.
+    #[error(transparent)]
+    Adopt(#[from] AdoptError),
+    /// Its listener could not be registered with the loop.
+    #[error("VM {vm}: {source}")]
+    Register {
+        /// VM index.
+        vm: u32,
+        /// The registration error.
+        source: io::Error,
+    },
 }
 
 /// Parameters of [`CellLoop::new`].
@@ -155,7 +182,7 @@ struct Seen {
 
 impl CellLoop {
     /// Registers the links and doorbells; the VMs come with [`Self::create`].
-    pub fn new(setup: CellLoopSetup) -> io::Result<Self> {
+    pub fn new(setup: CellLoopSetup) -> Result<Self, LoopError> {
         let poll = Poll::new()?;
         setup.link.set_nonblocking(true)?;
         let mut link = UnixStream::from_std(setup.link);
@@ -213,7 +240,7 @@ impl CellLoop {
 
     /// Runs until the parent says stop or goes away. Err: the event loop
     /// failed; the caller tells the parent.
-    pub fn run(&mut self) -> Result<Exit, String> {
+    pub fn run(&mut self) -> Result<Exit, LoopError> {
         let mut events = Events::with_capacity(1024);
         for index in 0..self.vms.len() {
             self.service_vm(index);
@@ -234,8 +261,7 @@ impl CellLoop {
                 .chain([self.governor.due()])
                 .map(|at| at.saturating_duration_since(Instant::now()))
                 .fold(timeout, Duration::min);
-            crate::link::framing::nonblocking(|| self.poll.poll(&mut events, Some(timeout)))
-                .map_err(|e| format!("event loop: {e}"))?;
+            crate::link::framing::nonblocking(|| self.poll.poll(&mut events, Some(timeout)))?;
             for event in events.iter() {
                 let Token(t) = event.token();
                 match event.token() {
@@ -395,7 +421,7 @@ impl CellLoop {
                 }
             }
             Err(violation) => {
-                self.kill_vm(index, VmState::Crashed, violation);
+                self.kill_vm(index, VmState::Crashed, violation.to_string());
                 return;
             }
         }
@@ -653,7 +679,7 @@ impl CellLoop {
             let built = match self.holders[h].wait_built() {
                 Ok(built) => built,
                 Err(e) => {
-                    error.get_or_insert(e);
+                    error.get_or_insert(e.to_string());
                     continue;
                 }
             };
@@ -693,14 +719,13 @@ impl CellLoop {
         id: u32,
         tid: i32,
         stats_fd: Option<OwnedFd>,
-    ) -> Result<(), String> {
+    ) -> Result<(), AdoptFailure> {
         let slot = self.ctx.slot_of(id);
-        let irq = self.irqs[slot]
-            .take()
-            .ok_or_else(|| format!("VM {id}: no irq"))?;
+        let irq = self.irqs[slot].take().ok_or(AdoptFailure::NoIrq(id))?;
         let vcpu = self.holders[h].vcpu(tid);
-        let vm = microvm::adopt(&self.ctx, id, vcpu, irq, stats_fd).map_err(|e| e.to_string())?;
-        self.adopt(vm).map_err(|e| format!("VM {id}: {e}"))
+        let vm = microvm::adopt(&self.ctx, id, vcpu, irq, stats_fd)?;
+        self.adopt(vm)
+            .map_err(|source| AdoptFailure::Register { vm: id, source })
     }
 
     /// Stops every VM: each holder destroys its own and exits.

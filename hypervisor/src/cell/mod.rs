@@ -16,42 +16,90 @@ pub mod proxy;
 pub mod stats;
 pub mod vmtable;
 
-use crate::cell::event_loop::{CellLoop, CellLoopSetup, Exit};
-use crate::config::{self, ConfigError};
-use crate::guest::memory;
-use crate::guest::memory::HolderSlots;
+use crate::cell::event_loop::{CellLoop, CellLoopSetup, Exit, LoopError};
+use crate::config::{self, CellSettings, FdShortage};
+use crate::guest::boot::RamLayout;
+use crate::guest::loader::{self, LoadError};
+use crate::guest::memory::{self, HolderSlots};
 use crate::holder::builder::{self, BuildContext};
-use crate::holder::{self, HolderInputs};
+use crate::holder::{self, HolderError, HolderInputs};
 use crate::link::framing::peer_gone;
 use crate::link::protocol::{CellConfig, FromCell, Hello, Space, ToCell, MAX_LINK_LINE};
-use crate::platform;
+use crate::platform::{self, PlatformError};
 use crate::scheduling::{self, CellPlacement};
-use crate::vstate::vm::VmCaps;
+use crate::vstate::vm::{MissingCapability, VmCaps};
 use kvm_ioctls::Kvm;
-use std::io::{Read, Write};
+use paging_policy::PagerError;
+use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 const KVM_MAX_CPUID_ENTRIES: usize = 256;
 
 /// Why a cell stopped before the parent told it to.
-#[derive(Debug)]
-enum CellError {
+#[derive(Debug, thiserror::Error)]
+pub enum CellError {
     /// The parent closed or reset the link: it is going away and says why
     /// itself, so the cell (one of hundreds) adds nothing.
+    #[error("the parent is gone")]
     ParentGone,
-    /// The cell cannot go on.
-    Failed(String),
-}
-
-impl From<String> for CellError {
-    fn from(message: String) -> Self {
-        CellError::Failed(message)
-    }
+    /// A system call of the set-up failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// The step.
+        what: &'static str,
+        /// The error.
+        source: io::Error,
+    },
+    /// KVM refused a step.
+    #[error("{what}: {source}")]
+    Kvm {
+        /// The step.
+        what: &'static str,
+        /// KVM's error.
+        source: kvm_ioctls::Error,
+    },
+    /// This KVM lacks a capability.
+    #[error(transparent)]
+    Capability(#[from] MissingCapability),
+    /// The host could not be probed.
+    #[error("probe the host: {0}")]
+    Platform(#[from] PlatformError),
+    /// The guest image could not be loaded.
+    #[error(transparent)]
+    Guest(#[from] LoadError),
+    /// The guest image no longer fits the layout the parent made for it.
+    #[error("guest image {} changed since the parent laid it out", .0.display())]
+    GuestChanged(PathBuf),
+    /// Guest memory could not be mapped.
+    #[error("map guest memory: {0}")]
+    Memory(#[from] PagerError),
+    /// The descriptor limit cannot cover the cell's VMs.
+    #[error(transparent)]
+    Fds(#[from] FdShortage),
+    /// The holders could not be started.
+    #[error(transparent)]
+    Holder(#[from] HolderError),
+    /// The parent sent what the cell cannot read.
+    #[error("bad message from the parent: {0}")]
+    BadMessage(serde_json::Error),
+    /// A handshake line longer than [`MAX_LINK_LINE`].
+    #[error("handshake line too long")]
+    LineTooLong,
+    /// The parent sent another request than the handshake's.
+    #[error("expected go, got {0:?}")]
+    Unexpected(ToCell),
+    /// The event loop failed.
+    #[error(transparent)]
+    Loop(#[from] LoopError),
+    /// The cell's VMs could not be booted (the create reply's message).
+    #[error("{0}")]
+    Boot(String),
 }
 
 /// Runs a cell; returns the exit code.
@@ -65,9 +113,9 @@ pub fn run() -> i32 {
     match result {
         Ok(()) => 0,
         Err(CellError::ParentGone) => 1,
-        Err(CellError::Failed(message)) => {
+        Err(error) => {
             let cell = cell.map(|c| format!(" {c}")).unwrap_or_default();
-            eprintln!("densevm: error: cell{cell}: {message}");
+            eprintln!("densevm: error: cell{cell}: {error}");
             1
         }
     }
@@ -75,24 +123,22 @@ pub fn run() -> i32 {
 
 fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
     stay_with_parent(config.parent_pid)?;
+    let settings = &config.settings;
     // Before any thread or holder starts: they inherit the CPU and the policy.
-    if config.args.cell_placement == CellPlacement::Pinned {
-        scheduling::pin_cell(config.cell).map_err(|e| format!("pin to a CPU: {e}"))?;
+    if settings.placement == CellPlacement::Pinned {
+        scheduling::pin_cell(config.cell).map_err(|source| CellError::Io {
+            what: "pin to a CPU",
+            source,
+        })?;
     }
-    scheduling::use_cell_policy().map_err(|e| format!("scheduling policy: {e}"))?;
-    let setup = (|| -> Result<_, ConfigError> {
-        config::ensure_fd_budget(config.capacity, config::fds_per_vm(&config.args))?;
-        build_context(&config)
-    })();
-    let mut ctx = setup.map_err(|ConfigError(e)| e)?;
-    let irqs = (0..config.capacity)
-        .map(|_| EventFd::new(EFD_NONBLOCK))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("irq eventfds: {e}"))?;
-    let doorbells = (0..config.capacity)
-        .map(|_| EventFd::new(EFD_NONBLOCK))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("doorbell eventfds: {e}"))?;
+    scheduling::use_cell_policy().map_err(|source| CellError::Io {
+        what: "scheduling policy",
+        source,
+    })?;
+    config::ensure_fd_budget(config.capacity, settings.fds_per_vm)?;
+    let mut ctx = build_context(&config)?;
+    let irqs = eventfds(config.capacity, "irq eventfds")?;
+    let doorbells = eventfds(config.capacity, "doorbell eventfds")?;
     // The process still has one thread: the holders may be forked.
     let (holders, uffds) = holder::fork_all(HolderInputs {
         ctx: &mut ctx,
@@ -131,7 +177,7 @@ fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
     drop(uffds);
     match read_message::<ToCell>(&link)? {
         ToCell::Go => {}
-        other => return Err(format!("expected go, got {other:?}").into()),
+        other => return Err(CellError::Unexpected(other)),
     }
     let boot_started = Instant::now();
     let (first_id, count) = (ctx.first_id, config.count);
@@ -140,18 +186,20 @@ fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
         doorbells,
         irqs: irqs.into_iter().map(Some).collect(),
         holders,
-        link: link.try_clone().map_err(|e| format!("link: {e}"))?,
+        link: link.try_clone().map_err(|source| CellError::Io {
+            what: "link",
+            source,
+        })?,
         boot_started,
-        boot_timeout: Duration::from_secs(config.args.boot_timeout),
-        inject_request: Duration::from_micros(config.args.inject_request_us),
+        boot_timeout: settings.boot_timeout,
+        inject_request: settings.inject_request,
     };
-    let mut event_loop =
-        CellLoop::new(setup).map_err(|e| report(&link, format!("event loop: {e}")))?;
+    let mut event_loop = CellLoop::new(setup).map_err(|e| report(&link, e.into()))?;
     let booted = event_loop.create(first_id, count);
     if let Some(error) = booted.get("error").and_then(|e| e.as_str()) {
         let error = error.trim_start_matches("create: ").to_string();
         event_loop.shutdown();
-        return Err(report(&link, error).into());
+        return Err(report(&link, CellError::Boot(error)));
     }
     match event_loop.run() {
         Ok(Exit::Shutdown) => {
@@ -160,14 +208,22 @@ fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
         }
         // The parent died without a word: PDEATHSIG ends us anyway.
         Ok(Exit::ParentGone) => Err(CellError::ParentGone),
-        Err(message) => Err(report(&link, message).into()),
+        Err(e) => Err(report(&link, e.into())),
     }
 }
 
-/// Tells the parent why the cell cannot go on; returns the message.
-fn report(mut link: &UnixStream, error: String) -> String {
+/// One nonblocking eventfd per slot.
+fn eventfds(count: u32, what: &'static str) -> Result<Vec<EventFd>, CellError> {
+    (0..count)
+        .map(|_| EventFd::new(EFD_NONBLOCK))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|source| CellError::Io { what, source })
+}
+
+/// Tells the parent why the cell cannot go on; returns the error.
+fn report(mut link: &UnixStream, error: CellError) -> CellError {
     let mut line = serde_json::to_vec(&FromCell::Failed {
-        error: error.clone(),
+        error: error.to_string(),
     })
     .expect("serializes");
     line.push(b'\n');
@@ -176,11 +232,11 @@ fn report(mut link: &UnixStream, error: String) -> String {
 }
 
 /// A failed read or write on the link.
-fn link_error(what: &str, e: std::io::Error) -> CellError {
-    if peer_gone(&e) {
+fn link_error(what: &'static str, source: io::Error) -> CellError {
+    if peer_gone(&source) {
         CellError::ParentGone
     } else {
-        CellError::Failed(format!("{what}: {e}"))
+        CellError::Io { what, source }
     }
 }
 
@@ -194,15 +250,14 @@ fn read_message<T: serde::de::DeserializeOwned>(mut link: &UnixStream) -> Result
             Ok(0) => return Err(CellError::ParentGone),
             Ok(_) if byte[0] == b'\n' => break,
             Ok(_) => line.push(byte[0]),
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(link_error("link", e)),
         }
         if line.len() > MAX_LINK_LINE {
-            return Err(CellError::Failed("handshake line too long".into()));
+            return Err(CellError::LineTooLong);
         }
     }
-    serde_json::from_slice(&line)
-        .map_err(|e| CellError::Failed(format!("bad message from the parent: {e}")))
+    serde_json::from_slice(&line).map_err(CellError::BadMessage)
 }
 
 /// The cell dies with its parent (SIGKILL), and leaves SIGINT/SIGTERM to
@@ -220,22 +275,41 @@ fn stay_with_parent(parent_pid: u32) -> Result<(), CellError> {
     Ok(())
 }
 
-fn build_context(config: &CellConfig) -> Result<BuildContext, ConfigError> {
-    let args = &config.args;
-    let (image, layout) = config::load_guest(args)?;
-    let kvm = Kvm::new().map_err(|e| ConfigError(format!("cannot open /dev/kvm: {e}")))?;
-    let caps = VmCaps::probe(&kvm).map_err(ConfigError)?;
-    let platform =
-        platform::detect(&kvm).map_err(|e| ConfigError(format!("probe the host: {e}")))?;
+/// Maps the guest image the parent laid out; it must still fit that layout.
+fn load_image(settings: &CellSettings) -> Result<loader::GuestImage, CellError> {
+    let image = loader::load(&settings.guest)?;
+    let layout = settings.layout;
+    let relaid = RamLayout::new(
+        layout.ram_bytes,
+        image.bss_end,
+        image.rx_buffers,
+        layout.ws_bytes,
+    );
+    if relaid != Some(layout) {
+        return Err(CellError::GuestChanged(settings.guest.clone()));
+    }
+    Ok(image)
+}
+
+fn build_context(config: &CellConfig) -> Result<BuildContext, CellError> {
+    let settings = &config.settings;
+    let image = load_image(settings)?;
+    let kvm = Kvm::new().map_err(|source| CellError::Kvm {
+        what: "open /dev/kvm",
+        source,
+    })?;
+    let caps = VmCaps::probe(&kvm)?;
+    let platform = platform::detect(&kvm)?;
     let cpuid = kvm
         .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-        .map_err(|e| ConfigError(format!("get supported CPUID: {e}")))?;
+        .map_err(|source| CellError::Kvm {
+            what: "get supported CPUID",
+            source,
+        })?;
     let per_holder = holder::holder_vms(config.capacity) as usize;
     let slots = config.capacity as usize;
-    let ram = HolderSlots::guest_ram(layout.ram_bytes as usize, slots, per_holder)
-        .map_err(|e| ConfigError(e.to_string()))?;
-    let sys = HolderSlots::system(crate::guest::abi::SYS_BYTES as usize, slots, per_holder)
-        .map_err(|e| ConfigError(e.to_string()))?;
+    let ram = HolderSlots::guest_ram(settings.layout.ram_bytes as usize, slots, per_holder)?;
+    let sys = HolderSlots::system(crate::guest::abi::SYS_BYTES as usize, slots, per_holder)?;
     let ctx = BuildContext {
         first_id: config.first_id,
         kvm,
@@ -243,28 +317,24 @@ fn build_context(config: &CellConfig) -> Result<BuildContext, ConfigError> {
         cpuid,
         platform,
         image,
-        layout,
-        extra_flags: if args.selfcheck {
-            crate::guest::abi::FLAG_SELFCHECK
-        } else {
-            0
-        },
-        ws_write_stride: args.ws_write_stride,
-        guest_arg: args.guest_arg,
-        addr_base: args.addr_base,
-        port: args.port,
-        halt_poll_ns: args.halt_poll_ns,
+        layout: settings.layout,
+        extra_flags: settings.boot_flags,
+        ws_write_stride: settings.ws_write_stride,
+        guest_arg: settings.guest_arg,
+        addr_base: settings.addr_base,
+        port: settings.port,
+        halt_poll_ns: settings.halt_poll_ns,
         // A holder reports its crashed guests; the front runs none.
         on_exit: Arc::new(|_, _| {}),
         sys,
         ram,
         ram_slots_per_holder: per_holder,
-        boot_threads: args.boot_threads,
+        boot_threads: settings.boot_threads,
         stack_arena: memory::Arena::new(
             crate::vstate::vcpu::VCPU_STACK_BYTES,
             builder::ARENA_CHUNK_VMS,
         ),
-        vcpu_stats: args.vcpu_stats,
+        vcpu_stats: settings.vcpu_stats,
     };
     Ok(ctx)
 }

@@ -14,7 +14,7 @@
 
 use crate::cell::microvm::MicroVm;
 use crate::cell::vmtable::VmTable;
-use crate::devices::stream::TxRecord;
+use crate::devices::stream::{ProtocolViolation, TxRecord};
 use crate::guest::abi;
 use crate::link::framing::nonblocking;
 use mio::net::TcpStream;
@@ -52,6 +52,24 @@ pub struct Readiness {
     pub writable: bool,
     /// The client's FIN or an error arrived: read to the end.
     pub read_closed: bool,
+}
+
+/// Why [`Proxy::drain_tx`] stopped a VM as a protocol violator.
+#[derive(Debug, thiserror::Error)]
+pub enum TxError {
+    /// A malformed record.
+    #[error(transparent)]
+    Record(#[from] ProtocolViolation),
+    /// Response bytes past the slot's window.
+    #[error("slot {slot}: {buffered} response bytes unacknowledged, window {window}")]
+    Window {
+        /// The connection slot.
+        slot: usize,
+        /// Bytes the host holds unacknowledged.
+        buffered: usize,
+        /// The window.
+        window: u32,
+    },
 }
 
 /// What [`Proxy::drain_tx`] left behind.
@@ -314,7 +332,7 @@ impl Proxy {
     /// Takes in what the guest put in its tx ring, up to [`TX_BUDGET`]
     /// bytes: data goes to its connections, CLOSE records release slots.
     /// Err: a malformed record, or response bytes past the slot's window.
-    pub fn drain_tx(&mut self, vms: &mut VmTable, index: usize) -> Result<Drained, String> {
+    pub fn drain_tx(&mut self, vms: &mut VmTable, index: usize) -> Result<Drained, TxError> {
         let mut taken = 0u64;
         let now = Instant::now();
         loop {
@@ -324,7 +342,7 @@ impl Proxy {
             if taken >= TX_BUDGET {
                 return Ok(Drained::More);
             }
-            let Some(record) = vm.stream.tx_peek(&vm.sys).map_err(|e| e.to_string())? else {
+            let Some(record) = vm.stream.tx_peek(&vm.sys)? else {
                 return Ok(Drained::All);
             };
             if !vm.tx_records.take(now) {
@@ -346,10 +364,11 @@ impl Proxy {
                     // The host acknowledged all but `buffered` bytes, so a
                     // guest within its window never gets past it here.
                     if buffered > abi::TX_WINDOW as usize {
-                        return Err(format!(
-                            "slot {slot}: {buffered} response bytes unacknowledged, window {}",
-                            abi::TX_WINDOW
-                        ));
+                        return Err(TxError::Window {
+                            slot,
+                            buffered,
+                            window: abi::TX_WINDOW,
+                        });
                     }
                     vm.stream.tx_consume(&vm.sys, &record);
                     vm.stream.ack(&vm.sys, slot, buffered);

@@ -18,7 +18,7 @@ const TABLE: u64 = PTE_PRESENT | PTE_WRITABLE | PTE_USER | PTE_ACCESSED;
 const HUGE_PAGE: u64 = 2 << 20;
 
 /// Where things are in a VM's RAM.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RamLayout {
     /// Size of RAM.
     pub ram_bytes: u64,

@@ -20,7 +20,7 @@ pub mod builder;
 
 use crate::link::framing::nonblocking;
 use crate::vstate::vcpu::RunState;
-use builder::{BuildContext, HeldVm};
+use builder::{BuildContext, BuildError, HeldVm};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -43,6 +43,53 @@ const TEARDOWN_THREADS: usize = 4;
 const MAX_RECORD: usize = 64 << 10;
 /// Longest the front waits for a holder to answer.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Why a holder could not be started or did not answer.
+#[derive(Debug, thiserror::Error)]
+pub enum HolderError {
+    /// Holders are forked while the cell has one thread, and it had more.
+    #[error("holders must be forked before the cell starts a thread")]
+    Threaded,
+    /// The link to a holder could not be made or set up.
+    #[error("holder link: {0}")]
+    Link(std::io::Error),
+    /// The holder could not be forked.
+    #[error("fork: {0}")]
+    Fork(std::io::Error),
+    /// Reading from the holder failed.
+    #[error("holder {pid}: {source}")]
+    Read {
+        /// Its pid.
+        pid: i32,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// The holder sent something else than its ready record.
+    #[error("holder {pid}: expected ready, got {got}")]
+    Unexpected {
+        /// Its pid.
+        pid: i32,
+        /// What it sent.
+        got: String,
+    },
+    /// The holder ended while starting.
+    #[error("holder {pid} {how} while starting")]
+    Ended {
+        /// Its pid.
+        pid: i32,
+        /// How it ended.
+        how: String,
+    },
+    /// The holder did not report ready in time.
+    #[error("holder {0} did not start")]
+    DidNotStart(i32),
+    /// The holder did not answer in time.
+    #[error("holder {0} did not answer")]
+    NoAnswer(i32),
+    /// The holder closed its link.
+    #[error("holder {0} went away")]
+    Gone(i32),
+}
 
 /// VMs per holder in a cell that can hold `capacity`.
 pub fn holder_vms(capacity: u32) -> u32 {
@@ -237,7 +284,7 @@ impl Holder {
 
     /// Waits for the answer to [`Self::request_build`]: the thread ids of
     /// the VMs built, their stats descriptors, and why the rest were not.
-    pub fn wait_built(&mut self) -> Result<Built, String> {
+    pub fn wait_built(&mut self) -> Result<Built, HolderError> {
         match self.wait_for(|m| matches!(m, FromHolder::Built { .. }))? {
             (FromHolder::Built { tids, error }, stats) => Ok(Built { tids, stats, error }),
             _ => unreachable!("wait_for returns what it was asked for"),
@@ -253,19 +300,20 @@ impl Holder {
 
     /// Reads until a message `wanted` picks comes; the others are kept in
     /// `pending` for the event loop.
-    fn wait_for(&mut self, wanted: impl Fn(&FromHolder) -> bool) -> Result<Record, String> {
+    fn wait_for(&mut self, wanted: impl Fn(&FromHolder) -> bool) -> Result<Record, HolderError> {
         let deadline = Instant::now() + REPLY_TIMEOUT;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(format!("holder {} did not answer", self.pid));
+                return Err(HolderError::NoAnswer(self.pid));
             }
             wait_fd(self.link.as_raw_fd(), libc::POLLIN, left);
-            let Some(records) = self
-                .read()
-                .map_err(|e| format!("holder {}: {e}", self.pid))?
+            let Some(records) = self.read().map_err(|source| HolderError::Read {
+                pid: self.pid,
+                source,
+            })?
             else {
-                return Err(format!("holder {} went away", self.pid));
+                return Err(HolderError::Gone(self.pid));
             };
             let mut answer = None;
             for (message, fds) in records {
@@ -446,22 +494,22 @@ pub struct HolderInputs<'a> {
 /// Forks the cell's holders, one per part of `ctx.ram`, and waits until
 /// each has registered its guest RAM. Returns the holders and, per holder,
 /// its userfaultfd for the pager. Call while the process has one thread.
-pub fn fork_all(inputs: HolderInputs) -> Result<(Vec<Holder>, Vec<OwnedFd>), String> {
+pub fn fork_all(inputs: HolderInputs) -> Result<(Vec<Holder>, Vec<OwnedFd>), HolderError> {
     if !single_threaded() {
-        return Err("holders must be forked before the cell starts a thread".into());
+        return Err(HolderError::Threaded);
     }
     let front = std::process::id() as i32;
     let per_holder = inputs.ctx.ram_slots_per_holder as u32;
     let parts = inputs.ctx.ram.parts();
     let mut holders: Vec<Holder> = Vec::with_capacity(parts);
     for index in 0..parts {
-        let (ours, theirs) = seqpacket_pair().map_err(|e| format!("holder link: {e}"))?;
+        let (ours, theirs) = seqpacket_pair().map_err(HolderError::Link)?;
         let first_slot = index as u32 * per_holder;
         let slots = per_holder.min(inputs.irqs.len() as u32 - first_slot);
         // SAFETY: the process has a single thread (checked above), so the
         // child may run anything.
         match unsafe { libc::fork() } {
-            -1 => return Err(format!("fork: {}", std::io::Error::last_os_error())),
+            -1 => return Err(HolderError::Fork(std::io::Error::last_os_error())),
             0 => {
                 drop(ours);
                 // The front's ends of the earlier holders' links.
@@ -506,24 +554,32 @@ pub fn fork_all(inputs: HolderInputs) -> Result<(Vec<Holder>, Vec<OwnedFd>), Str
             holder
                 .link
                 .set_nonblocking(true)
-                .map_err(|e| format!("holder link: {e}"))?;
-            match receive::<FromHolder>(&holder.link).map_err(|e| format!("holder: {e}"))? {
+                .map_err(HolderError::Link)?;
+            let received =
+                receive::<FromHolder>(&holder.link).map_err(|source| HolderError::Read {
+                    pid: holder.pid,
+                    source,
+                })?;
+            match received {
                 Received::Record(FromHolder::Ready, mut fds) if fds.len() == 1 => {
                     uffds.push(fds.pop().expect("one descriptor"));
                     break;
                 }
                 Received::Record(other, _) => {
-                    return Err(format!(
-                        "holder {}: expected ready, got {other:?}",
-                        holder.pid
-                    ))
+                    return Err(HolderError::Unexpected {
+                        pid: holder.pid,
+                        got: format!("{other:?}"),
+                    })
                 }
                 Received::Closed => {
                     let how = holder.reap(Duration::from_secs(2));
-                    return Err(format!("holder {} {how} while starting", holder.pid));
+                    return Err(HolderError::Ended {
+                        pid: holder.pid,
+                        how,
+                    });
                 }
                 Received::Nothing if Instant::now() >= deadline => {
-                    return Err(format!("holder {} did not start", holder.pid))
+                    return Err(HolderError::DidNotStart(holder.pid))
                 }
                 Received::Nothing => {}
             }
@@ -665,7 +721,7 @@ fn build_all(
         }
     }
     let next = std::sync::atomic::AtomicU32::new(0);
-    let built: Mutex<Vec<Option<Result<HeldVm, String>>>> =
+    let built: Mutex<Vec<Option<Result<HeldVm, BuildError>>>> =
         Mutex::new((0..count).map(|_| None).collect());
     std::thread::scope(|scope| {
         for _ in 0..ctx.boot_threads.clamp(1, 16) {
@@ -681,8 +737,7 @@ fn build_all(
                     .expect("each VM built once");
                 let id = first + index;
                 let slot = ctx.slot_of(id);
-                let result = builder::build(ctx, id, prebuilt, &irqs[slot], &doorbells[slot])
-                    .map_err(|e| e.to_string());
+                let result = builder::build(ctx, id, prebuilt, &irqs[slot], &doorbells[slot]);
                 built.lock().expect("built")[index as usize] = Some(result);
             });
         }
@@ -695,7 +750,7 @@ fn build_all(
             // Past the first failure the ids would not be consecutive.
             Ok(mut vm) => vm.release(),
             Err(e) => {
-                error.get_or_insert(e);
+                error.get_or_insert(e.to_string());
             }
         }
     }

@@ -12,7 +12,7 @@
 //!    ([`FromCell::Booted`], [`FromCell::Access`], [`FromCell::Stopped`],
 //!    [`FromCell::Failed`]) whenever they happen.
 
-use crate::config::ServeArgs;
+use crate::config::CellSettings;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -20,11 +20,12 @@ use serde_json::Value;
 /// cell's VMs stays far below it).
 pub const MAX_LINK_LINE: usize = 64 << 20;
 
-/// What a cell runs: the serve flags, and its share of the VMs.
+/// What a cell runs: the settings every cell shares (derived from the
+/// flags by the parent), and its share of the VMs.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct CellConfig {
-    /// The parent's flags (already validated by the parent).
-    pub args: ServeArgs,
+    /// The settings of every cell.
+    pub settings: CellSettings,
     /// Index of the cell.
     pub cell: u32,
     /// The parent's pid: a cell whose parent is gone exits.

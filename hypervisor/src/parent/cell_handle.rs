@@ -1,11 +1,11 @@
 //! The parent's side of its cells: starting one, the handshake that hands
 //! its guest memory to the pager, and the link it is driven through.
 
-use crate::config::ServeArgs;
+use crate::config::CellSettings;
 use crate::link::framing::{FrameError, LineStream};
 use crate::link::protocol::{CellConfig, FromCell, Hello, ToCell, MAX_LINK_LINE};
-use paging_policy::{Pager, SpaceHandoff, SpaceId};
-use std::io::{Read, Write};
+use paging_policy::{Pager, PagerError, SpaceHandoff, SpaceId};
+use std::io::{self, Read, Write};
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
@@ -15,6 +15,60 @@ use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 /// Longest a cell may take to start and hand over its memory.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A step of a cell's start that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StartFailure {
+    /// The link could not be made.
+    #[error("socketpair: {0}")]
+    Socketpair(io::Error),
+    /// The process could not be started.
+    #[error("start: {0}")]
+    Spawn(io::Error),
+    /// Its configuration could not be sent.
+    #[error("send its configuration: {0}")]
+    SendConfig(io::Error),
+    /// The link could not be set up.
+    #[error("link: {0}")]
+    Link(io::Error),
+    /// Its hello could not be received.
+    #[error("receive its memory: {0}")]
+    Receive(io::Error),
+    /// The process ended during start-up (how, in words).
+    #[error("{0}")]
+    Ended(String),
+    /// The link closed during start-up.
+    #[error("closed the link during start-up")]
+    Closed,
+    /// The cell could not start, and said why.
+    #[error("{0}")]
+    Refused(String),
+    /// Its hello could not be read.
+    #[error("bad hello: {0}")]
+    BadHello(serde_json::Error),
+    /// Its hello lacks descriptors.
+    #[error("its hello lacks the guest-memory descriptors")]
+    NoDescriptors,
+    /// The pager refused its memory or a VM.
+    #[error(transparent)]
+    Pager(#[from] PagerError),
+    /// A VM's slot is in no space the cell sent.
+    #[error("VM {0}: no space")]
+    NoSpace(u32),
+    /// It could not be told to boot.
+    #[error("start it: {0}")]
+    Go(io::Error),
+}
+
+/// A cell that could not be started or handed over.
+#[derive(Debug, thiserror::Error)]
+#[error("cell {cell}: {failure}")]
+pub struct CellStartError {
+    /// Its index.
+    pub cell: u32,
+    /// The step that failed.
+    pub failure: StartFailure,
+}
 
 /// A cell started but not yet handed over.
 pub struct PendingCell {
@@ -30,14 +84,17 @@ impl PendingCell {
     /// Starts `densevm cell` for VMs `first_id..first_id + count`, with room
     /// for `capacity`, and sends it its configuration.
     pub fn spawn(
-        args: &ServeArgs,
+        settings: &CellSettings,
         index: u32,
         first_id: u32,
         count: u32,
         capacity: u32,
-    ) -> Result<PendingCell, String> {
-        let (ours, theirs) =
-            UnixStream::pair().map_err(|e| format!("cell {index}: socketpair: {e}"))?;
+    ) -> Result<PendingCell, CellStartError> {
+        let failed = |failure| CellStartError {
+            cell: index,
+            failure,
+        };
+        let (ours, theirs) = UnixStream::pair().map_err(|e| failed(StartFailure::Socketpair(e)))?;
         // This very binary, even if the file was replaced since it started.
         let child = Command::new("/proc/self/exe")
             .arg0("densevm")
@@ -46,9 +103,9 @@ impl PendingCell {
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()
-            .map_err(|e| format!("cell {index}: start: {e}"))?;
+            .map_err(|e| failed(StartFailure::Spawn(e)))?;
         let config = CellConfig {
-            args: args.clone(),
+            settings: settings.clone(),
             cell: index,
             parent_pid: std::process::id(),
             first_id,
@@ -68,19 +125,22 @@ impl PendingCell {
         if let Err(e) = (&cell.link).write_all(&line) {
             let _ = cell.child.kill();
             let _ = cell.child.wait();
-            return Err(format!("cell {index}: send its configuration: {e}"));
+            return Err(failed(StartFailure::SendConfig(e)));
         }
         Ok(cell)
     }
 
     /// Receives the cell's guest memory, gives it to the pager with the
     /// cell's VMs, and lets the cell boot them.
-    pub fn handshake(mut self, pager: &Pager, ram_bytes: usize) -> Result<Cell, String> {
-        match self.try_handshake(pager, ram_bytes) {
+    pub fn handshake(mut self, pager: &Pager, ram_bytes: usize) -> Result<Cell, CellStartError> {
+        let handed = self.try_handshake(pager, ram_bytes).and_then(|handed| {
+            self.link
+                .set_nonblocking(true)
+                .map_err(StartFailure::Link)?;
+            Ok(handed)
+        });
+        match handed {
             Ok((spaces, holder_vms)) => {
-                self.link
-                    .set_nonblocking(true)
-                    .map_err(|e| format!("cell {}: link: {e}", self.index))?;
                 let link = mio::net::UnixStream::from_std(self.link);
                 Ok(Cell {
                     index: self.index,
@@ -96,10 +156,13 @@ impl PendingCell {
                     dead: None,
                 })
             }
-            Err(e) => {
+            Err(failure) => {
                 let _ = self.child.kill();
                 let _ = self.child.wait();
-                Err(format!("cell {}: {e}", self.index))
+                Err(CellStartError {
+                    cell: self.index,
+                    failure,
+                })
             }
         }
     }
@@ -108,10 +171,10 @@ impl PendingCell {
         &mut self,
         pager: &Pager,
         ram_bytes: usize,
-    ) -> Result<(Vec<SpaceId>, u32), String> {
+    ) -> Result<(Vec<SpaceId>, u32), StartFailure> {
         self.link
             .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
-            .map_err(|e| e.to_string())?;
+            .map_err(StartFailure::Link)?;
         let mut buf = vec![0u8; 4096];
         let mut fds = [-1; MAX_HELLO_FDS];
         let mut iov = [libc::iovec {
@@ -120,7 +183,7 @@ impl PendingCell {
         }];
         // SAFETY: the iovec points into `buf`, which outlives the call.
         let (bytes, nfds) = unsafe { self.link.recv_with_fds(&mut iov, &mut fds) }
-            .map_err(|e| format!("receive its memory: {e}"))?;
+            .map_err(|e| StartFailure::Receive(e.into()))?;
         // SAFETY: descriptors received are ours to own.
         let received: Vec<OwnedFd> = fds[..nfds]
             .iter()
@@ -129,26 +192,23 @@ impl PendingCell {
         if bytes == 0 {
             return Err(self
                 .exit_reason()
-                .unwrap_or_else(|| "closed the link during start-up".into()));
+                .map_or(StartFailure::Closed, StartFailure::Ended));
         }
         let mut hello = buf[..bytes].to_vec();
         while !hello.ends_with(b"\n") {
-            let n = self
-                .link
-                .read(&mut buf)
-                .map_err(|e| format!("receive its memory: {e}"))?;
+            let n = self.link.read(&mut buf).map_err(StartFailure::Receive)?;
             if n == 0 {
-                return Err("closed the link during start-up".into());
+                return Err(StartFailure::Closed);
             }
             hello.extend_from_slice(&buf[..n]);
         }
         // A cell that failed to start sends its reason instead of a hello.
         if let Ok(FromCell::Failed { error }) = serde_json::from_slice::<FromCell>(&hello) {
-            return Err(error);
+            return Err(StartFailure::Refused(error));
         }
-        let hello: Hello = serde_json::from_slice(&hello).map_err(|e| format!("bad hello: {e}"))?;
+        let hello: Hello = serde_json::from_slice(&hello).map_err(StartFailure::BadHello)?;
         if received.len() != 2 * hello.spaces.len() || hello.holder_vms == 0 {
-            return Err("its hello lacks the guest-memory descriptors".into());
+            return Err(StartFailure::NoDescriptors);
         }
         let mut spaces = Vec::with_capacity(hello.spaces.len());
         let mut fds = received.into_iter();
@@ -166,18 +226,18 @@ impl PendingCell {
                 Ok(id) => spaces.push(id),
                 Err(e) => {
                     spaces.iter().for_each(|&s| pager.detach_space(s));
-                    return Err(e.to_string());
+                    return Err(e.into());
                 }
             }
         }
         for i in 0..self.count {
             let (space, offset) = space_of(&spaces, hello.holder_vms, i, ram_bytes);
             let registered = space
-                .ok_or_else(|| format!("VM {}: no space", self.first_id + i))
+                .ok_or(StartFailure::NoSpace(self.first_id + i))
                 .and_then(|space| {
                     pager
                         .register_vm(self.first_id + i, space, offset, ram_bytes)
-                        .map_err(|e| e.to_string())
+                        .map_err(StartFailure::from)
                 });
             if let Err(e) = registered {
                 spaces.iter().for_each(|&s| pager.detach_space(s));
@@ -186,9 +246,7 @@ impl PendingCell {
         }
         let mut go = serde_json::to_vec(&ToCell::Go).expect("serializes");
         go.push(b'\n');
-        self.link
-            .write_all(&go)
-            .map_err(|e| format!("start it: {e}"))?;
+        self.link.write_all(&go).map_err(StartFailure::Go)?;
         Ok((spaces, hello.holder_vms))
     }
 

@@ -2,8 +2,8 @@
 //! cells that hold the VMs, supervise them until a signal, tear down.
 
 use crate::config::{
-    boot_layout, cell_vms, check_flags, ensure_fd_budget, fds_per_vm, load_guest, pager_config,
-    vms_with_headroom, ConfigError, ServeArgs,
+    boot_layout, cell_settings, cell_vms, check_flags, ensure_fd_budget, fds_per_vm, load_guest,
+    pager_config, vms_with_headroom, CellSettings, ConfigError, ServeArgs,
 };
 use crate::guest::boot::RamLayout;
 use crate::parent::cell_handle::PendingCell;
@@ -30,6 +30,8 @@ struct Prepared {
     pager: Arc<Pager>,
     trace: Option<TraceWriter>,
     layout: RamLayout,
+    /// What every cell runs with.
+    settings: CellSettings,
     platform: &'static str,
     /// Most VMs a cell holds: `--cell-vms` or the default for the regime.
     cell_vms: u32,
@@ -47,14 +49,15 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
         ),
         CellPlacement::Floating => None,
     };
-    let (_, layout) = load_guest(args)?;
+    let (guest, layout) = load_guest(args)?;
     let pager_config = pager_config(args, &layout)?;
     let cell_vms = cell_vms(args, &layout, &pager_config);
     let cell_sizes = boot_layout(args.vms, cell_vms, pinned_cpus);
     // The parent holds a few descriptors per cell; each cell checks its own VMs.
-    ensure_fd_budget(cell_sizes.len() as u32, FDS_PER_CELL)?;
+    ensure_fd_budget(cell_sizes.len() as u32, FDS_PER_CELL)
+        .map_err(|e| ConfigError(e.to_string()))?;
     ensure_fd_budget(cell_vms.min(args.vms), fds_per_vm(args))
-        .map_err(|ConfigError(e)| ConfigError(format!("--cell-vms {cell_vms}: {e}")))?;
+        .map_err(|e| ConfigError(format!("--cell-vms {cell_vms}: {e}")))?;
     let trace = match &args.record_trace {
         Some(path) => {
             let header = TraceHeader {
@@ -112,6 +115,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
         pager,
         trace,
         layout,
+        settings: cell_settings(args, guest, layout),
         platform,
         cell_vms,
         cell_sizes,
@@ -140,6 +144,7 @@ pub fn run(args: ServeArgs) -> i32 {
         pager,
         trace,
         layout,
+        settings,
         platform,
         cell_vms,
         cell_sizes,
@@ -156,9 +161,9 @@ pub fn run(args: ServeArgs) -> i32 {
     let mut pending = Vec::new();
     let mut first = 0;
     for count in cell_sizes {
-        match PendingCell::spawn(&args, pending.len() as u32, first, count, cell_vms) {
+        match PendingCell::spawn(&settings, pending.len() as u32, first, count, cell_vms) {
             Ok(cell) => pending.push(cell),
-            Err(e) => return fail(e),
+            Err(e) => return fail(e.to_string()),
         }
         first += count;
     }
@@ -166,7 +171,7 @@ pub fn run(args: ServeArgs) -> i32 {
     for cell in pending {
         match cell.handshake(&pager, layout.ram_bytes as usize) {
             Ok(cell) => cells.push(cell),
-            Err(e) => return fail(e),
+            Err(e) => return fail(e.to_string()),
         }
     }
     let ready_line = json!({
@@ -181,7 +186,7 @@ pub fn run(args: ServeArgs) -> i32 {
         "cell_placement": args.cell_placement,
     });
     let setup = SupervisorSetup {
-        args,
+        settings,
         cell_vms,
         cells,
         pager: Arc::clone(&pager),
@@ -218,7 +223,8 @@ pub fn run(args: ServeArgs) -> i32 {
             emit(&json!({ "event": "exit", "reason": "signal", "signal": signal }));
             0
         }
-        Err(message) => {
+        Err(error) => {
+            let message = error.to_string();
             // The run is broken (the pager failed, say): report first, then
             // stop the cells without waiting for vCPUs that may never return.
             eprintln!("densevm: error: {message}");

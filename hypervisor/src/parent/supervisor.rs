@@ -7,7 +7,7 @@
 //! only its own VMs down: they are reported crashed with the reason, and
 //! their budget and swap go back to the pager.
 
-use crate::config::ServeArgs;
+use crate::config::CellSettings;
 use crate::link::framing::{FrameError, LineStream, More};
 use crate::link::protocol::{FromCell, ToCell};
 use crate::parent::api::{self, Request};
@@ -60,10 +60,32 @@ pub enum Exit {
     Signal(i32),
 }
 
+/// Why the parent's run cannot go on, or a control request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SupervisorError {
+    /// The pager failed (its own one-line message).
+    #[error("pager: {0}")]
+    Pager(String),
+    /// Polling failed.
+    #[error("event loop: {0}")]
+    Poll(io::Error),
+    /// A cell failed, or answered a request with an error (its message).
+    #[error("cell {index}: {error}")]
+    Cell {
+        /// The cell's index.
+        index: usize,
+        /// What it said.
+        error: String,
+    },
+    /// A new cell's link could not join the event loop.
+    #[error("create: {0}")]
+    Adopt(io::Error),
+}
+
 /// Parameters of [`Supervisor::new`].
 pub struct SupervisorSetup {
-    /// The serve flags (new cells are started with them).
-    pub args: ServeArgs,
+    /// What every cell runs with (new cells are started with it).
+    pub settings: CellSettings,
     /// Most VMs a cell holds (`--cell-vms` resolved).
     pub cell_vms: u32,
     /// The cells, handed over and booting.
@@ -87,7 +109,7 @@ pub struct SupervisorSetup {
 /// The parent: control API, cells, pager.
 pub struct Supervisor {
     poll: Poll,
-    args: ServeArgs,
+    settings: CellSettings,
     cell_vms: u32,
     cells: Vec<Cell>,
     pager: Arc<Pager>,
@@ -115,7 +137,7 @@ impl Supervisor {
             .register(&mut signals, SIGNALS, Interest::READABLE)?;
         let mut supervisor = Supervisor {
             poll,
-            args: setup.args,
+            settings: setup.settings,
             cell_vms: setup.cell_vms,
             cells: Vec::new(),
             pager: setup.pager,
@@ -148,11 +170,11 @@ impl Supervisor {
 
     /// Runs until a signal; prints the ready line once every cell has booted.
     /// Err: the run cannot go on (the pager failed, a cell could not boot).
-    pub fn run(&mut self) -> Result<Exit, String> {
+    pub fn run(&mut self) -> Result<Exit, SupervisorError> {
         let mut events = Events::with_capacity(256);
         loop {
             if let Some(error) = self.pager.fatal_error() {
-                return Err(format!("pager: {error}"));
+                return Err(SupervisorError::Pager(error));
             }
             self.check_boot();
             let timeout = if !self.clients_with_more.is_empty() {
@@ -163,7 +185,7 @@ impl Supervisor {
                 Duration::from_millis(250)
             };
             crate::link::framing::nonblocking(|| self.poll.poll(&mut events, Some(timeout)))
-                .map_err(|e| format!("event loop: {e}"))?;
+                .map_err(SupervisorError::Poll)?;
             for event in events.iter() {
                 let Token(t) = event.token();
                 match event.token() {
@@ -215,7 +237,7 @@ impl Supervisor {
 
     // ---- cells ----
 
-    fn cell_ready(&mut self, index: usize) -> Result<(), String> {
+    fn cell_ready(&mut self, index: usize) -> Result<(), SupervisorError> {
         let mut lines = Vec::new();
         let result = self.cells[index].link.read_lines(&mut lines);
         for line in lines {
@@ -231,7 +253,11 @@ impl Supervisor {
     }
 
     /// Handles an event from a cell; returns a reply if the line was one.
-    fn cell_message(&mut self, index: usize, line: &[u8]) -> Result<Option<Value>, String> {
+    fn cell_message(
+        &mut self,
+        index: usize,
+        line: &[u8],
+    ) -> Result<Option<Value>, SupervisorError> {
         let message = match serde_json::from_slice::<FromCell>(line) {
             Ok(message) => message,
             Err(e) => {
@@ -247,7 +273,7 @@ impl Supervisor {
                 eprintln!("densevm: cell {index}: reported VM {vm}, which it does not hold")
             }
             FromCell::Reply { reply } => return Ok(Some(reply)),
-            FromCell::Failed { error } => return Err(format!("cell {index}: {error}")),
+            FromCell::Failed { error } => return Err(SupervisorError::Cell { index, error }),
         }
         Ok(None)
     }
@@ -302,7 +328,11 @@ impl Supervisor {
     /// Sends `request` to each cell in `targets`, then collects their
     /// replies, handling their events meanwhile. A cell that dies or does
     /// not answer in time gets an error in its place.
-    fn ask(&mut self, targets: &[usize], request: &ToCell) -> Result<Vec<(usize, Value)>, String> {
+    fn ask(
+        &mut self,
+        targets: &[usize],
+        request: &ToCell,
+    ) -> Result<Vec<(usize, Value)>, SupervisorError> {
         let mut sent = Vec::new();
         for &index in targets {
             if self.cells[index].dead.is_some() {
@@ -321,7 +351,7 @@ impl Supervisor {
         Ok(replies)
     }
 
-    fn await_reply(&mut self, index: usize) -> Result<Value, String> {
+    fn await_reply(&mut self, index: usize) -> Result<Value, SupervisorError> {
         let deadline = Instant::now() + CELL_REPLY_TIMEOUT;
         let mut pending: Vec<Vec<u8>> = Vec::new();
         loop {
@@ -473,10 +503,10 @@ impl Supervisor {
                 Ok(json!({ "ok": true, "modeled": modeled }))
             }
         };
-        result.unwrap_or_else(|error| json!({ "error": error }))
+        result.unwrap_or_else(|error| json!({ "error": error.to_string() }))
     }
 
-    fn forward(&mut self, vm: u32, request: ToCell) -> Result<Value, String> {
+    fn forward(&mut self, vm: u32, request: ToCell) -> Result<Value, SupervisorError> {
         let Some(index) = self.cell_of(vm).filter(|&i| self.cells[i].dead.is_none()) else {
             return Ok(json!({ "error": format!("no running VM {vm}") }));
         };
@@ -486,7 +516,7 @@ impl Supervisor {
         ))
     }
 
-    fn list(&mut self) -> Result<Value, String> {
+    fn list(&mut self) -> Result<Value, SupervisorError> {
         let replies = self.ask(&self.live_cells(), &ToCell::List)?;
         let mut vms = Vec::new();
         for (_, reply) in &replies {
@@ -506,7 +536,7 @@ impl Supervisor {
             for id in cell.first_id..cell.first_id + cell.count {
                 let mut vm = json!({
                     "id": id,
-                    "addr": std::net::SocketAddrV4::new(vm_addr(&self.args, id), self.args.port).to_string(),
+                    "addr": self.settings.addr_of(id).to_string(),
                     "state": "crashed",
                     "reason": cell.dead,
                 });
@@ -527,16 +557,16 @@ impl Supervisor {
         vms
     }
 
-    fn stats(&mut self, per_vm: bool) -> Result<Value, String> {
+    fn stats(&mut self, per_vm: bool) -> Result<Value, SupervisorError> {
         let replies = self.ask(&self.live_cells(), &ToCell::Stats { per_vm })?;
         let mut totals = Map::new();
         let mut vms = Vec::new();
         for (index, reply) in replies {
             if let Some(error) = reply.get("error") {
-                return Err(format!(
-                    "cell {index}: {}",
-                    error.as_str().unwrap_or("failed")
-                ));
+                return Err(SupervisorError::Cell {
+                    index,
+                    error: error.as_str().unwrap_or("failed").to_string(),
+                });
             }
             if let Some(theirs) = reply["totals"].as_object() {
                 add_totals(&mut totals, theirs);
@@ -575,7 +605,7 @@ impl Supervisor {
 
     /// Boots `count` more VMs: into the last cell while it has room, then
     /// into new cells.
-    fn create(&mut self, count: u32) -> Result<Value, String> {
+    fn create(&mut self, count: u32) -> Result<Value, SupervisorError> {
         let mut created = Vec::new();
         let mut left = count;
         while left > 0 {
@@ -608,7 +638,12 @@ impl Supervisor {
         Ok(json!({ "ok": true, "created": created }))
     }
 
-    fn grow_cell(&mut self, index: usize, first: u32, count: u32) -> Result<Value, String> {
+    fn grow_cell(
+        &mut self,
+        index: usize,
+        first: u32,
+        count: u32,
+    ) -> Result<Value, SupervisorError> {
         for i in 0..count {
             let (space, offset) = self.cells[index].space_of(first + i, self.ram_bytes);
             let registered = match space {
@@ -642,13 +677,13 @@ impl Supervisor {
         Ok(reply)
     }
 
-    fn new_cell(&mut self, first: u32, count: u32) -> Result<Value, String> {
+    fn new_cell(&mut self, first: u32, count: u32) -> Result<Value, SupervisorError> {
         let index = self.cells.len() as u32;
-        let cell = PendingCell::spawn(&self.args, index, first, count, self.cell_vms)
+        let cell = PendingCell::spawn(&self.settings, index, first, count, self.cell_vms)
             .and_then(|pending| pending.handshake(&self.pager, self.ram_bytes));
         match cell {
             Ok(cell) => {
-                self.adopt(cell).map_err(|e| format!("create: {e}"))?;
+                self.adopt(cell).map_err(SupervisorError::Adopt)?;
                 // A cell answers once its monitor runs: its VMs are built and
                 // listening, as those a running cell creates are when it replies.
                 let index = self.cells.len() - 1;
@@ -682,10 +717,6 @@ impl Supervisor {
             cell.kill();
         }
     }
-}
-
-fn vm_addr(args: &ServeArgs, id: u32) -> std::net::Ipv4Addr {
-    std::net::Ipv4Addr::from(u32::from(args.addr_base).wrapping_add(id))
 }
 
 fn sort_by_id(vms: &mut [Value]) {

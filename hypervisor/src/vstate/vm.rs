@@ -30,6 +30,11 @@ fn step<T>(what: &'static str, r: Result<T, kvm_ioctls::Error>) -> Result<T, VmE
     r.map_err(|source| VmError { what, source })
 }
 
+/// This KVM lacks a capability densevm needs.
+#[derive(Debug, thiserror::Error)]
+#[error("this KVM lacks {0}, which densevm needs")]
+pub struct MissingCapability(pub &'static str);
+
 /// Host capabilities, probed once.
 #[derive(Debug, Clone, Copy)]
 pub struct VmCaps {
@@ -41,14 +46,14 @@ pub struct VmCaps {
 
 impl VmCaps {
     /// Probes `kvm`; fails when irqfd or ioeventfd are missing.
-    pub fn probe(kvm: &Kvm) -> Result<Self, String> {
+    pub fn probe(kvm: &Kvm) -> Result<Self, MissingCapability> {
         for (cap, name) in [
             (Cap::Irqfd, "irqfd"),
             (Cap::Ioeventfd, "ioeventfd"),
             (Cap::Irqchip, "in-kernel irqchip"),
         ] {
             if !kvm.check_extension(cap) {
-                return Err(format!("this KVM lacks {name}, which densevm needs"));
+                return Err(MissingCapability(name));
             }
         }
         Ok(VmCaps {
