@@ -22,6 +22,7 @@ SUBCOMMANDS = (
     "run",
     "model",
     "sweep",
+    "results",
     "report",
     "compare",
     "nightly",
@@ -334,7 +335,8 @@ def cmd_sweep(argv: list[str]) -> int:
         default=None,
         metavar="ADDRESS",
         help="run the points on a dask cluster, one per host: its scheduler (tcp://HOST:8786) or "
-        "scheduler file; workers started with --resources host=1 (README)",
+        "scheduler file, workers started with --resources host=1 (docs/cluster.md); or 'local': "
+        "a one-worker cluster on this host, started and stopped by the sweep",
     )
     args = p.parse_args(argv)
     exp = load_experiment(Path(args.experiment)).overridden(args.settings).restricted(args.only)
@@ -368,13 +370,78 @@ def cmd_sweep(argv: list[str]) -> int:
     return 1 if failed else 0
 
 
+def cmd_results(argv: list[str]) -> int:
+    from . import results
+    from .procs import Terminated, install_signal_handlers
+
+    p = Parser(
+        prog="scalebench results",
+        description="Stored results (experiments/results/FIGURE): `make FIGURE` runs the "
+        "figure's experiment (resumable) and publishes its points CSV, plots, checks.csv and "
+        "manifest.json; `list` shows each figure's command and state.",
+    )
+    sub = p.add_subparsers(dest="action", required=True)
+    mk = sub.add_parser("make", help="run (or resume) one figure and publish it")
+    mk.add_argument("figure", choices=results.FIGURES)
+    mk.add_argument(
+        "--cluster",
+        default=None,
+        metavar="ADDRESS",
+        help="run the points through dask: 'local' (a one-worker cluster started and stopped "
+        "here) or a scheduler's address or file (docs/cluster.md)",
+    )
+    mk.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings")
+    mk.add_argument("--only", action="append", default=[], metavar="KEY=VALUE")
+    mk.add_argument(
+        "--work", default=None, help="where the runs go (default runs/results-FIGURE; resumes)"
+    )
+    mk.add_argument("--dest", default=None, help=f"results folder (default {results.RESULTS_DIR})")
+    sub.add_parser("list", help="each figure's command, state and estimated wall time")
+    args = p.parse_args(argv)
+    if args.action == "list":
+        for figure in results.FIGURES:
+            s = results.figure_state(results.RESULTS_DIR, figure)
+            m = s["manifest"]
+            state = (
+                f"{m['finished_at']}, build {str(m['build']['commit'])[:12]}, checks "
+                f"{m['checks']['passed']} passed, {m['checks']['failed']} failed"
+                if m
+                else f"not run (about {s['estimated_hours']:g} h)"
+            )
+            print(f"{figure}: {s['command']}  [{state}]")
+        return 0
+    install_signal_handlers()
+    try:
+        manifest = results.make(
+            args.figure,
+            ["results", *argv],
+            cluster=args.cluster,
+            settings=args.settings,
+            only=args.only,
+            work=Path(args.work) if args.work else None,
+            dest_root=Path(args.dest) if args.dest else None,
+        )
+    except (KeyboardInterrupt, Terminated):
+        sys.stderr.write("scalebench: interrupted; run the same command again to resume\n")
+        return 130
+    checks = manifest["checks"]
+    dest = Path(args.dest or results.RESULTS_DIR) / args.figure
+    print(
+        f"results {args.figure}: {checks['passed']} check(s) passed, {checks['failed']} failed; "
+        f"{dest} (scalebench report {dest.parent})"
+    )
+    return 0
+
+
 def cmd_report(argv: list[str]) -> int:
-    from .report import render, render_history
+    from .report import render, render_history, render_results
+    from .results import is_results_root
 
     p = Parser(
         prog="scalebench report",
-        description="Render DIR/report.html for a sweep directory, or, with --history FILE, "
-        "the nightly history's page (OUT/index.html).",
+        description="Render DIR/report.html for a sweep directory, DIR/index.html for a "
+        "results folder (experiments/results), or, with --history FILE, the nightly history's "
+        "page (OUT/index.html).",
     )
     p.add_argument("dir", nargs="?")
     p.add_argument("--history", default=None, metavar="FILE", help="a nightly history (SQLite)")
@@ -394,6 +461,9 @@ def cmd_report(argv: list[str]) -> int:
         return 0
     if not args.dir or not Path(args.dir).is_dir():
         raise ConfigError(f"{args.dir} is not a directory")
+    if is_results_root(Path(args.dir)):
+        print(render_results(Path(args.dir)))
+        return 0
     print(render(Path(args.dir)))
     return 0
 
@@ -532,6 +602,7 @@ COMMANDS = {
     "run": cmd_run,
     "model": cmd_model,
     "sweep": cmd_sweep,
+    "results": cmd_results,
     "report": cmd_report,
     "compare": cmd_compare,
     "nightly": cmd_nightly,

@@ -8,7 +8,8 @@ a local sweep stores them: resuming, the CSV, plots, checks and reports are
 the same. A worker lost mid-point is dask's to handle: the point is run again
 on another worker (up to dask's `allowed-failures`, then it is a failed point);
 every attempt logs an event, so the stored result says where each ran and
-whether it was retried. See cluster_worker.py for the worker's side.
+whether it was retried. `--cluster local` starts a one-worker LocalCluster here
+and tears it down after the sweep. See cluster_worker.py for the worker's side.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import shutil
 import tarfile
 import uuid
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from distributed import Client, Future, as_completed
@@ -37,6 +40,36 @@ from .result import RunResult, now_iso
 from .sweep import Experiment, finish_sweep, pending_points, point_line, point_record, slug
 
 CONNECT_TIMEOUT_S = 30.0
+# `--cluster local`: a dask LocalCluster that the sweep starts and tears down itself, one
+# worker process holding this whole host (densevm wants all of it), so that the fleet path
+# (scheduler, worker, task, point shipped back) is what runs the points on one machine.
+LOCAL = "local"
+
+
+@contextmanager
+def cluster_client(address: str) -> Iterator[Client]:
+    """A client of the cluster at `address`; for "local", of a LocalCluster started here and
+    closed (its worker and any point it runs stopped) when the block exits, however it exits."""
+    if address != LOCAL:
+        with connect(address) as client:
+            yield client
+        return
+    from distributed import LocalCluster
+
+    cluster = LocalCluster(
+        n_workers=1,
+        threads_per_worker=1,
+        processes=True,
+        resources={HOST_RESOURCE: 1},
+        dashboard_address=None,
+        host="127.0.0.1",
+    )
+    try:
+        with Client(cluster, timeout=CONNECT_TIMEOUT_S) as client:
+            client.wait_for_workers(1, timeout=CONNECT_TIMEOUT_S)
+            yield client
+    finally:
+        cluster.close()
 
 
 def connect(address: str) -> Client:
@@ -109,7 +142,7 @@ def run_sweep_on_cluster(
     time."""
     reporter = reporter or Reporter()
     commit = repo_commit()
-    with connect(address) as client:
+    with cluster_client(address) as client:
         hosts = check_hosts(client, commit)
         reporter.note(
             f"cluster {address}: {len(hosts)} host(s): "

@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on the hosts this runs on
 import itertools
+import textwrap
 
 import matplotlib.pyplot as plt
 
@@ -25,10 +26,56 @@ def _rates(samples: list[dict], key: str) -> tuple[list[float], list[float]]:
     return ts, rates
 
 
-def run_plot(result, path: Path) -> None:
-    """Requests/s and faults/s over the run, and resident memory against the budget."""
+PHASES = ("boot", "calibrate", "touch", "settle", "load")
+_PHASE_COLOURS = {
+    "boot": "#d9d9d9",
+    "calibrate": "#fde0c5",
+    "touch": "#d6e9f8",
+    "settle": "#e3d7f0",
+    "load": "#ffffff",
+}
+MEASUREMENT_LABEL = "measurement window"
+
+
+def phase_spans(result) -> list[tuple[str, float, float]]:
+    """(phase, from, to) of the run's phases on the time series' clock: the run's timeline,
+    or for results recorded before it, the phases the samples were tagged with (warm-up and
+    measurement are the load phase; boot then ends at 0 and starts boot_seconds before)."""
+    spans = [
+        (e["phase"], float(e["from_s"]), float(e["to_s"]))
+        for e in (getattr(result, "timeline", None) or [])
+        if e.get("to_s") is not None
+    ]
+    if spans:
+        return spans
+    samples = result.timeseries or []
+    if result.boot_seconds:
+        spans.append(("boot", -float(result.boot_seconds), 0.0))
+    for s in samples:
+        phase = "load" if s["phase"] in ("warmup", "measure") else s["phase"]
+        if phase == "boot":
+            continue
+        if spans and spans[-1][0] == phase:
+            spans[-1] = (phase, spans[-1][1], s["t"])
+        else:
+            spans.append((phase, s["t"], s["t"]))
+    return spans
+
+
+def measurement_window(result) -> tuple[float, float] | None:
+    m = (result.phases or {}).get("measure") or {}
+    if m.get("from_s") is not None and m.get("to_s") is not None:
+        return float(m["from_s"]), float(m["to_s"])
+    ts = [s["t"] for s in result.timeseries or [] if s["phase"] == "measure"]
+    return (min(ts), max(ts)) if ts else None
+
+
+def run_plot(result, path: Path) -> list[str]:
+    """Requests/s and faults/s over the run, and resident memory against the budget, with the
+    run's phases (boot, calibrate, touch, settle, load) labelled on the time axis and the
+    measurement window named. Returns the labels drawn."""
     samples = result.timeseries
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
     t, req = _rates(samples, "requests")
     _, faults = _rates(samples, "faults")
     top.plot(t, req, label="requests/s (densevm)")
@@ -37,7 +84,7 @@ def run_plot(result, path: Path) -> None:
     top.set_yscale("symlog")
     if result.model_rps:
         top.axhline(result.model_rps, color="k", linestyle="--", linewidth=1, label="model")
-    top.legend(loc="best", fontsize=8)
+    top.legend(loc="lower right", fontsize=8)
     bottom.plot(
         [s["t"] for s in samples], [s["resident_bytes"] / MIB for s in samples], label="resident"
     )
@@ -46,10 +93,9 @@ def run_plot(result, path: Path) -> None:
             result.budget_bytes / MIB, color="r", linestyle="--", linewidth=1, label="budget"
         )
     bottom.set_ylabel("MiB")
-    bottom.set_xlabel("seconds since densevm was ready")
-    bottom.legend(loc="best", fontsize=8)
-    for ax in (top, bottom):
-        _shade_phases(ax, samples)
+    bottom.set_xlabel("seconds since densevm was ready (boot before 0)")
+    bottom.legend(loc="center left", fontsize=8)
+    labels = _draw_phases(fig, (top, bottom), phase_spans(result), measurement_window(result))
     c = result.config
     fig.suptitle(
         f"{c['vms']} VMs, alpha {c['alpha']}, block {c['block']}, {c['policy']}, disk {c['disk']}: "
@@ -58,13 +104,52 @@ def run_plot(result, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return labels
 
 
-def _shade_phases(ax, samples: list[dict]) -> None:
-    """Light background on the measurement phase."""
-    ts = [s["t"] for s in samples if s["phase"] == "measure"]
-    if ts:
-        ax.axvspan(min(ts), max(ts), color="0.9", zorder=0)
+def _draw_phases(fig, axes, spans, window) -> list[str]:
+    """Each phase a band of its own colour, named above the top axes; the measurement window
+    hatched and named below the bottom one."""
+    from matplotlib.transforms import blended_transform_factory
+
+    top, bottom = axes
+    labels = []
+    if spans:
+        lo, hi = min(a for _, a, _ in spans), max(b for _, _, b in spans)
+        for ax in axes:
+            ax.set_xlim(lo, hi + 0.02 * (hi - lo or 1))
+    for i, (phase, a, b) in enumerate(spans):
+        for ax in axes:
+            ax.axvspan(a, b, color=_PHASE_COLOURS.get(phase, "0.95"), zorder=0, linewidth=0)
+            ax.axvline(a, color="0.6", linewidth=0.6, zorder=1)
+        trans = blended_transform_factory(top.transData, top.transAxes)
+        top.text(
+            (a + b) / 2,
+            1.02 + 0.07 * (i % 2),  # alternate heights: short phases do not overlap
+            phase,
+            transform=trans,
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+        labels.append(phase)
+    if window:
+        a, b = window
+        trans = blended_transform_factory(bottom.transData, bottom.transAxes)
+        for ax in axes:
+            ax.axvspan(a, b, facecolor="none", edgecolor="0.4", hatch="//", alpha=0.35, zorder=0)
+        bottom.text(
+            (a + b) / 2,
+            0.04,
+            f"{MEASUREMENT_LABEL} ({b - a:.0f} s)",
+            transform=trans,
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            bbox={"facecolor": "white", "edgecolor": "0.6", "pad": 2},
+        )
+        labels.append(MEASUREMENT_LABEL)
+    return labels
 
 
 def line_plot(
@@ -77,9 +162,15 @@ def line_plot(
     logx: bool = False,
     logy: bool = False,
     ylabel: str | None = None,
+    claim: str = "",
+    verdicts: list[tuple[bool, str]] | None = None,
 ) -> None:
-    """One line per (series value, y metric) of y against x; rows are CSV-like dicts."""
-    fig, ax = plt.subplots(figsize=(8, 5))
+    """One line per (series value, y metric) of y against x; rows are CSV-like dicts.
+
+    `claim` (the paper's, which the figure reproduces) is shown under the title, and
+    `verdicts` (passed, text) of the sweep's checks under the axes."""
+    verdicts = verdicts or []
+    fig, ax = plt.subplots(figsize=(8, 5 + 0.16 * len(verdicts)))
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault(tuple(row.get(s) for s in series), []).append(row)
@@ -109,7 +200,55 @@ def line_plot(
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7, loc="best")
-    ax.set_title(title)
-    fig.tight_layout()
+    if claim:
+        ax.set_title(f"{title}\n" + textwrap.fill(f"Paper: {claim}", 110), fontsize=9, loc="left")
+    else:
+        ax.set_title(title)
+    _verdict_lines(fig, verdicts)
+    fig.tight_layout(rect=(0, 0.16 * len(verdicts) / fig.get_figheight() + 0.01, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def bar_plot(
+    labels: list[str],
+    bars: dict[str, list[float | None]],
+    path: Path,
+    title: str,
+    ylabel: str,
+    claim: str = "",
+    verdicts: list[tuple[bool, str]] | None = None,
+) -> None:
+    """Grouped bars (one group per label, one bar per entry of `bars`; None: no bar), with the
+    claim under the title and the verdicts under the axes as line_plot shows them."""
+    verdicts = verdicts or []
+    fig, ax = plt.subplots(figsize=(8, 5 + 0.16 * len(verdicts)))
+    width = 0.8 / max(len(bars), 1)
+    for i, (name, values) in enumerate(bars.items()):
+        xs = [k + i * width for k, v in enumerate(values) if v is not None]
+        ax.bar(xs, [v for v in values if v is not None], width, label=name, color=f"C{i}")
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(labels))], labels, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(
+        f"{title}\n" + textwrap.fill(f"Paper: {claim}", 110) if claim else title,
+        fontsize=9,
+        loc="left",
+    )
+    _verdict_lines(fig, verdicts)
+    fig.tight_layout(rect=(0, 0.16 * len(verdicts) / fig.get_figheight() + 0.01, 1, 1))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _verdict_lines(fig, verdicts: list[tuple[bool, str]]) -> None:
+    for i, (passed, text) in enumerate(verdicts):
+        fig.text(
+            0.01,
+            0.01 + 0.16 / fig.get_figheight() * (len(verdicts) - 1 - i),
+            f"{'PASS' if passed else 'FAIL'}  {text}"[:150],
+            fontsize=7,
+            color="tab:green" if passed else "tab:red",
+            family="monospace",
+        )

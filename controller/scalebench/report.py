@@ -119,8 +119,12 @@ def render_history(history_file: Path, directory: Path) -> Path:
             e = estimate(s)
             rows.append((r.id or 0, s, e.median, e.ci_low, e.ci_high, not counts(r)))
         png = f"{metric}.png"
-        history_plot(metric, rows, boundaries, directory / png)
-        parts.append(f'<h2>{html.escape(metric)}</h2><img src="{png}" alt="{html.escape(metric)}">')
+        phase = nightly_phase(metric)
+        history_plot(metric, rows, boundaries, directory / png, phase)
+        parts.append(
+            f"<h2>{html.escape(metric)}</h2><p>{html.escape(phase)}</p>"
+            f'<img src="{png}" alt="{html.escape(metric)}">'
+        )
     head = "".join(f"<th>{c}</th>" for c in ("run", "started", "mode", "build", "verdict", "host"))
     body = "".join(
         "<tr>"
@@ -150,11 +154,40 @@ def render_history(history_file: Path, directory: Path) -> Path:
     return out
 
 
+PER_BOOT_FIELDS = ("boot_seconds", "host_bytes_per_vm")
+
+
+def nightly_phase(metric: str, metrics_file: Path | None = None) -> str:
+    """Which phase of its probe a nightly metric is measured in (boot, or the load windows
+    after the warm-up), from experiments/nightly/metrics.toml; "" for one it does not list."""
+    import tomllib
+
+    from .config import REPO_ROOT
+
+    path = metrics_file or REPO_ROOT / "experiments" / "nightly" / "metrics.toml"
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return ""
+    spec = next((m for m in doc.get("metrics", []) if m.get("name") == metric), None)
+    if spec is None or "probe" not in spec:
+        return "phase: ratio of two metrics" if spec else ""
+    probe = doc.get("probe", {}).get(spec["probe"], {})
+    if spec.get("field") in PER_BOOT_FIELDS:
+        return f"phase: boot of probe {spec['probe']} ({probe.get('vms', '?')} VMs), once per boot"
+    warmup = f" after a {probe['warmup_s']:g} s warm-up" if probe.get("warmup_s") else ""
+    return (
+        f"phase: load of probe {spec['probe']}: {probe.get('windows', '?')} measurement "
+        f"window(s) of {probe.get('window_s', '?')} s{warmup}"
+    )
+
+
 def history_plot(
     metric: str,
     runs: list[tuple[int, list[float], float, float, float, bool]],
     boundaries: list[float],
     path: Path,
+    phase: str = "",
 ) -> None:
     """A nightly metric's series: every sample, each run's median with its confidence band, runs
     on a busy host in grey, and change points as vertical lines. `runs` holds (run id, samples,
@@ -176,8 +209,135 @@ def history_plot(
         ax.axvline(b, color="tab:red", linestyle="--", label="change point" if i == 0 else None)
     ax.set_xticks(xs, [str(r[0]) for r in runs], fontsize=7)
     ax.set_xlabel("run")
-    ax.set_title(metric)
+    ax.set_title(f"{metric}\n{phase}" if phase else metric, fontsize=9 if phase else None)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def render_results(root: Path) -> Path:
+    """Write ROOT/index.html: every stored figure and table (experiments/results) beside the
+    paper's claim, each check's verdict (with the reason written beside a failed one), how
+    this host differs from the paper's, and the manifest (build, host, command, wall time).
+    A figure not run yet is listed with the command that makes it."""
+    from .results import FIGURES, figure_state
+
+    root = Path(root)
+    parts = [
+        "<h1>scalebench: Denali's figures and the storage study, reproduced</h1>",
+        '<p id="imgstatus">checking images...</p>',
+        "<p>Each section: the paper's claim, our plots, the checks' verdicts, how this host "
+        "differs from the paper's, and the manifest of the run that made it. Every folder is "
+        "made by the one command in its manifest.</p>",
+        "<ul>"
+        + "".join(f'<li><a href="#{f}">{html.escape(f)}</a></li>' for f in FIGURES)
+        + "</ul>",
+    ]
+    for figure in FIGURES:
+        parts.append(_figure_section(figure_state(root, figure)))
+    page = (
+        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>scalebench results</title>"
+        f"<style>{_STYLE}{_RESULTS_STYLE}</style></head><body>{''.join(parts)}"
+        f"<script>{_CHECK_IMAGES}</script></body></html>"
+    )
+    out = root / "index.html"
+    out.write_text(page)
+    return out
+
+
+_RESULTS_STYLE = """
+.claim { background: #f3f7ff; border-left: 4px solid #4a7bd0; padding: 6px 10px; }
+.diff { background: #fafafa; border-left: 4px solid #aaa; padding: 6px 10px; font-size: 13px; }
+.pass { color: #17702a; font-weight: bold; } .fail { color: #b00020; font-weight: bold; }
+td.l, th.l { text-align: left; }
+.missing { color: #b00020; }
+"""
+
+
+def _figure_section(s: dict) -> str:
+    e = html.escape
+    f = s["figure"]
+    out = [
+        f'<h2 id="{e(f)}">{e(s["title"])}</h2>',
+        f'<p class="claim"><b>The paper:</b> {e(s["claim"])}</p>',
+    ]
+    m = s["manifest"]
+    if m is None:
+        out.append(
+            f'<p class="missing">Not run yet on this build. Make it with <code>{e(s["command"])}'
+            f"</code> (about {s['estimated_hours']:g} h here).</p>"
+        )
+    for png in s["plots"]:
+        out.append(f'<img src="{e(f)}/{e(png)}" alt="{e(f)} {e(png)}">')
+    if s["checks"]:
+        reasons = s["notes"]["reasons"]
+        rows = []
+        for c in s["checks"]:
+            ok = c["passed"] == "yes"
+            reason = reasons.get(f"{c['check']} | {c['group']}", "")
+            if not ok and not reason:
+                reason = "(no reason written yet: add it to notes.toml)"
+            rows.append(
+                "<tr>"
+                + f'<td class="{"pass" if ok else "fail"}">{"PASS" if ok else "FAIL"}</td>'
+                + "".join(
+                    f'<td class="l">{e(str(x))}</td>'
+                    for x in (c["check"], c["group"], c["detail"], c.get("study", ""), reason)
+                )
+                + "</tr>"
+            )
+        head = "".join(
+            f'<th class="l">{h}</th>'
+            for h in ("verdict", "check", "group", "measured", "study", "why it fails")
+        )
+        out.append(
+            f'<h3>Checks</h3><div class="scroll"><table><tr>{head}</tr>{"".join(rows)}'
+            "</table></div>"
+        )
+    if s["notes"]["text"]:
+        out.append(f"<p>{e(s['notes']['text'])}</p>")
+    out.append(f'<p class="diff"><b>This host against the paper\'s:</b> {e(s["differences"])}</p>')
+    if m is not None:
+        host, build = m.get("host") or {}, m.get("build") or {}
+        cluster = m.get("cluster")
+        facts = [
+            ("command", m.get("command")),
+            (
+                "build",
+                f"{build.get('commit')}"
+                + (" (dirty: tracked files changed)" if build.get("dirty") else ""),
+            ),
+            (
+                "host",
+                f"{host.get('cpu_model')}, {host.get('cores')} cores, Linux {host.get('kernel')}, "
+                f"{host.get('kvm')}",
+            ),
+            ("date", f"{m.get('started_at')} to {m.get('finished_at')}"),
+            (
+                "wall time",
+                f"{(m.get('wall_seconds') or 0) / 60:.1f} min (all invocations: "
+                f"{(m.get('wall_seconds_all_invocations') or 0) / 60:.1f} min in "
+                f"{m.get('invocations')})",
+            ),
+            ("points", json.dumps(m.get("points"))),
+            (
+                "cluster",
+                f"{cluster['engine']} ({cluster['address']}): {cluster['points_on_cluster']} "
+                f"point(s) on it, {cluster['points_retried']} retried"
+                if cluster
+                else "no (points run by this host's sweep)",
+            ),
+            (
+                "complete",
+                "yes" if m.get("complete") else "NO: part of the grid or changed settings",
+            ),
+        ]
+        rows = "".join(
+            f'<tr><th class="l">{k}</th><td class="l">{e(str(v))}</td></tr>' for k, v in facts
+        )
+        out.append(f"<h3>Manifest</h3><table>{rows}</table>")
+    links = " ".join(f'<a href="{e(f)}/{e(t)}">{e(t)}</a>' for t in s["tables"])
+    if links:
+        out.append(f"<p>Data: {links}</p>")
+    return "".join(out)

@@ -114,6 +114,9 @@ class RunResult:
     psi: dict = field(default_factory=dict)
     # raw material
     phases: dict = field(default_factory=dict)  # per phase: zipfperf summary and window
+    # The run's phases on the time series' clock (seconds since densevm was ready; boot is
+    # before 0): [{"phase": "boot"|"calibrate"|"touch"|"settle"|"load", "from_s", "to_s"}].
+    timeline: list = field(default_factory=list)
     timeseries: list = field(default_factory=list)  # densevm stats samples, about 1/s
     pager: dict = field(default_factory=dict)
     db: list = field(default_factory=list)

@@ -18,7 +18,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -262,6 +262,7 @@ class Run:
         self.containment: Containment | None = None
         self.sampler: Sampler | None = None
         self.calibration: dict | None = None
+        self._boot_started: float | None = None
 
     # -- top level ---------------------------------------------------------
 
@@ -325,17 +326,19 @@ class Run:
             cfg.cpu_us is None
             and cfg.vms * estimate_footprint(cfg.ws_bytes, cfg.block_bytes) > cfg.mem_bytes
         ):
-            self._calibrate_before_touch()
+            with self._timed("calibrate"):
+                self._calibrate_before_touch()
         if cfg.touch:
             self._touch()
         # Warm-up and measurement are one zipfperf run, split by densevm's counters:
         # restarting zipfperf would abandon the warm-up's requests stuck on cold VMs,
         # whose paging then goes on while the new run's free slots race through hits.
-        doc = self._phase(
-            "load",
-            replace(self.load, duration_s=cfg.warmup + cfg.duration),
-            measure_from=cfg.warmup,
-        )
+        with self._timed("load"):
+            doc = self._phase(
+                "load",
+                replace(self.load, duration_s=cfg.warmup + cfg.duration),
+                measure_from=cfg.warmup,
+            )
         stats = self.dvm.stats()  # per-VM state at the end of the measurement
         window = [row for row in r.timeseries if row["phase"] == "measure"]
         self._record_measurement(doc, window[0], window[-1], stats)
@@ -387,6 +390,7 @@ class Run:
             swap=swap,
             api=api,
         )
+        self._boot_started = time.monotonic()
         self.dvm = DenseVM(
             self.bins.densevm, args, self.out / "densevm.log", wrap=self.containment.wrap
         )
@@ -397,8 +401,25 @@ class Run:
         r.phases["boot"] = ready
         self._check_pager()
         self.sampler = Sampler(self.dvm, r.timeseries)
+        r.timeline.append(
+            {"phase": "boot", "from_s": round(self._boot_started - self.sampler.t0, 3), "to_s": 0.0}
+        )
         self.sampler.sample("boot")
         return bench
+
+    @contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        """Record where `phase` starts and ends on the time series' clock (result.timeline),
+        also when it fails part way."""
+        entry = {"phase": phase, "from_s": self._clock(), "to_s": None}
+        self.result.timeline.append(entry)
+        try:
+            yield
+        finally:
+            entry["to_s"] = self._clock()
+
+    def _clock(self) -> float:
+        return round(time.monotonic() - self.sampler.t0, 3)
 
     def _check_pager(self) -> None:
         """Record the pager's settings; warn if its disk model is not the one the model charges."""
@@ -459,7 +480,8 @@ class Run:
         self.sampler.sample("touch")
         self.dvm.set_disk_modeled(False)
         try:
-            self._touch_all()
+            with self._timed("touch"):
+                self._touch_all()
             self._settle()
         finally:
             if self.dvm.failure() is None:
@@ -494,7 +516,11 @@ class Run:
         fit = cfg.mem_bytes // footprint
         if cfg.vms <= fit:
             return  # everything fits: nothing is ever evicted
-        target = int(SETTLE_TURNS * fit)
+        with self._timed("settle"):
+            self._settle_to(footprint, int(SETTLE_TURNS * fit))
+
+    def _settle_to(self, footprint: int, target: int) -> None:
+        cfg = self.cfg
         first = self.sampler.sample("settle")
 
         def swapped_in():

@@ -73,6 +73,10 @@ class Experiment:
     grid: dict[str, list]
     plots: list[PlotSpec]
     checks: list[CheckSpec] = field(default_factory=list)
+    # What the figure reproduces, in the paper's words, and how this host's set-up differs
+    # from the paper's (shown on the plots and the results page; experiments/results/).
+    claim: str = ""
+    differences: str = ""
 
     def restricted(self, only: list[str]) -> Experiment:
         """The experiment with its grid cut to the `KEY=VALUE` settings given (sweep --only).
@@ -173,6 +177,8 @@ def load_experiment(path: Path) -> Experiment:
             grid,
             plots,
             checks,
+            " ".join(str(doc.get("claim", "")).split()),
+            " ".join(str(doc.get("differences", "")).split()),
         )
     except TypeError as e:
         raise ConfigError(f"{path}: {e}") from None
@@ -212,6 +218,7 @@ def csv_row(key: str, doc: dict) -> dict:
         host=host.get("hostname"),
         host_kind=host.get("kind"),
         retried=bool((doc.get("placement") or {}).get("retried")),
+        cluster=(doc.get("placement") or {}).get("cluster"),
     )
     return row
 
@@ -259,7 +266,13 @@ def pending_points(
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "experiment.json").write_text(
         json.dumps(
-            {"name": exp.name, "title": exp.title, "grid": exp.grid, "base": exp.base.as_dict()},
+            {
+                "name": exp.name,
+                "title": exp.title,
+                "claim": exp.claim,
+                "grid": exp.grid,
+                "base": exp.base.as_dict(),
+            },
             indent=2,
             default=str,
         )
@@ -329,6 +342,12 @@ def finish_sweep(exp: Experiment, out_dir: Path) -> dict:
             docs[key] = doc
     rows = [csv_row(k, d) for k, d in docs.items()]
     write_csv(rows, out_dir / "results.csv")
+    checks = run_checks(exp.checks, rows) if exp.checks else []
+    if checks:
+        write_csv(checks, out_dir / "checks.csv")
+    verdicts = [
+        (c["passed"] == "yes", f"{c['check']} ({c['group']}): {c['detail']}") for c in checks
+    ]
     for spec in exp.plots:
         title = spec.title or exp.title or exp.name
         if spec.kind == "cliff":
@@ -344,6 +363,8 @@ def finish_sweep(exp: Experiment, out_dir: Path) -> dict:
                 spec.logx,
                 spec.logy,
                 "cliff position (VMs)",
+                exp.claim,
+                verdicts,
             )
         else:
             line_plot(
@@ -355,15 +376,16 @@ def finish_sweep(exp: Experiment, out_dir: Path) -> dict:
                 title,
                 spec.logx,
                 spec.logy,
+                claim=exp.claim,
+                verdicts=verdicts,
             )
-    if exp.checks:
-        write_csv(run_checks(exp.checks, rows), out_dir / "checks.csv")
     hosts = hosts_by_kind(docs)
     warnings = [mixed_hosts_warning(hosts)] if len(hosts) > 1 else []
     doc = {
         "schema": SWEEP_SCHEMA,
         "name": exp.name,
         "title": exp.title,
+        "claim": exp.claim,
         "written_at": now_iso(),
         "grid": exp.grid,
         "hosts": hosts,

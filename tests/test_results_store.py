@@ -1,0 +1,233 @@
+"""experiments/results: the stored figures, their manifests and commands, the page of all of
+them, and the run plot's phases.
+
+Sweeps here are FAKE (test_scalebench_sweep's made-up point runner, nothing started) except
+the local-cluster resume test, whose points are real tiny runs; the run plot is drawn from a
+recorded result of a real run (tests/test_results_data/run_result.json: 64 VMs in 24 MiB,
+so it has all five phases).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import release_binary
+from scalebench import cli, results
+from scalebench.plots import MEASUREMENT_LABEL, PHASES, phase_spans, run_plot
+from scalebench.report import render_results
+from scalebench.result import RunResult
+from scalebench.sweep import run_sweep
+from test_scalebench_report import images_state
+from test_scalebench_sweep import FakePointRunner
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORDED = Path(__file__).with_name("test_results_data") / "run_result.json"
+
+
+def fake_make(figure: str, dest_root: Path, work: Path, **kw) -> dict:
+    """results.make with the sweep's points made up (FakePointRunner), a small grid."""
+
+    def runner(exp, out):
+        run_sweep(exp, out, FakePointRunner())
+
+    argv = ["results", "make", figure, *[f"--only={o}" for o in kw.get("only", [])]]
+    return results.make(figure, argv, work=work, dest_root=dest_root, runner=runner, **kw)
+
+
+def fake_ecommerce_runs() -> list[dict]:
+    shares = {
+        ("tpcw", "browsing"): (0.99, 10.0),
+        ("tpcw", "ordering"): (0.97, 14.0),
+        ("rubis", "browsing"): (0.985, 6.0),
+        ("tpcc", "standard"): (0.62, 30.0),
+        ("tpcc", "highwrite"): (0.45, 33.0),
+    }
+    return [
+        {
+            "options": {"workload": w, "mix": m, "db_memory_mib": 64},
+            "steady": {"reached": True},
+            "metrics": {"read_share": s, "regions_per_1000": r, "sectors_read": 1000},
+        }
+        for (w, m), (s, r) in shares.items()
+        for _ in range(2)
+    ]
+
+
+@pytest.fixture
+def stored(tmp_path: Path) -> Path:
+    """A results folder as the commands write it: Fig 8 (part of its grid, fake points) and
+    the storage study (fake runs); the other figures not run yet."""
+    root = tmp_path / "results"
+    root.mkdir()
+    shutil.copyfile(ROOT / "experiments" / "results" / "README.md", root / "README.md")
+    fake_make("fig08", root, tmp_path / "work08", only=["vms=250"])
+
+    def findings(work: Path) -> None:
+        (work / "results.json").write_text(json.dumps(fake_ecommerce_runs()))
+
+    results.make("ecommerce", ["results", "make", "ecommerce"], work=tmp_path / "workec",
+                 dest_root=root, runner=findings)  # fmt: skip
+    return root
+
+
+def test_every_manifest_command_parses():
+    """The stored manifests' commands, and the command each figure documents, parse."""
+    manifests = sorted((ROOT / "experiments" / "results").glob("*/manifest.json"))
+    for path in manifests:
+        m = json.loads(path.read_text())
+        assert m["figure"] == path.parent.name and m["command"].startswith("scalebench ")
+        ns = cli.parse(m["argv"])
+        assert ns.figure == m["figure"], path
+    for figure, command in results.COMMANDS.items():
+        assert cli.parse(command.split()[1:]).figure == figure
+
+
+def test_a_made_figure_has_points_plots_checks_and_a_manifest(stored: Path):
+    m = json.loads((stored / "fig08" / "manifest.json").read_text())
+    assert cli.parse(m["argv"]).only == ["vms=250"]
+    assert m["build"]["commit"] and isinstance(m["build"]["dirty"], bool)
+    assert {"cpu_model", "cores", "kernel", "kvm"} <= set(m["host"])
+    assert m["host"]["kvm"] in ("pvm", "kvm", "none")
+    assert m["points"]["ok"] == m["points"]["stored"] == 2 == m["points"]["grid"]
+    assert m["complete"] is False  # --only: part of the grid
+    assert m["cluster"] is None and m["wall_seconds"] is not None
+    assert "cliff near 1,000 VMs" in m["claim"] and "7,200 RPM" in m["differences"]
+    for name in m["files"]:
+        assert (stored / "fig08" / name).stat().st_size > 0, name
+    assert {"points.csv", "checks.csv", "fig08_throughput.png", "fig08_cliff.png"} <= set(
+        m["files"]
+    )
+    assert not list((stored / "fig08").glob("points/")), "per-run directories are not stored"
+    assert m["checks"]["passed"] + m["checks"]["failed"] == len(m["checks"]["verdicts"]) > 0
+
+
+def test_every_figure_named_in_the_report_exists(stored: Path, tmp_path: Path):
+    page = render_results(stored).read_text()
+    for figure in results.FIGURES:
+        assert f'id="{figure}"' in page
+        if figure != results.ECOMMERCE:
+            assert results.experiment_file(figure).exists()
+    srcs = re.findall(r'<img src="([^"]+)"', page)
+    assert srcs and all((stored / s).is_file() for s in srcs), srcs
+    for figure in ("fig09", "fig10", "fig11"):  # not run: their command is shown instead
+        assert results.COMMANDS[figure] in page
+    # The real folder's page names only figures that exist (none may have run yet).
+    real = tmp_path / "real"
+    shutil.copytree(ROOT / "experiments" / "results", real)
+    text = render_results(real).read_text()
+    assert all((real / s).is_file() for s in re.findall(r'<img src="([^"]+)"', text))
+    # The README shows figures' images: each is a plot its figure's command writes.
+    readme = (ROOT / "README.md").read_text()
+    shown = re.findall(r"!\[[^\]]*\]\((experiments/results/([^/)]+)/([^/)]+\.png))\)", readme)
+    assert {f for _, f, _ in shown} >= {"fig08", "fig11"}
+    for _, figure, png in shown:
+        assert png in results.figure_plots(figure), (figure, png)
+    assert "experiments/results/index.html" in readme
+
+
+def test_a_failed_check_shows_its_reason_or_asks_for_one(stored: Path):
+    (stored / "ecommerce" / "checks.csv").write_text(
+        "check,group,passed,detail,study\nx,TPC-W browsing,NO,0.5,99.9/0.1\n"
+        "y,RUBiS browsing,NO,0.5,99/1\n"
+    )
+    (stored / "ecommerce" / "notes.toml").write_text(
+        '[reasons]\n"x | TPC-W browsing" = "the guest cache was cold"\n'
+    )
+    page = render_results(stored).read_text()
+    assert "the guest cache was cold" in page and "no reason written yet" in page
+
+
+def test_the_results_page_loads_every_image_in_headless_chromium(stored: Path, tmp_path: Path):
+    page = render_results(stored)
+    count = len(re.findall(r"<img ", page.read_text()))
+    assert count >= 4  # Fig 8's two plots, the study's two
+    assert images_state(page, tmp_path / "profile") == f"ok:{count}"
+
+
+def test_report_subcommand_renders_a_results_folder(stored: Path, capsys):
+    assert cli.main(["report", str(stored)]) == 0
+    assert (stored / "index.html").exists()
+
+
+def test_ecommerce_findings_beside_the_study(stored: Path):
+    d = stored / "ecommerce"
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["checks"]["failed"] == 0 and m["checks"]["passed"] == 5 and m["complete"]
+    assert (d / "study_block_metrics.csv").exists() and "64 MiB" in m["differences"]
+    runs = fake_ecommerce_runs()
+    runs[0]["metrics"]["read_share"] = 0.5  # TPC-W browsing no longer read-dominated
+    verdicts = {v["group"]: v["passed"] for v in results.ecommerce_findings(runs)}
+    assert verdicts["TPC-W browsing"] == "NO" and verdicts["RUBiS browsing"] == "yes"
+
+
+def test_the_run_plot_labels_the_five_phases_and_the_measurement_window(tmp_path: Path):
+    doc = json.loads(RECORDED.read_text())
+    r = RunResult(**doc)
+    assert [e["phase"] for e in r.timeline] == list(PHASES)
+    starts = [e["from_s"] for e in r.timeline]
+    assert starts == sorted(starts) and starts[0] < 0 <= starts[1]  # boot before ready
+    labels = run_plot(r, tmp_path / "run.png")
+    assert labels == [*PHASES, MEASUREMENT_LABEL]
+    assert (tmp_path / "run.png").stat().st_size > 10_000
+    # A result recorded before the timeline: the phases come from the samples' tags.
+    doc.pop("timeline")
+    old = RunResult(**doc)
+    assert [p for p, _, _ in phase_spans(old)] == list(PHASES)
+
+
+def test_local_cluster_resumes_an_interrupted_sweep(tmp_path: Path):
+    pytest.importorskip("distributed", reason="the cluster extra (dask) is not installed")
+    from test_scalebench_cluster import experiment, points, sweep_command, wait_until_gone
+
+    exp, out = experiment(tmp_path, duration=1), tmp_path / "out"
+    env = {
+        **os.environ,
+        "SCALEBENCH_BIN_DIR": str(release_binary("densevm").parent),
+        "SCALEBENCH_CALIBRATION": str(tmp_path / "cal.json"),
+        "SCALEBENCH_WORK_DIR": str(tmp_path / "worker"),  # the point's processes mention it
+    }
+    command = sweep_command(tmp_path, exp, out, "--cluster", "local", "--only", "policy=demand")
+    first = subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    while not [d for d in points(out).values() if d["status"] == "ok"]:
+        assert first.poll() is None, first.stdout.read()
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(120) == 130, first.stdout.read()
+    assert wait_until_gone(str(tmp_path)) == []  # the point's scalebench and densevm stopped
+    kept = {k: d["run_id"] for k, d in points(out).items() if d["status"] == "ok"}
+    assert 1 <= len(kept) < 3
+    second = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=400, check=False
+    )
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert f"{len(kept)} of 3 point(s) already done: kept" in second.stdout + second.stderr
+    done = points(out)
+    assert len(done) == 3 and all(d["status"] == "ok" for d in done.values())
+    assert all(done[k]["run_id"] == run_id for k, run_id in kept.items())
+    assert all(d["placement"]["cluster"] == "local" for d in done.values())
+    assert wait_until_gone(str(tmp_path)) == []
+
+
+def test_the_nightly_history_names_each_metric_s_phase():
+    from scalebench.report import nightly_phase
+
+    assert nightly_phase("boot1000_s").startswith("phase: boot of probe boot1000")
+    load = nightly_phase("incore16_rps")
+    assert load.startswith("phase: load of probe incore16") and "measurement window" in load
+    assert nightly_phase("no_such_metric") == ""
