@@ -144,6 +144,9 @@ pub enum Admission {
     Wait,
     /// Evict these blocks (sorted by VM, then block), then ask again.
     Evict(Vec<PlanBlock>),
+    /// The faulting VM is being destroyed: drop the fault
+    /// ([`Ledger::abandon_fault`]); nobody is evicted for it.
+    Abandon,
 }
 
 /// Blocks whose ranges must be woken, as (VM, block).
@@ -161,6 +164,8 @@ pub struct Ledger {
     evicting: u64,
     prefetch: Vec<BlockId>,
     victims: Vec<(VmId, BlockId)>,
+    /// VMs failed (no swap room for their copies) and why, until taken.
+    failed_vms: Vec<(VmId, String)>,
     places: Vec<u64>,
     released: Vec<u64>,
     /// Most blocks one VM may hold (u64::MAX: no quota).
@@ -188,6 +193,7 @@ impl Ledger {
             evicting: 0,
             prefetch: Vec::new(),
             victims: Vec::new(),
+            failed_vms: Vec::new(),
             places: Vec::new(),
             released: Vec::new(),
             vm_quota_blocks: u64::MAX,
@@ -309,6 +315,41 @@ impl Ledger {
             self.policy_err()?;
         }
         Ok(Some(busy))
+    }
+
+    /// Marks `vm` failed: it stops being served as if it were being
+    /// unregistered (the policy forgets it, its faults are dropped), and is
+    /// listed for [`Ledger::take_failed_vms`]. Its owner unregisters it.
+    pub fn fail_vm(&mut self, vm: VmId, reason: String) {
+        if let Some(v) = self.vms.get_mut(vm as usize).and_then(|v| v.as_mut()) {
+            if !v.dying {
+                v.dying = true;
+                self.policy.on_vm_unregistered(vm);
+            }
+            self.failed_vms.push((vm, reason));
+        }
+    }
+
+    /// VMs failed since the last call, with why.
+    pub fn take_failed_vms(&mut self) -> Vec<(VmId, String)> {
+        std::mem::take(&mut self.failed_vms)
+    }
+
+    /// Drops a planned fault whose admission said [`Admission::Abandon`]:
+    /// its blocks are absent again and not busy; deferred faults on them
+    /// are to be woken (`wakes`).
+    pub fn abandon_fault(&mut self, plan: &[PlanBlock], wakes: &mut Wakes) {
+        for p in plan {
+            let Some(v) = self.vms.get_mut(p.vm as usize).and_then(|v| v.as_mut()) else {
+                continue;
+            };
+            let e = &mut v.blocks[p.block as usize];
+            e.state = State::Absent;
+            if std::mem::take(&mut e.wake) {
+                wakes.push((p.vm, p.block));
+            }
+            v.busy -= 1;
+        }
     }
 
     /// Forgets a VM with no busy blocks: frees its memory accounting and swap.
@@ -462,6 +503,11 @@ impl Ledger {
     /// wait, or hand out victims to evict first (marked busy, swap space
     /// placed). The policy's victims are validated here.
     pub fn admit(&mut self, n: u64, vm: VmId) -> Result<Admission, PagerError> {
+        // A fault classified before its VM began to die (or before the VM
+        // failed) must not cost another VM its memory.
+        if self.vm(vm).is_none_or(|v| v.dying) {
+            return Ok(Admission::Abandon);
+        }
         if let Some(decision) = self.admit_within_quota(n, vm)? {
             return Ok(decision);
         }
@@ -489,7 +535,14 @@ impl Ledger {
             Ok(skipped) => {
                 if victims.is_empty() {
                     self.victims = victims;
-                    if skipped || self.evicting > 0 || self.reserved > 0 {
+                    // Blocks of a dying (or failed) VM are freed when its
+                    // owner unregisters it: room is coming.
+                    let dying_resident = self
+                        .vms
+                        .iter()
+                        .flatten()
+                        .any(|v| v.dying && v.resident > 0);
+                    if skipped || dying_resident || self.evicting > 0 || self.reserved > 0 {
                         return Ok(Admission::Wait);
                     }
                     return Err(self.nonsense(format!(
@@ -502,7 +555,10 @@ impl Ledger {
             Err(e) => Err(e),
         };
         self.victims = victims;
-        Ok(Admission::Evict(plan?))
+        match plan? {
+            plan if plan.is_empty() => Ok(Admission::Wait),
+            plan => Ok(Admission::Evict(plan)),
+        }
     }
 
     /// The quota's part of `admit`: `None` when `vm` stays within its quota
@@ -538,7 +594,13 @@ impl Ledger {
         } else {
             victims.sort_unstable();
             self.policy.on_quota_eviction(vm);
-            self.start_eviction(&victims).map(Admission::Evict)
+            self.start_eviction(&victims).map(|plan| {
+                if plan.is_empty() {
+                    Admission::Abandon
+                } else {
+                    Admission::Evict(plan)
+                }
+            })
         };
         self.victims = victims;
         decision.map(Some)
@@ -622,6 +684,16 @@ impl Ledger {
                 .collect();
             if result.is_ok() {
                 result = self.space.place(vm, &dirty, &mut places);
+            }
+            if let Err(PagerError::SwapFull { .. }) = &result {
+                // No room on swap for this VM's copies: it fails alone (its
+                // blocks stay resident, the policy forgets it, its faults are
+                // no longer served, its owner is told), not the pager.
+                let e = std::mem::replace(&mut result, Ok(())).unwrap_err();
+                places.clear();
+                self.fail_vm(vm, e.to_string());
+                i = j;
+                continue;
             }
             if result.is_err() {
                 places.clear();
@@ -953,6 +1025,7 @@ mod tests {
             match l.admit(p.len() as u64, vm).unwrap() {
                 Admission::Go => break,
                 Admission::Wait => panic!("nothing is in flight to wait for"),
+                Admission::Abandon => panic!("the VM is not dying"),
                 Admission::Evict(mut victims) => {
                     planned.extend_from_slice(&victims);
                     for v in victims.iter_mut().filter(|v| v.dirty) {
@@ -1144,5 +1217,56 @@ mod tests {
             let err = l.admit(1, 0).unwrap_err().to_string();
             assert!(err.contains(why), "{err}");
         }
+    }
+
+    /// Issue 39 (Low): a fault classified before its VM began dying is
+    /// abandoned at admission; it evicts nobody else's memory.
+    #[test]
+    fn a_dying_vms_fault_in_flight_is_not_admitted() {
+        let mut l = ledger(None);
+        for b in 0..8 {
+            fault(&mut l, 1, b);
+        }
+        assert_eq!(l.classify(0, 0, Access::Read), Classified::FaultIn);
+        let p = plan(&mut l, 0, 0, false);
+        assert_eq!(l.begin_unregister(0).unwrap(), Some(1), "its fault is in flight");
+        let admitted = l.admit(p.len() as u64, 0).unwrap();
+        assert!(matches!(admitted, Admission::Abandon), "a dying VM's fault was admitted");
+        assert_eq!(resident(&l, 1), 8, "VM 1 lost memory to a dying VM");
+        let mut wakes = Vec::new();
+        l.abandon_fault(&p, &mut wakes);
+        assert_eq!(l.begin_unregister(0).unwrap(), Some(0));
+        l.unregister(0).unwrap();
+    }
+
+    /// Issue 39 item 3: no swap room for a victim VM's copies fails that
+    /// VM alone (reported, no longer served, its blocks kept), not the run.
+    #[test]
+    fn swap_full_at_eviction_fails_only_the_victims_vm() {
+        let space = SwapSpace::new(SwapLayout::Log, 8 * 16 * BLOCK, BLOCK, 16 * BLOCK);
+        let mut l = Ledger::new(Box::new(Demand::new()), space, BLOCK, 8 * BLOCK);
+        l.register(0, VM_BLOCKS).unwrap();
+        l.register(1, VM_BLOCKS).unwrap();
+        // Something else holds every byte the log may use.
+        let all: Vec<BlockId> = (0..64).collect();
+        let mut out = Vec::new();
+        l.space.place(999, &all, &mut out).unwrap();
+        for b in 0..8 {
+            swap_in(&mut l, 0, b, true, 0);
+        }
+        assert_eq!(l.classify(1, 0, Access::Read), Classified::FaultIn);
+        let p = plan(&mut l, 1, 0, false);
+        let admitted = l.admit(p.len() as u64, 1);
+        assert!(matches!(admitted, Ok(Admission::Wait)), "{admitted:?}");
+        let failed = l.take_failed_vms();
+        assert_eq!(failed.len(), 1);
+        assert_eq!(failed[0].0, 0);
+        assert!(failed[0].1.contains("swap device full"), "{}", failed[0].1);
+        assert_eq!(resident(&l, 0), 8, "its memory is not dropped without a copy");
+        assert_eq!(l.classify(0, 9, Access::Read), Classified::Gone);
+        // Its owner destroys it; the other VM goes on.
+        assert_eq!(l.begin_unregister(0).unwrap(), Some(0));
+        l.unregister(0).unwrap();
+        assert!(matches!(l.admit(p.len() as u64, 1), Ok(Admission::Go)));
     }
 }

@@ -37,6 +37,6 @@ pub use config::PagerConfig;
 pub use disk::DiskSpec;
 pub use error::PagerError;
 pub use guest_memory::{GuestMemory, SpaceHandoff, SpaceId};
-pub use pager::Pager;
+pub use pager::{Pager, PagerFailure};
 pub use policy::PolicySpec;
 pub use units::parse_size;

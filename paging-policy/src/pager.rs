@@ -44,7 +44,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -86,8 +86,26 @@ struct Space {
     /// Address of the mapping in its process.
     base: usize,
     len: usize,
-    /// Its process is gone: operations on it are skipped.
+    /// Its process is gone, or it failed: operations on it are skipped.
     gone: AtomicBool,
+    /// An operation on it failed (not ESRCH): it is no longer served and
+    /// its owner has been told ([`Pager::take_failures`]).
+    failed: AtomicBool,
+}
+
+/// A part of the run the pager stopped serving while every other went on
+/// (see [`Pager::take_failures`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PagerFailure {
+    /// The space (a densevm holder's guest memory) it concerns.
+    pub space: SpaceId,
+    /// `Some(vm)`: only that VM failed (no swap room for its copies); its
+    /// faults are no longer served. `None`: the whole space failed (an
+    /// operation on its memfd or its userfaultfd failed other than with
+    /// ESRCH): none of its VMs is served any more.
+    pub vm: Option<u32>,
+    /// Why, one line.
+    pub reason: String,
 }
 
 /// Where a VM's RAM lives.
@@ -167,6 +185,10 @@ pub struct Pager {
     room: Condvar,
     fatal: Mutex<Option<String>>,
     failed: AtomicBool,
+    /// Failures of single spaces or VMs not yet taken by the owner.
+    failures: Mutex<Vec<PagerFailure>>,
+    /// How many there were in all (the stats' `failures`).
+    failure_count: AtomicU64,
     stop: AtomicBool,
     stop_fd: OwnedFd,
     threads: Mutex<Vec<JoinHandle<()>>>,
@@ -239,6 +261,8 @@ impl Pager {
             room: Condvar::new(),
             fatal: Mutex::new(None),
             failed: AtomicBool::new(false),
+            failures: Mutex::new(Vec::new()),
+            failure_count: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             stop_fd,
             threads: Mutex::new(Vec::new()),
@@ -280,9 +304,82 @@ impl Pager {
         self.room.notify_all();
     }
 
-    /// The error that stopped the run (swap full, I/O error, policy failure).
+    /// The error that stopped the run (swap I/O error, policy failure, a
+    /// bug). An error confined to one space or one VM does not stop the run:
+    /// see [`Pager::take_failures`].
     pub fn fatal_error(&self) -> Option<String> {
         self.fatal.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Spaces and VMs that failed since the last call, each reported once;
+    /// everything else is still served. The owner (densevm's parent, polling
+    /// this in its loop) ends what failed: a space's cell is killed and the
+    /// space detached ([`Pager::detach_space`]); a failed VM is destroyed
+    /// and unregistered ([`Pager::unregister_vm`]). Until then a failed
+    /// space's or VM's faults stay pending (its vCPUs blocked) and its
+    /// resident blocks stay counted.
+    pub fn take_failures(&self) -> Vec<PagerFailure> {
+        std::mem::take(&mut *self.failures.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    fn report(&self, failure: PagerFailure) {
+        self.failure_count.fetch_add(1, Ordering::SeqCst);
+        self.failures
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(failure);
+    }
+
+    /// Stops serving `space` after an error on it (once): its operations are
+    /// skipped from now on, its userfaultfd leaves the epoll set (its
+    /// pending faults are never read), and the owner is told.
+    fn fail_space(&self, space: &Space, reason: String) {
+        space.gone.store(true, Ordering::SeqCst);
+        if space.failed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let _ = epoll_ctl(
+            &self.epoll,
+            libc::EPOLL_CTL_DEL,
+            space.uffd.as_raw_fd(),
+            space.id as u64,
+        );
+        self.report(PagerFailure {
+            space: space.id,
+            vm: None,
+            reason,
+        });
+        self.room.notify_all();
+    }
+
+    /// Reports the VMs the ledger failed (no swap room for their copies).
+    fn report_failed_vms(&self, st: &mut State) {
+        for (vm, reason) in st.ledger.take_failed_vms() {
+            if let Some(place) = st.places.get(&vm) {
+                self.report(PagerFailure {
+                    space: place.space.id,
+                    vm: Some(vm),
+                    reason,
+                });
+            }
+        }
+    }
+
+    /// An operation on one space: ESRCH (its process is gone) is skipped, any
+    /// other error fails that space alone ([`Pager::fail_space`]); neither
+    /// stops the pager.
+    fn tolerate(&self, space: &Space, result: Result<(), PagerError>) -> Result<(), PagerError> {
+        match result {
+            Err(e) if space.gone.load(Ordering::SeqCst) || space_gone(&e) => {
+                space.gone.store(true, Ordering::SeqCst);
+                Ok(())
+            }
+            Err(e) => {
+                self.fail_space(space, e.to_string());
+                Ok(())
+            }
+            ok => ok,
+        }
     }
 
     /// Attaches a guest memory (see [`crate::GuestMemory::handoff`]): its
@@ -311,6 +408,7 @@ impl Pager {
             base: handoff.base,
             len: handoff.len,
             gone: AtomicBool::new(false),
+            failed: AtomicBool::new(false),
         });
         epoll_ctl(
             &self.epoll,
@@ -373,7 +471,11 @@ impl Pager {
         // slack), allocated now rather than found missing mid-run.
         let per_vm = self.vm_ram * swap_bytes_per_ram_byte(st.ledger.layout());
         self.swap.reserve((st.places.len() as u64 + 1) * per_vm)?;
-        st.ledger.register(vm, (len / self.block) as u32)?;
+        st.ledger.register(vm, (len / self.block) as u32)
+            .map_err(|e| match e {
+                PagerError::SwapFull { .. } => bad(format!("refused, no room on swap for it: {e}")),
+                e => e,
+            })?;
         st.regions.insert((space.id, addr), (vm, len));
         st.places.insert(
             vm,
@@ -422,9 +524,7 @@ impl Pager {
         }
         self.room.notify_all();
         if let Some(p) = place {
-            if let Err(e) = punch_hole(&p.space, p.offset, p.len) {
-                self.fail(e.to_string());
-            }
+            let _ = self.tolerate(&p.space, punch_hole(&p.space, p.offset, p.len));
         }
     }
 
@@ -531,6 +631,10 @@ impl Pager {
         t.insert("swap_capacity_bytes".into(), json!(self.swap.capacity()));
         t.insert("swap_used_bytes".into(), json!(l.swap_used_bytes()));
         t.insert("fatal_error".into(), json!(self.fatal_error()));
+        t.insert(
+            "failures".into(),
+            json!(self.failure_count.load(Ordering::SeqCst)),
+        );
         let config = json!({
             "budget_bytes": self.cfg.budget_bytes,
             "block_bytes": self.block,
@@ -611,9 +715,7 @@ impl Pager {
                 }
                 Ok(None) => {}
                 Err(e) => {
-                    if let Err(e) = tolerate(&space, Err(e)) {
-                        self.fail(e.to_string());
-                    }
+                    let _ = self.tolerate(&space, Err(e));
                 }
             }
         }
@@ -627,6 +729,10 @@ impl Pager {
     }
 
     fn handle(&self, space: &Arc<Space>, f: Fault, s: &mut Scratch) -> Result<(), PagerError> {
+        if space.failed.load(Ordering::SeqCst) {
+            // Read before its descriptor left the epoll set: never served.
+            return Ok(());
+        }
         let t0 = Instant::now();
         let mut st = self.lock();
         let Some((vm, place)) = st.lookup(space.id, f.addr) else {
@@ -648,7 +754,7 @@ impl Pager {
             }
             Classified::Unprotect => {
                 drop(st);
-                tolerate(space, space.uffd.write_protect(baddr, self.block, false))?;
+                self.tolerate(space, space.uffd.write_protect(baddr, self.block, false))?;
                 let mut st = self.lock();
                 s.wakes.clear();
                 st.ledger.end_unprotect(vm, block, &mut s.wakes);
@@ -684,8 +790,22 @@ impl Pager {
             if self.failed.load(Ordering::SeqCst) {
                 return Ok(());
             }
-            match st.ledger.admit(n, vm)? {
+            let admission = st.ledger.admit(n, vm);
+            self.report_failed_vms(&mut st);
+            match admission? {
                 Admission::Go => break,
+                Admission::Abandon => {
+                    // The VM began dying (or failed) after this fault was
+                    // classified: it evicts nobody and installs nothing.
+                    s.wakes.clear();
+                    st.ledger.abandon_fault(&plan, &mut s.wakes);
+                    st.addrs(&s.wakes, self.block, &mut s.addrs);
+                    drop(st);
+                    self.room.notify_all();
+                    self.wake(&s.addrs);
+                    s.plan = plan;
+                    return Ok(());
+                }
                 Admission::Wait => {
                     st = self
                         .room
@@ -779,7 +899,7 @@ impl Pager {
                     .uffd
                     .copy(dst, buf[i * bs..].as_ptr(), (j - i) * bs, !plan[i].dirty)
             };
-            tolerate(&place.space, copied)?;
+            self.tolerate(&place.space, copied)?;
         }
         Ok(())
     }
@@ -811,7 +931,7 @@ impl Pager {
         // 1. Stop writers: from here on a write blocks on the protection.
         for run in &adjacent_runs {
             let space = &places[run.start].space;
-            tolerate(
+            self.tolerate(
                 space,
                 space
                     .uffd
@@ -834,7 +954,10 @@ impl Pager {
                 continue;
             }
             let slot = &mut buf[i * bs..(i + 1) * bs];
-            pread_exact(&places[i].space.memfd, slot, offset(i))?;
+            self.tolerate(
+                &places[i].space,
+                pread_exact(&places[i].space.memfd, slot, offset(i)),
+            )?;
             in_buf[i] = true;
             let sum = content_sum(&self.content_key, slot);
             let copy = if v.old_loc == NO_LOC {
@@ -854,17 +977,19 @@ impl Pager {
         let mut io = 0.0;
         for std::ops::Range { start: i, end: j } in write_runs(victims, bs as u64) {
             for k in (i..j).filter(|&k| !in_buf[k]) {
-                pread_exact(
+                let read = pread_exact(
                     &places[k].space.memfd,
                     &mut buf[k * bs..(k + 1) * bs],
                     offset(k),
-                )?;
+                );
+                self.tolerate(&places[k].space, read)?;
             }
             io += self.swap.write(victims[i].loc, &buf[i * bs..j * bs])?;
         }
         // 4. Free the blocks; their next touch faults them back in.
         for run in adjacent_runs {
-            punch_hole(&places[run.start].space, offset(run.start), run.len() * bs)?;
+            let space = &places[run.start].space;
+            self.tolerate(space, punch_hole(space, offset(run.start), run.len() * bs))?;
         }
         Ok(io)
     }
@@ -914,18 +1039,6 @@ fn keep_private(fd: &OwnedFd, nonblocking: bool) -> Result<(), PagerError> {
         }
     }
     Ok(())
-}
-
-/// An operation on a space whose process is gone is skipped, not fatal: the
-/// space is marked, and detaching it releases its VMs.
-fn tolerate(space: &Space, result: Result<(), PagerError>) -> Result<(), PagerError> {
-    match result {
-        Err(e) if space.gone.load(Ordering::SeqCst) || space_gone(&e) => {
-            space.gone.store(true, Ordering::SeqCst);
-            Ok(())
-        }
-        other => other,
-    }
 }
 
 /// Reads guest memory at `offset` of a space's memfd.

@@ -326,8 +326,20 @@ impl Simulator {
             p.dirty = self.written[p.block as usize];
         }
         loop {
-            match self.ledger.admit(plan.len() as u64, vm)? {
+            let admission = self.ledger.admit(plan.len() as u64, vm)?;
+            // A VM the pager would fail alone (no swap room for its copies)
+            // ends a simulation: nobody is there to destroy it.
+            if let Some((failed, reason)) = self.ledger.take_failed_vms().into_iter().next() {
+                return Err(PagerError::BadVm { vm: failed, reason });
+            }
+            match admission {
                 Admission::Go => break,
+                Admission::Abandon => {
+                    return Err(PagerError::BadVm {
+                        vm,
+                        reason: "faulted while failed".into(),
+                    })
+                }
                 Admission::Wait => {
                     return Err(PagerError::PolicyFailed {
                         policy: self.ledger.policy_name().to_string(),

@@ -93,16 +93,18 @@ pub struct SwapSpace {
     free_slots: Vec<u64>,
     next_slot: u64,
     log: LogSpace,
+    /// End of the part of the device the log may use: grows by
+    /// [`swap_bytes_per_ram_byte`] x VM RAM with each registration that
+    /// needs it, up to the capacity, never shrinks. The pager reserves
+    /// (allocates) exactly this prefix of the swap file as VMs register, so
+    /// the log never writes where the filesystem could answer ENOSPC.
+    log_limit: u64,
 }
 
 impl SwapSpace {
     /// Swap space of `capacity` bytes for VMs of `vm_ram_bytes`.
     pub fn new(layout: SwapLayout, capacity: u64, block: u64, vm_ram_bytes: u64) -> SwapSpace {
         let capacity = capacity / block * block;
-        let mut free = BTreeMap::new();
-        if capacity > 0 {
-            free.insert(0, capacity);
-        }
         SwapSpace {
             layout,
             block,
@@ -112,10 +114,11 @@ impl SwapSpace {
             free_slots: Vec::new(),
             next_slot: 0,
             log: LogSpace {
-                free,
-                free_bytes: capacity,
+                free: BTreeMap::new(),
+                free_bytes: 0,
                 cursor: 0,
             },
+            log_limit: 0,
         }
     }
 
@@ -123,7 +126,7 @@ impl SwapSpace {
     pub fn used_bytes(&self) -> u64 {
         match self.layout {
             SwapLayout::PerVm => self.slots.len() as u64 * self.slot_bytes,
-            SwapLayout::Log => self.capacity - self.log.free_bytes,
+            SwapLayout::Log => self.log_limit - self.log.free_bytes,
         }
     }
 
@@ -132,9 +135,35 @@ impl SwapSpace {
         self.layout
     }
 
-    /// Reserves a VM's region (per-VM layout); nothing for the log.
+    /// Bytes of swap a VM needs under this layout (what [`Self::register`]
+    /// checks the capacity for).
+    pub fn bytes_per_vm(&self) -> u64 {
+        self.slot_bytes * swap_bytes_per_ram_byte(self.layout)
+    }
+
+    /// Reserves a VM's region (per-VM layout), or its share of the log:
+    /// registered VMs x [`Self::bytes_per_vm`] must fit in the capacity, or
+    /// the VM is refused here ([`PagerError::SwapFull`]) rather than found
+    /// out of space at an eviction.
     pub fn register(&mut self, vm: u32) -> Result<(), PagerError> {
-        if self.layout != SwapLayout::PerVm {
+        if self.layout == SwapLayout::Log {
+            if self.slots.contains_key(&vm) {
+                return Ok(());
+            }
+            let per_vm = self.bytes_per_vm();
+            let need = (self.slots.len() as u64 + 1).saturating_mul(per_vm);
+            if need > self.capacity {
+                return Err(PagerError::SwapFull {
+                    needed: need - self.capacity,
+                    capacity: self.capacity,
+                });
+            }
+            if need > self.log_limit {
+                self.log.release(self.log_limit, need - self.log_limit);
+                self.log.free_bytes += need - self.log_limit;
+                self.log_limit = need;
+            }
+            self.slots.insert(vm, 0);
             return Ok(());
         }
         let slot = match self.free_slots.pop() {
@@ -157,7 +186,9 @@ impl SwapSpace {
     /// Returns a VM's region to the free pool (per-VM layout).
     pub fn unregister(&mut self, vm: u32) {
         if let Some(slot) = self.slots.remove(&vm) {
-            self.free_slots.push(slot);
+            if self.layout == SwapLayout::PerVm {
+                self.free_slots.push(slot);
+            }
         }
     }
 
@@ -241,7 +272,8 @@ mod tests {
 
     #[test]
     fn log_appends_reclaims_and_fills() {
-        let mut s = SwapSpace::new(SwapLayout::Log, 8 * 4096, 4096, 1 << 20);
+        let mut s = SwapSpace::new(SwapLayout::Log, 8 * 4096, 4096, 4 * 4096);
+        s.register(1).unwrap();
         let mut a = Vec::new();
         s.place(1, &[0, 1, 2], &mut a).unwrap();
         assert_eq!(a, vec![0, 4096, 8192]);
@@ -261,5 +293,29 @@ mod tests {
         s.place(3, &[0, 1, 2, 3], &mut d).unwrap();
         assert_eq!(d.len(), 4);
         assert_eq!(s.used_bytes(), 8 * 4096);
+    }
+
+    /// Issue 39 item 3: the log uses only the prefix reserved for the VMs
+    /// registered (never the unreserved rest of the file), and a VM that
+    /// would not fit is refused at registration.
+    #[test]
+    fn log_capacity_is_checked_at_registration_and_used_as_reserved() {
+        let vm_ram = 4 * 4096;
+        // Room for three VMs' logs (2 x RAM each).
+        let mut s = SwapSpace::new(SwapLayout::Log, 3 * 2 * vm_ram, 4096, vm_ram);
+        s.register(1).unwrap();
+        let mut out = Vec::new();
+        s.place(1, &[0, 1, 2, 3, 4, 5, 6, 7], &mut out).unwrap();
+        assert!(out.iter().all(|&o| o < 2 * vm_ram), "{out:?}");
+        assert!(
+            s.place(1, &[0], &mut out).is_err(),
+            "one VM's share is full; the rest of the device is not its"
+        );
+        s.register(2).unwrap();
+        s.register(3).unwrap();
+        let e = s.register(4).unwrap_err();
+        assert!(matches!(e, PagerError::SwapFull { .. }), "{e}");
+        s.unregister(3);
+        s.register(4).unwrap();
     }
 }

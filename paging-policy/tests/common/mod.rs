@@ -54,6 +54,11 @@ impl Region {
         pager.register_vm(vm, space, 0, self.len)
     }
 
+    /// The space the region is attached as, once registered.
+    pub fn space(&self) -> Option<SpaceId> {
+        self.backing.space.get().copied()
+    }
+
     pub fn ptr(&self) -> *mut u8 {
         self.addr as *mut u8
     }
