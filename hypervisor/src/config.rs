@@ -251,20 +251,26 @@ pub fn ensure_fd_budget(count: u32, fds_each: u64) -> Result<(), FdShortage> {
 /// The guest image's path and the RAM layout of every VM: the image is
 /// loaded to check it and to lay its bss out.
 pub fn load_guest(args: &ServeArgs) -> Result<(PathBuf, RamLayout), ConfigError> {
-    let ws = size("--ws", &args.ws)?;
-    let guest_mem = size("--guest-mem", &args.guest_mem)?;
     let guest = args.guest.clone().unwrap_or_else(default_guest);
     let image = loader::load(&guest).map_err(|e| ConfigError(e.to_string()))?;
-    let layout = RamLayout::new(guest_mem, image.bss_end, image.rx_buffers, ws).ok_or_else(|| {
+    let layout = lay_out(args, image.bss_end, image.rx_buffers)?;
+    Ok((guest, layout))
+}
+
+/// The RAM layout of a guest whose bss ends at `bss_end` (its connection
+/// buffers at `rx_buffers`), with `--guest-mem` and `--ws`.
+fn lay_out(args: &ServeArgs, bss_end: u64, rx_buffers: u64) -> Result<RamLayout, ConfigError> {
+    let ws = size("--ws", &args.ws)?;
+    let guest_mem = size("--guest-mem", &args.guest_mem)?;
+    RamLayout::new(guest_mem, bss_end, rx_buffers, ws).ok_or_else(|| {
         ConfigError(format!(
             "--guest-mem {} cannot hold the guest ({} KiB of bss), a {} KiB working set and its stack: needs at least {} KiB",
             args.guest_mem,
-            image.bss_end / 1024,
+            bss_end / 1024,
             ws / 1024,
-            RamLayout::min_ram_bytes(image.bss_end, ws) / 1024
+            RamLayout::min_ram_bytes(bss_end, ws) / 1024
         ))
-    })?;
-    Ok((guest, layout))
+    })
 }
 
 /// The VMs the swap is sized for: room for VMs created later through the
@@ -280,6 +286,12 @@ fn size(flag: &str, text: &str) -> Result<u64, ConfigError> {
 /// Refuses flags that cannot work together, or a VM count the host's
 /// memory cannot hold.
 pub fn check_flags(args: &ServeArgs) -> Result<(), ConfigError> {
+    check_flags_against(args, mem_available())
+}
+
+/// [`check_flags`] on a host with `available` bytes of MemAvailable
+/// (`None`: unknown, not checked).
+fn check_flags_against(args: &ServeArgs, available: Option<u64>) -> Result<(), ConfigError> {
     if args.vms == 0 {
         return Err(ConfigError("--vms must be at least 1".into()));
     }
@@ -310,7 +322,7 @@ pub fn check_flags(args: &ServeArgs) -> Result<(), ConfigError> {
         }
     }
     let needed = args.vms as u64 * KERNEL_BYTES_PER_VM;
-    match mem_available() {
+    match available {
         Some(available) if needed > available => Err(ConfigError(format!(
             "--vms {} needs about {:.1} GiB of kernel memory ({} KiB a VM) but {:.1} GiB is available",
             args.vms,
@@ -415,6 +427,239 @@ pub fn boot_layout(vms: u32, cell_vms: u32, pinned_cpus: Option<usize>) -> Vec<u
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
+
+    /// `densevm serve`'s flags alone, as clap parses them.
+    #[derive(Parser)]
+    struct Serve {
+        #[command(flatten)]
+        args: ServeArgs,
+    }
+
+    fn parse(flags: &[&str]) -> ServeArgs {
+        Serve::try_parse_from(std::iter::once("serve").chain(flags.iter().copied()))
+            .expect("flags parse")
+            .args
+    }
+
+    /// The refusal of `check_flags` on a host with plenty of memory.
+    fn refusal(flags: &[&str]) -> String {
+        check_flags_against(&parse(flags), Some(u64::MAX))
+            .expect_err("refused")
+            .0
+    }
+
+    fn accepted(flags: &[&str]) -> bool {
+        check_flags_against(&parse(flags), Some(u64::MAX)).is_ok()
+    }
+
+    #[test]
+    fn the_defaults_are_accepted() {
+        assert!(accepted(&[]));
+    }
+
+    #[test]
+    fn counts_of_zero_are_refused_and_one_is_accepted() {
+        assert_eq!(refusal(&["--vms", "0"]), "--vms must be at least 1");
+        assert_eq!(
+            refusal(&["--cell-vms", "0"]),
+            "--cell-vms must be at least 1"
+        );
+        assert_eq!(
+            refusal(&["--ws-write-stride", "0"]),
+            "--ws-write-stride must be at least 1"
+        );
+        assert!(accepted(&[
+            "--vms",
+            "1",
+            "--cell-vms",
+            "1",
+            "--ws-write-stride",
+            "1"
+        ]));
+    }
+
+    #[test]
+    fn sizes_that_do_not_parse_are_refused_with_their_flag() {
+        assert!(refusal(&["--ws", "lots"]).starts_with("--ws: "));
+        assert!(refusal(&["--guest-mem", "4Q"]).starts_with("--guest-mem: "));
+    }
+
+    #[test]
+    fn memory_sizes_are_whole_pages() {
+        let message = "--ws and --guest-mem must be multiples of 4 KiB";
+        assert_eq!(refusal(&["--ws", "4097"]), message);
+        assert_eq!(refusal(&["--guest-mem", "6k"]), message);
+        assert!(accepted(&["--ws", "0", "--guest-mem", "8k"]));
+    }
+
+    #[test]
+    fn guest_memory_is_at_most_one_gib() {
+        assert_eq!(
+            refusal(&["--guest-mem", "1025M"]),
+            "--guest-mem is at most 1G"
+        );
+        assert!(accepted(&["--guest-mem", "1G"]));
+    }
+
+    #[test]
+    fn every_vm_address_stays_on_the_loopback() {
+        assert_eq!(
+            refusal(&["--addr-base", "10.0.0.1", "--vms", "1"]),
+            "--addr-base 10.0.0.1 + 1 VMs leaves 127.0.0.0/8"
+        );
+        assert_eq!(
+            refusal(&["--addr-base", "127.255.255.255", "--vms", "2"]),
+            "--addr-base 127.255.255.255 + 2 VMs leaves 127.0.0.0/8"
+        );
+        // Past 255.255.255.255 the address does not wrap around.
+        assert_eq!(
+            refusal(&["--addr-base", "255.255.255.255", "--vms", "2"]),
+            "--addr-base 255.255.255.255 + 2 VMs leaves 127.0.0.0/8"
+        );
+        assert!(accepted(&["--addr-base", "127.255.255.255", "--vms", "1"]));
+        assert!(accepted(&["--addr-base", "127.0.0.0", "--vms", "16777216"]));
+    }
+
+    #[test]
+    fn a_vm_count_the_hosts_memory_cannot_hold_is_refused() {
+        let args = parse(&["--vms", "1024"]);
+        let needed = 1024 * KERNEL_BYTES_PER_VM;
+        let ConfigError(message) = check_flags_against(&args, Some(needed - 1)).unwrap_err();
+        assert_eq!(
+            message,
+            "--vms 1024 needs about 0.6 GiB of kernel memory (600 KiB a VM) but 0.6 GiB is available"
+        );
+        assert!(check_flags_against(&args, Some(needed)).is_ok());
+        assert!(check_flags_against(&args, None).is_ok());
+    }
+
+    #[test]
+    fn flags_of_the_wrong_type_are_refused_by_the_parser() {
+        for flags in [
+            &["--vms", "-1"][..],
+            &["--port", "65536"],
+            &["--addr-base", "localhost"],
+            &["--cell-placement", "anywhere"],
+            &["--boot-timeout", "soon"],
+        ] {
+            let parsed =
+                Serve::try_parse_from(std::iter::once("serve").chain(flags.iter().copied()));
+            assert!(parsed.is_err(), "{flags:?} parsed");
+        }
+    }
+
+    /// A guest with 64 KiB of bss whose connection buffers start at 32 KiB.
+    const BSS_END: u64 = 64 << 10;
+    const RX_BUFFERS: u64 = 32 << 10;
+
+    #[test]
+    fn the_guest_memory_must_hold_bss_working_set_and_stack() {
+        let refused = lay_out(
+            &parse(&["--guest-mem", "1M", "--ws", "1M"]),
+            BSS_END,
+            RX_BUFFERS,
+        )
+        .unwrap_err();
+        assert_eq!(
+            refused.0,
+            "--guest-mem 1M cannot hold the guest (64 KiB of bss), a 1024 KiB working set and its stack: needs at least 1120 KiB"
+        );
+        // Exactly the minimum fits.
+        let layout = lay_out(
+            &parse(&["--guest-mem", "1120k", "--ws", "1M"]),
+            BSS_END,
+            RX_BUFFERS,
+        )
+        .unwrap();
+        assert_eq!((layout.ram_bytes, layout.ws_offset), (1120 << 10, BSS_END));
+        assert!(lay_out(&parse(&["--ws", "1x"]), BSS_END, RX_BUFFERS)
+            .unwrap_err()
+            .0
+            .starts_with("--ws: "));
+    }
+
+    #[test]
+    fn a_guest_image_that_cannot_be_read_is_refused() {
+        let ConfigError(message) =
+            load_guest(&parse(&["--guest", "/nonexistent/webguest.elf"])).unwrap_err();
+        assert!(message.contains("/nonexistent/webguest.elf"), "{message}");
+    }
+
+    fn layout() -> RamLayout {
+        lay_out(&parse(&[]), BSS_END, RX_BUFFERS).unwrap()
+    }
+
+    /// `pager_config` with `flags`, its swap file in a fresh temporary path.
+    fn pager(flags: &[&str]) -> Result<PagerConfig, ConfigError> {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let swap =
+            std::env::temp_dir().join(format!("densevm-config-{}-{n}.img", std::process::id()));
+        let swap = swap.to_str().expect("a UTF-8 temporary path").to_string();
+        let mut all = vec!["--swap", &swap];
+        all.extend_from_slice(flags);
+        let config = pager_config(&parse(&all), &layout());
+        let _ = std::fs::remove_file(&swap);
+        config
+    }
+
+    #[test]
+    fn the_pager_flags_are_parsed_once_and_checked_against_the_layout() {
+        let config = pager(&["--mem", "64M", "--block", "64k", "--vm-resident-max", "2M"]).unwrap();
+        assert_eq!(config.budget_bytes, 64 << 20);
+        assert_eq!(config.block_bytes, 64 << 10);
+        assert_eq!(config.vm_resident_max, Some(2 << 20));
+        for (flag, value) in [
+            ("--mem", "big"),
+            ("--block", "huge"),
+            ("--swap-size", "x"),
+            ("--vm-resident-max", "?"),
+        ] {
+            let ConfigError(message) = pager(&[flag, value]).unwrap_err();
+            assert!(message.starts_with(&format!("{flag}: ")), "{message}");
+        }
+        assert!(pager(&["--policy", "no-such-policy"]).is_err());
+        assert!(pager(&["--disk", "floppy"]).is_err());
+        // The pager's own checks: a block that is not a power of two, a
+        // budget below one request's blocks, a swap smaller than a VM.
+        assert!(pager(&["--block", "48k"]).is_err());
+        assert!(pager(&["--mem", "64k"]).is_err());
+        assert!(pager(&["--swap-size", "1M"]).is_err());
+    }
+
+    #[test]
+    fn a_descriptor_limit_too_low_for_the_vms_is_refused() {
+        let shortage = ensure_fd_budget(u32::MAX, 1 << 20).unwrap_err();
+        assert_eq!(shortage.count, u32::MAX);
+        assert!(shortage.to_string().contains("RLIMIT_NOFILE allows"));
+        assert!(ensure_fd_budget(1, 1).is_ok());
+    }
+
+    #[test]
+    fn cells_get_the_flags_values_they_need() {
+        let args = parse(&[
+            "--selfcheck",
+            "--boot-timeout",
+            "7",
+            "--inject-request-us",
+            "3",
+            "--addr-base",
+            "127.9.0.250",
+            "--port",
+            "81",
+        ]);
+        let settings = cell_settings(&args, PathBuf::from("g.elf"), layout());
+        assert_eq!(settings.boot_flags, abi::FLAG_SELFCHECK);
+        assert_eq!(settings.boot_timeout, Duration::from_secs(7));
+        assert_eq!(settings.inject_request, Duration::from_micros(3));
+        assert_eq!(settings.addr_of(10).to_string(), "127.9.1.4:81");
+        let line = serde_json::to_string(&settings).unwrap();
+        assert_eq!(
+            serde_json::from_str::<CellSettings>(&line).unwrap(),
+            settings
+        );
+    }
 
     #[test]
     fn cells_are_large_while_the_working_sets_fit_and_small_once_they_page() {

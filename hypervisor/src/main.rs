@@ -7,6 +7,8 @@ mod devices;
 mod guest;
 mod holder;
 mod link;
+#[cfg(test)]
+mod module_graph;
 mod parent;
 mod platform;
 mod scheduling;

@@ -2,7 +2,6 @@
 //! rings and connections, and the front's view of its vCPU, which runs in a
 //! holder (see `holder`).
 
-use crate::cell::proxy::RecordBudget;
 use crate::devices::stream::StreamDevice;
 use crate::guest::abi;
 use crate::guest::memory::Mapping;
@@ -11,7 +10,53 @@ use crate::holder::RemoteVcpu;
 use crate::vstate::stats::VcpuStats;
 use std::net::SocketAddrV4;
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::time::{Duration, Instant};
 use vmm_sys_util::eventfd::EventFd;
+
+/// Tx records one VM may publish per second, after a burst of
+/// [`TX_RECORD_BURST`]. A response is a record or two plus a CLOSE, so a VM
+/// serving even the whole host's in-core rate (~10,000 requests/s) stays far
+/// below it; a guest flooding empty records costs its cell this many
+/// retirements a second, not a core.
+pub const TX_RECORDS_PER_SEC: f64 = 100_000.0;
+/// Records a VM may publish at once before the rate applies.
+pub const TX_RECORD_BURST: f64 = 8192.0;
+
+/// A VM's allowance of tx records: a token bucket refilled at
+/// [`TX_RECORDS_PER_SEC`] up to [`TX_RECORD_BURST`].
+#[derive(Debug, Clone, Copy)]
+pub struct RecordBudget {
+    tokens: f64,
+    at: Instant,
+}
+
+impl RecordBudget {
+    /// A full bucket.
+    pub fn new(now: Instant) -> Self {
+        RecordBudget {
+            tokens: TX_RECORD_BURST,
+            at: now,
+        }
+    }
+
+    /// Takes one record's token; false when the bucket is empty.
+    pub fn take(&mut self, now: Instant) -> bool {
+        let refill = now.saturating_duration_since(self.at).as_secs_f64() * TX_RECORDS_PER_SEC;
+        self.tokens = (self.tokens + refill).min(TX_RECORD_BURST);
+        self.at = now;
+        if self.tokens < 1.0 {
+            return false;
+        }
+        self.tokens -= 1.0;
+        true
+    }
+
+    /// When the bucket holds a turn's worth of records again (1/64 of the burst).
+    pub fn ready_at(&self) -> Instant {
+        let missing = (TX_RECORD_BURST / 64.0 - self.tokens).max(0.0);
+        self.at + Duration::from_secs_f64(missing / TX_RECORDS_PER_SEC)
+    }
+}
 
 /// Why the front could not take a VM its holder built.
 #[derive(Debug, thiserror::Error)]
@@ -139,7 +184,7 @@ pub fn adopt(
         accept_paused: false,
         ready: false,
         rx_bytes: 0,
-        tx_records: RecordBudget::new(std::time::Instant::now()),
+        tx_records: RecordBudget::new(Instant::now()),
         sys,
         ram,
         kvm_stats,

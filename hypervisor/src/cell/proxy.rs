@@ -28,14 +28,6 @@ const READ_CHUNK: u32 = 64 << 10;
 /// Most tx-ring bytes taken from one VM per call of [`Proxy::drain_tx`]: a
 /// guest producing as fast as the host retires cannot hold the loop.
 const TX_BUDGET: u64 = abi::TX_RING_BYTES;
-/// Tx records one VM may publish per second, after a burst of
-/// [`TX_RECORD_BURST`]. A response is a record or two plus a CLOSE, so a VM
-/// serving even the whole host's in-core rate (~10,000 requests/s) stays far
-/// below it; a guest flooding empty records costs its cell this many
-/// retirements a second, not a core.
-pub const TX_RECORDS_PER_SEC: f64 = 100_000.0;
-/// Records a VM may publish at once before the rate applies.
-pub const TX_RECORD_BURST: f64 = 8192.0;
 /// How long a guest may keep a slot after the client's FIN before its host
 /// socket is closed (the slot stays the guest's until it sends CLOSE).
 pub const FIN_GRACE: Duration = Duration::from_secs(5);
@@ -81,42 +73,6 @@ pub enum Drained {
     More,
     /// The VM spent its record rate: call again at this time, not before.
     Throttled(Instant),
-}
-
-/// A VM's allowance of tx records: a token bucket refilled at
-/// [`TX_RECORDS_PER_SEC`] up to [`TX_RECORD_BURST`].
-#[derive(Debug, Clone, Copy)]
-pub struct RecordBudget {
-    tokens: f64,
-    at: Instant,
-}
-
-impl RecordBudget {
-    /// A full bucket.
-    pub fn new(now: Instant) -> Self {
-        RecordBudget {
-            tokens: TX_RECORD_BURST,
-            at: now,
-        }
-    }
-
-    /// Takes one record's token; false when the bucket is empty.
-    fn take(&mut self, now: Instant) -> bool {
-        let refill = now.saturating_duration_since(self.at).as_secs_f64() * TX_RECORDS_PER_SEC;
-        self.tokens = (self.tokens + refill).min(TX_RECORD_BURST);
-        self.at = now;
-        if self.tokens < 1.0 {
-            return false;
-        }
-        self.tokens -= 1.0;
-        true
-    }
-
-    /// When the bucket holds a turn's worth of records again (1/64 of the burst).
-    fn ready_at(&self) -> Instant {
-        let missing = (TX_RECORD_BURST / 64.0 - self.tokens).max(0.0);
-        self.at + Duration::from_secs_f64(missing / TX_RECORDS_PER_SEC)
-    }
 }
 
 /// One client connection to a VM.
@@ -496,6 +452,7 @@ pub fn kick(vms: &mut VmTable, index: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cell::microvm::{RecordBudget, TX_RECORDS_PER_SEC, TX_RECORD_BURST};
 
     #[test]
     fn a_record_budget_allows_its_burst_then_its_rate() {

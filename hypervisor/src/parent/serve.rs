@@ -7,14 +7,13 @@ use crate::config::{
 };
 use crate::guest::boot::RamLayout;
 use crate::parent::cell_handle::PendingCell;
-use crate::parent::supervisor::{Exit, Supervisor, SupervisorSetup};
+use crate::parent::supervisor::{emit, Exit, Supervisor, SupervisorSetup};
 use crate::platform;
 use crate::scheduling::{self, CellPlacement};
 use kvm_ioctls::Kvm;
 use paging_policy::trace::{TraceHeader, TraceWriter};
 use paging_policy::Pager;
 use serde_json::json;
-use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -120,13 +119,6 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
         cell_vms,
         cell_sizes,
     })
-}
-
-/// Writes one JSON line to stdout; a reader that went away is not an error
-/// worth dying for.
-pub fn emit(line: &serde_json::Value) {
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{line}").and_then(|()| out.flush());
 }
 
 /// Runs `densevm serve`; returns the exit code.

@@ -12,14 +12,13 @@ use crate::link::framing::{FrameError, LineStream, More};
 use crate::link::protocol::{FromCell, ToCell};
 use crate::parent::api::{self, Request};
 use crate::parent::cell_handle::{Cell, PendingCell};
-use crate::parent::serve;
 use mio::net::{UnixListener, UnixStream};
 use mio::{Events, Interest, Poll, Token};
 use paging_policy::trace::TraceWriter;
 use paging_policy::Pager;
 use serde_json::{json, Map, Value};
 use slab::Slab;
-use std::io;
+use std::io::{self, Write};
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -232,7 +231,7 @@ impl Supervisor {
         line["vms"] = json!(ready);
         line["failed"] = json!(failed);
         line["boot_seconds"] = json!(self.boot_started.elapsed().as_secs_f64());
-        serve::emit(&line);
+        emit(&line);
     }
 
     // ---- cells ----
@@ -717,6 +716,13 @@ impl Supervisor {
             cell.kill();
         }
     }
+}
+
+/// Writes one JSON line to stdout; a reader that went away is not an error
+/// worth dying for.
+pub fn emit(line: &serde_json::Value) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}").and_then(|()| out.flush());
 }
 
 fn sort_by_id(vms: &mut [Value]) {
