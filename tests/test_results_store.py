@@ -231,3 +231,21 @@ def test_the_nightly_history_names_each_metric_s_phase():
     load = nightly_phase("incore16_rps")
     assert load.startswith("phase: load of probe incore16") and "measurement window" in load
     assert nightly_phase("no_such_metric") == ""
+
+
+def test_the_cliff_moves_later_with_smaller_blocks_check():
+    from scalebench.checks import CheckSpec, run_checks
+
+    spec = CheckSpec(kind="cliff_later_with_smaller_x", x="block_bytes", series=["alpha"])
+
+    def rows(cliffs: dict[int, int]) -> list[dict]:
+        return [
+            {"status": "ok", "block_bytes": b, "alpha": 1.0, "vms": v,
+             "throughput_rps": 1000.0 if v < cliff else 100.0}
+            for b, cliff in cliffs.items()
+            for v in (500, 800, 1000, 1250, 1500, 2000)
+        ]  # fmt: skip
+
+    assert run_checks([spec], rows({4096: 1500, 32768: 1000, 131072: 800}))[0]["passed"] == "yes"
+    assert run_checks([spec], rows({4096: 800, 32768: 1000, 131072: 800}))[0]["passed"] == "NO"
+    assert run_checks([spec], rows({4096: 1000, 32768: 1000, 131072: 1000}))[0]["passed"] == "NO"

@@ -14,6 +14,10 @@ check to the points with those settings. Kinds:
   +-most for more than half of the points.
 - `above`: the `higher` policy's throughput above the `lower` one's at every
   disk-bound point with the same other settings.
+- `cliff_later_with_smaller_x`: in every series, the measured cliff (over vms)
+  never moves to fewer VMs as `x` shrinks, and the smallest x's is later than the
+  largest's (Fig 9: smaller blocks delay the cliff); a group whose throughput
+  never halves counts as a cliff at its largest vms.
 """
 
 from __future__ import annotations
@@ -188,6 +192,30 @@ def _above(spec: CheckSpec, rows: list[dict]) -> list[dict]:
     ]
 
 
+def _cliff_later_with_smaller_x(spec: CheckSpec, rows: list[dict]) -> list[dict]:
+    out = []
+    for key, group in group_by(rows, spec.series).items():
+        cliffs = []
+        for c in cliff_rows(group, [spec.x]):
+            past = max(int(r["vms"]) for r in group if str(r.get(spec.x)) == str(c.get(spec.x)))
+            cliffs.append((float(c[spec.x]), c["measured_cliff_vms"] or float(past), c))
+        cliffs.sort(key=lambda t: t[0])
+        wrong = [(a, b) for a, b in itertools.pairwise(cliffs) if b[1] > a[1]]
+        detail = "; ".join(
+            f"{x:g}: {'>' if c['measured_cliff_vms'] is None else ''}{v:,.0f} VMs"
+            for x, v, c in cliffs
+        )
+        out.append(
+            _verdict(
+                f"cliff later with smaller {spec.x}",
+                _label(spec.series, key),
+                len(cliffs) > 1 and not wrong and cliffs[0][1] > cliffs[-1][1],
+                detail or "no points",
+            )
+        )
+    return out
+
+
 _CHECKS = {
     "rising": _rising,
     "flat_until_cliff": _flat_until_cliff,
@@ -195,5 +223,6 @@ _CHECKS = {
     "disk_bound_past_cliff": _disk_bound_past_cliff,
     "model_agreement": _model_agreement,
     "above": _above,
+    "cliff_later_with_smaller_x": _cliff_later_with_smaller_x,
 }
 KINDS = tuple(_CHECKS)

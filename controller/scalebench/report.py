@@ -58,6 +58,8 @@ def render(directory: Path) -> Path:
         meta = json.loads((directory / "experiment.json").read_text())
     title = meta.get("title") or meta.get("name") or directory.name
     parts = [f"<h1>{html.escape(title)}</h1>", '<p id="imgstatus">checking images...</p>']
+    if meta.get("claim"):
+        parts.append(f"<p><b>The paper:</b> {html.escape(meta['claim'])}</p>")
     if meta.get("grid"):
         grid = ", ".join(f"{k}: {v}" for k, v in meta["grid"].items())
         parts.append(f"<p>Grid: {html.escape(grid)}</p>")
