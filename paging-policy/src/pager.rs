@@ -8,7 +8,9 @@
 //! `fallocate(PUNCH_HOLE)`), so it maps no guest memory itself, and an
 //! operation on one cell's memory visits only that cell's KVM MMU notifiers.
 //! A cell that dies leaves its memory's operations failing with ESRCH: they
-//! are skipped, not fatal, until the caller detaches it.
+//! are skipped, not fatal, until the caller detaches it. Any other error on
+//! one space fails that space alone ([`Pager::take_failures`]); only a swap
+//! I/O error, a policy failure or a panic stops the whole pager.
 //!
 //! Locking: all bookkeeping (block states, budget, policy, stats) lives in
 //! one mutex that is held only between I/O steps, never across a swap read
