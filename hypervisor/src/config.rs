@@ -388,13 +388,14 @@ pub fn cell_vms(args: &ServeArgs, layout: &RamLayout, pager: &PagerConfig) -> u3
 }
 
 /// Most VMs a cell holds by default while every VM's working set fits in the
-/// budget: in core, cost is the cells' event loops waking, and four loops a
-/// core serve 0.72-0.77 of nginx at 4,000 VMs where twenty serve 0.61
-/// (hypervisor/README.md, "Choosing --cell-vms").
+/// budget: in core, the cost is the cells' event loops waking, and fewer,
+/// larger loops a core wake less (docs/host-facts.md, "The in-core path at
+/// scale"; hypervisor/README.md, "Choosing --cell-vms").
 pub const IN_CORE_CELL_VMS: u32 = 500;
-/// Most VMs a cell holds by default when they page: cells of 100 faulted
-/// 10-15% faster than of 500 while a cell's VMs shared one address space;
-/// with holders the two are within the noise (hypervisor/README.md).
+/// Most VMs a cell holds by default when they page: smaller cells faulted
+/// faster while a cell's VMs shared one address space, and with holders the
+/// size no longer matters much (docs/host-facts.md, "Address spaces and MMU
+/// notifiers"; hypervisor/README.md, "Choosing --cell-vms").
 pub const PAGING_CELL_VMS: u32 = 100;
 
 /// The default of `--cell-vms`: whether `vms` VMs, each holding

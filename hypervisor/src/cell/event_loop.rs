@@ -144,7 +144,7 @@ impl PagerLink for ParentLink {
     }
 }
 
-/// A cell's monitor: its VMs, their connections, the link to the parent.
+/// A cell's event loop: its VMs, their connections, the link to the parent.
 pub struct CellLoop {
     poll: Poll,
     ctx: BuildContext,
@@ -173,7 +173,7 @@ pub struct CellLoop {
     governor: CpuGovernor,
 }
 
-/// What the monitor last took from a VM's request counter.
+/// What the loop last took from a VM's request counter.
 #[derive(Debug, Default, Clone, Copy)]
 struct Seen {
     requests: u64,

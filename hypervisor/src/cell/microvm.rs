@@ -15,8 +15,8 @@ use vmm_sys_util::eventfd::EventFd;
 
 /// Tx records one VM may publish per second, after a burst of
 /// [`TX_RECORD_BURST`]. A response is a record or two plus a CLOSE, so a VM
-/// serving even the whole host's in-core rate (~10,000 requests/s) stays far
-/// below it; a guest flooding empty records costs its cell this many
+/// serving even the whole host's in-core rate (docs/host-facts.md, "The
+/// in-core path at scale") stays far below it; a guest flooding empty records costs its cell this many
 /// retirements a second, not a core.
 pub const TX_RECORDS_PER_SEC: f64 = 100_000.0;
 /// Records a VM may publish at once before the rate applies.

@@ -2,7 +2,7 @@
 //! VMs in an address space of their own, so that a change to guest memory
 //! visits only this cell's KVM MMU notifiers.
 //!
-//! Its standard input is the link to the parent (see `protocol`). It maps
+//! Its standard input is the link to the parent (see `link::protocol`). It maps
 //! its VMs' memory, forks the holders that will own them (`holder`), hands
 //! their guest RAM (memfds, each registered with its holder's userfaultfd)
 //! to the parent's pager, boots its VMs once the pager knows them, and then

@@ -10,7 +10,7 @@ pub fn vm_summary(entry: &VmEntry) -> Value {
         VmEntry::Live(vm) => {
             let mut value =
                 json!({ "id": vm.id, "addr": vm.addr.to_string(), "state": entry.state().name() });
-            // A vCPU that stopped is reported with its reason before the monitor reaps the VM.
+            // A vCPU that stopped is reported with its reason before the event loop reaps the VM.
             if let Some(reason) = vm.stop_reason() {
                 value["reason"] = json!(reason);
             }

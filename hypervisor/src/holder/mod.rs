@@ -5,7 +5,7 @@
 //! calls all of them: the pager's write-protects and hole punches, and the
 //! host's DAMON sampling, which visits resident guest pages whether the
 //! guests page or not. A cell's front (its event loop, listeners and
-//! connections, `monitor`) therefore keeps no VM of its own. It maps the
+//! connections, `cell::event_loop`) therefore keeps no VM of its own. It maps the
 //! memory of all its VMs, then forks one holder per [`holder_vms`] of them.
 //! A holder unmaps the other holders' memory, registers its part of the
 //! guest RAM with a userfaultfd of its own (handed to the pager through the
@@ -31,8 +31,8 @@ use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 /// VMs a holder owns by default. Smaller holders make each notifier walk
-/// cheaper and cost a process each (measured in hypervisor/README.md,
-/// "Process structure").
+/// cheaper and cost a process each (docs/host-facts.md, "Address spaces and
+/// MMU notifiers"; hypervisor/README.md, "Host memory per VM").
 pub const HOLDER_VMS: u32 = 8;
 /// Most holders a cell forks: its hello to the parent carries two
 /// descriptors a holder, and SCM_RIGHTS carries at most 253.

@@ -1,8 +1,8 @@
-//! What a cell's monitor tells the pager. The pager lives in the parent
-//! process and holds the cell's guest memory; the monitor only reports what
+//! What a cell's event loop tells the pager. The pager lives in the parent
+//! process and holds the cell's guest memory; the cell only reports what
 //! the pager cannot see from there.
 
-/// The pager, as a cell's monitor sees it.
+/// The pager, as a cell's event loop sees it.
 pub trait PagerLink {
     /// VM `vm` served `requests` more requests: the policy's reference bit,
     /// and the request trace when one is recorded.

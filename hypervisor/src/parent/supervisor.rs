@@ -683,7 +683,7 @@ impl Supervisor {
         match cell {
             Ok(cell) => {
                 self.adopt(cell).map_err(SupervisorError::Adopt)?;
-                // A cell answers once its monitor runs: its VMs are built and
+                // A cell answers once its event loop runs: its VMs are built and
                 // listening, as those a running cell creates are when it replies.
                 let index = self.cells.len() - 1;
                 match self.ask(&[index], &ToCell::List)?.pop() {
