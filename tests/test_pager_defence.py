@@ -39,7 +39,15 @@ def test_a_bare_policy_name_is_read_from_the_current_directory_not_the_library_p
     (cwd / "libprobe.so").write_bytes(b"not an ELF file\n")
     env = dict(os.environ, LD_LIBRARY_PATH=str(on_path))
     proc = subprocess.run(
-        [str(release_binary("pagesim")), "--vms", "4", "--requests", "50", "--policy", "libprobe.so"],
+        [
+            str(release_binary("pagesim")),
+            "--vms",
+            "4",
+            "--requests",
+            "50",
+            "--policy",
+            "libprobe.so",
+        ],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -86,7 +94,7 @@ def test_paging_policy_modules_have_no_import_cycle():
         stack.append(module)
         for used in sorted(graph[module]):
             if state.get(used) == 1:
-                cycle = stack[stack.index(used) :] + [used]
+                cycle = [*stack[stack.index(used) :], used]
                 raise AssertionError("import cycle: " + " -> ".join(cycle))
             if used not in state:
                 visit(used)

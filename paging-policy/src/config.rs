@@ -176,7 +176,10 @@ fn check_writable(path: &Path) -> Result<(), PagerError> {
     };
     match std::fs::metadata(path) {
         Ok(m) if m.file_type().is_block_device() => {
-            OpenOptions::new().write(true).open(path).map_err(unwritable)?;
+            OpenOptions::new()
+                .write(true)
+                .open(path)
+                .map_err(unwritable)?;
             return Ok(());
         }
         Ok(_) => return Err(PagerError::SwapExists(path.to_path_buf())),

@@ -21,7 +21,8 @@ pub type SpaceId = u32;
 /// Seals every guest-RAM memfd carries from its creation: its size can
 /// neither shrink nor grow, and no seal can be added (F_SEAL_WRITE would
 /// stop the pager installing blocks).
-pub const GUEST_RAM_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+pub const GUEST_RAM_SEALS: libc::c_int =
+    libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
 
 /// Highest address a mapping of a user process can end at (x86-64 with
 /// 5-level paging; 4-level ends lower, 2^47).
@@ -82,7 +83,10 @@ pub fn check_handoff(handoff: &SpaceHandoff) -> Result<(), PagerError> {
             "mapping {base:#x}+{len:#x} is not a non-empty run of whole pages"
         )));
     }
-    if base.checked_add(len).is_none_or(|end| end > USER_ADDRESS_END) {
+    if base
+        .checked_add(len)
+        .is_none_or(|end| end > USER_ADDRESS_END)
+    {
         return Err(refused(format!(
             "mapping {base:#x}+{len:#x} ends past the user address space"
         )));

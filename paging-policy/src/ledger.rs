@@ -537,11 +537,8 @@ impl Ledger {
                     self.victims = victims;
                     // Blocks of a dying (or failed) VM are freed when its
                     // owner unregisters it: room is coming.
-                    let dying_resident = self
-                        .vms
-                        .iter()
-                        .flatten()
-                        .any(|v| v.dying && v.resident > 0);
+                    let dying_resident =
+                        self.vms.iter().flatten().any(|v| v.dying && v.resident > 0);
                     if skipped || dying_resident || self.evicting > 0 || self.reserved > 0 {
                         return Ok(Admission::Wait);
                     }
@@ -1229,9 +1226,16 @@ mod tests {
         }
         assert_eq!(l.classify(0, 0, Access::Read), Classified::FaultIn);
         let p = plan(&mut l, 0, 0, false);
-        assert_eq!(l.begin_unregister(0).unwrap(), Some(1), "its fault is in flight");
+        assert_eq!(
+            l.begin_unregister(0).unwrap(),
+            Some(1),
+            "its fault is in flight"
+        );
         let admitted = l.admit(p.len() as u64, 0).unwrap();
-        assert!(matches!(admitted, Admission::Abandon), "a dying VM's fault was admitted");
+        assert!(
+            matches!(admitted, Admission::Abandon),
+            "a dying VM's fault was admitted"
+        );
         assert_eq!(resident(&l, 1), 8, "VM 1 lost memory to a dying VM");
         let mut wakes = Vec::new();
         l.abandon_fault(&p, &mut wakes);
@@ -1262,7 +1266,11 @@ mod tests {
         assert_eq!(failed.len(), 1);
         assert_eq!(failed[0].0, 0);
         assert!(failed[0].1.contains("swap device full"), "{}", failed[0].1);
-        assert_eq!(resident(&l, 0), 8, "its memory is not dropped without a copy");
+        assert_eq!(
+            resident(&l, 0),
+            8,
+            "its memory is not dropped without a copy"
+        );
         assert_eq!(l.classify(0, 9, Access::Read), Classified::Gone);
         // Its owner destroys it; the other VM goes on.
         assert_eq!(l.begin_unregister(0).unwrap(), Some(0));

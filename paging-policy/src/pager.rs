@@ -473,7 +473,8 @@ impl Pager {
         // slack), allocated now rather than found missing mid-run.
         let per_vm = self.vm_ram * swap_bytes_per_ram_byte(st.ledger.layout());
         self.swap.reserve((st.places.len() as u64 + 1) * per_vm)?;
-        st.ledger.register(vm, (len / self.block) as u32)
+        st.ledger
+            .register(vm, (len / self.block) as u32)
             .map_err(|e| match e {
                 PagerError::SwapFull { .. } => bad(format!("refused, no room on swap for it: {e}")),
                 e => e,

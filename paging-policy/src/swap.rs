@@ -165,7 +165,8 @@ impl SwapDevice {
             Err(e) if e.kind() == io::ErrorKind::NotFound => false,
             Err(e) => return Err(unwritable(e)),
         };
-        if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink()) && !is_blockdev {
+        if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink()) && !is_blockdev
+        {
             return Err(PagerError::SwapExists(path.to_path_buf()));
         }
         let file = if is_blockdev {
@@ -177,7 +178,9 @@ impl SwapDevice {
                 .map_err(unwritable)?
         } else {
             create_swap_file(path, keep).map_err(|e| match e.raw_os_error() {
-                Some(libc::EEXIST) | Some(libc::ELOOP) => PagerError::SwapExists(path.to_path_buf()),
+                Some(libc::EEXIST) | Some(libc::ELOOP) => {
+                    PagerError::SwapExists(path.to_path_buf())
+                }
                 _ => unwritable(e),
             })?
         };
@@ -456,15 +459,30 @@ mod tests {
         let dir = scratch_dir("nameless");
         let path = dir.join("swap.img");
         let dev = open_at(&path, false).expect("open");
-        assert!(!path.exists(), "an unkept swap file must be unlinked at open");
-        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "no file left in the directory");
+        assert!(
+            !path.exists(),
+            "an unkept swap file must be unlinked at open"
+        );
+        assert_eq!(
+            std::fs::read_dir(&dir).unwrap().count(),
+            0,
+            "no file left in the directory"
+        );
         let buf = AlignedBuf::new(4096);
-        dev.write(0, buf.as_slice()).expect("the nameless file is usable");
+        dev.write(0, buf.as_slice())
+            .expect("the nameless file is usable");
         let meta = dev.file.metadata().unwrap();
-        assert_eq!(meta.permissions().mode() & 0o777 & !0o600, 0, "at most 0600");
+        assert_eq!(
+            meta.permissions().mode() & 0o777 & !0o600,
+            0,
+            "at most 0600"
+        );
         drop(dev);
         let kept = open_at(&path, true).expect("open kept");
-        let mode = std::fs::metadata(&path).expect("a kept file has its name").permissions().mode();
+        let mode = std::fs::metadata(&path)
+            .expect("a kept file has its name")
+            .permissions()
+            .mode();
         assert_eq!(mode & 0o077, 0, "kept swap file is 0600, not {mode:o}");
         drop(kept);
         assert!(path.exists(), "kept");
@@ -480,14 +498,22 @@ mod tests {
         std::fs::write(&target, b"precious").unwrap();
         let link = dir.join("swap.img");
         std::os::unix::fs::symlink(&target, &link).unwrap();
-        for (path, keep) in [(&target, false), (&target, true), (&link, false), (&link, true)] {
+        for (path, keep) in [
+            (&target, false),
+            (&target, true),
+            (&link, false),
+            (&link, true),
+        ] {
             let e = open_at(path, keep).err().expect("refused").to_string();
             assert!(e.contains("already exists") && !e.contains('\n'), "{e}");
         }
         let dangling = dir.join("dangling.img");
         std::os::unix::fs::symlink(dir.join("nowhere"), &dangling).unwrap();
         assert!(open_at(&dangling, true).is_err());
-        assert!(!dir.join("nowhere").exists(), "a dangling symlink is not followed");
+        assert!(
+            !dir.join("nowhere").exists(),
+            "a dangling symlink is not followed"
+        );
         assert_eq!(std::fs::read(&target).unwrap(), b"precious");
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -521,7 +521,10 @@ fn an_error_on_one_space_fails_that_space_alone() {
     }
     // A hostile holder: its guest memory is no longer mapped where it said.
     // SAFETY: the region is never touched again.
-    assert_eq!(unsafe { libc::munmap(a.addr as *mut libc::c_void, a.len) }, 0);
+    assert_eq!(
+        unsafe { libc::munmap(a.addr as *mut libc::c_void, a.len) },
+        0
+    );
     let (done, finished) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for round in 0..3u64 {
@@ -542,7 +545,10 @@ fn an_error_on_one_space_fails_that_space_alone() {
     assert!(pager.fatal_error().is_none(), "{:?}", pager.fatal_error());
     let failures = pager.take_failures();
     assert_eq!(failures.len(), 1, "{failures:?}");
-    assert_eq!((failures[0].space, failures[0].vm), (a.space().unwrap(), None));
+    assert_eq!(
+        (failures[0].space, failures[0].vm),
+        (a.space().unwrap(), None)
+    );
     assert!(!failures[0].reason.contains('\n'));
     assert!(pager.take_failures().is_empty(), "reported once");
     assert_eq!(pager.stats()["totals"]["failures"], 1);
@@ -786,9 +792,14 @@ fn attach_space_refuses_an_inconsistent_handoff_and_keeps_descriptors_private() 
     let space = pager.attach_space(h).unwrap();
     for fd in raw {
         let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
-        assert!(flags >= 0 && flags & libc::FD_CLOEXEC != 0, "fd {fd} not close-on-exec");
+        assert!(
+            flags >= 0 && flags & libc::FD_CLOEXEC != 0,
+            "fd {fd} not close-on-exec"
+        );
     }
-    let e = pager.register_vm(u32::MAX, space, 0, block as usize).unwrap_err();
+    let e = pager
+        .register_vm(u32::MAX, space, 0, block as usize)
+        .unwrap_err();
     assert!(matches!(e, PagerError::BadVm { .. }), "{e}");
     assert!(pager.fatal_error().is_none());
     pager.detach_space(space);
