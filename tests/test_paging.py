@@ -161,7 +161,7 @@ def test_bad_paging_configuration_fails_before_boot(tmp_path, args, fragment):
 def test_swap_file_is_removed_unless_kept(tmp_path):
     swap = tmp_path / "swap.img"
     m = start(tmp_path, 2, "127.215.0.0", "--swap", str(swap))
-    assert swap.exists()
+    assert not swap.exists(), "nameless from the moment it is open"
     assert m.stop() == 0
     assert not swap.exists()
     m = start(tmp_path, 2, "127.215.0.0", "--swap", str(swap), "--keep-swap")
