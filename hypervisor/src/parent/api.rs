@@ -57,16 +57,55 @@ struct Raw {
     vms: Option<bool>,
 }
 
+/// Why a request line was refused (its message is the error reply).
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// The line is not UTF-8.
+    #[error("request is not UTF-8")]
+    NotUtf8,
+    /// The line is blank.
+    #[error("empty request")]
+    Empty,
+    /// The line is not a request object.
+    #[error("malformed request: {0}")]
+    Malformed(serde_json::Error),
+    /// A field the command needs is missing.
+    #[error("'{cmd}' needs {field}")]
+    Missing {
+        /// The command.
+        cmd: String,
+        /// The field, as the client should write it.
+        field: &'static str,
+    },
+    /// `create` with no VM to create.
+    #[error("'create' needs count >= 1")]
+    NoCount,
+    /// `create` with more than [`MAX_CREATE`] VMs.
+    #[error("'create' takes at most {MAX_CREATE} VMs at a time")]
+    TooMany,
+    /// `crash` with an unknown kind.
+    #[error("unknown crash kind '{0}' (ud2 or triple)")]
+    CrashKind(String),
+    /// An unknown command.
+    #[error("unknown command '{0}'")]
+    Unknown(String),
+}
+
 /// Parses one request line.
-pub fn parse(line: &[u8]) -> Result<Request, String> {
+pub fn parse(line: &[u8]) -> Result<Request, ApiError> {
     let text = std::str::from_utf8(line)
-        .map_err(|_| "request is not UTF-8".to_string())?
+        .map_err(|_| ApiError::NotUtf8)?
         .trim();
     if text.is_empty() {
-        return Err("empty request".into());
+        return Err(ApiError::Empty);
     }
-    let raw: Raw = serde_json::from_str(text).map_err(|e| format!("malformed request: {e}"))?;
-    let need_vm = || raw.vm.ok_or_else(|| format!("'{}' needs \"vm\"", raw.cmd));
+    let raw: Raw = serde_json::from_str(text).map_err(ApiError::Malformed)?;
+    let need_vm = || {
+        raw.vm.ok_or_else(|| ApiError::Missing {
+            cmd: raw.cmd.clone(),
+            field: "\"vm\"",
+        })
+    };
     match raw.cmd.as_str() {
         "stats" => Ok(Request::Stats {
             per_vm: raw.vms.unwrap_or(true),
@@ -74,13 +113,14 @@ pub fn parse(line: &[u8]) -> Result<Request, String> {
         "list" => Ok(Request::List),
         "pager" => Ok(Request::Pager),
         "disk" => Ok(Request::Disk {
-            modeled: raw.modeled.ok_or("'disk' needs \"modeled\": true|false")?,
+            modeled: raw.modeled.ok_or(ApiError::Missing {
+                cmd: "disk".into(),
+                field: "\"modeled\": true|false",
+            })?,
         }),
         "create" => match raw.count.unwrap_or(1) {
-            0 => Err("'create' needs count >= 1".into()),
-            n if n > MAX_CREATE => {
-                Err(format!("'create' takes at most {MAX_CREATE} VMs at a time"))
-            }
+            0 => Err(ApiError::NoCount),
+            n if n > MAX_CREATE => Err(ApiError::TooMany),
             count => Ok(Request::Create { count }),
         },
         "destroy" => Ok(Request::Destroy { vm: need_vm()? }),
@@ -88,14 +128,14 @@ pub fn parse(line: &[u8]) -> Result<Request, String> {
             let triple = match raw.how.as_deref() {
                 None | Some("ud2") => false,
                 Some("triple") => true,
-                Some(other) => return Err(format!("unknown crash kind '{other}' (ud2 or triple)")),
+                Some(other) => return Err(ApiError::CrashKind(other.into())),
             };
             Ok(Request::Crash {
                 vm: need_vm()?,
                 triple,
             })
         }
-        other => Err(format!("unknown command '{other}'")),
+        other => Err(ApiError::Unknown(other.into())),
     }
 }
 
@@ -106,32 +146,32 @@ mod tests {
     #[test]
     fn parses_every_command() {
         assert_eq!(
-            parse(br#"{"cmd":"stats"}"#),
-            Ok(Request::Stats { per_vm: true })
+            parse(br#"{"cmd":"stats"}"#).ok(),
+            Some(Request::Stats { per_vm: true })
         );
         assert_eq!(
-            parse(br#"{"cmd":"stats","vms":false}"#),
-            Ok(Request::Stats { per_vm: false })
+            parse(br#"{"cmd":"stats","vms":false}"#).ok(),
+            Some(Request::Stats { per_vm: false })
         );
-        assert_eq!(parse(b"{\"cmd\":\"list\"}\n"), Ok(Request::List));
+        assert_eq!(parse(b"{\"cmd\":\"list\"}\n").ok(), Some(Request::List));
         assert_eq!(
-            parse(br#"{"cmd":"create","count":3}"#),
-            Ok(Request::Create { count: 3 })
-        );
-        assert_eq!(
-            parse(br#"{"cmd":"destroy","vm":7}"#),
-            Ok(Request::Destroy { vm: 7 })
+            parse(br#"{"cmd":"create","count":3}"#).ok(),
+            Some(Request::Create { count: 3 })
         );
         assert_eq!(
-            parse(br#"{"cmd":"crash","vm":1,"how":"triple"}"#),
-            Ok(Request::Crash {
+            parse(br#"{"cmd":"destroy","vm":7}"#).ok(),
+            Some(Request::Destroy { vm: 7 })
+        );
+        assert_eq!(
+            parse(br#"{"cmd":"crash","vm":1,"how":"triple"}"#).ok(),
+            Some(Request::Crash {
                 vm: 1,
                 triple: true
             })
         );
         assert_eq!(
-            parse(br#"{"cmd":"disk","modeled":false}"#),
-            Ok(Request::Disk { modeled: false })
+            parse(br#"{"cmd":"disk","modeled":false}"#).ok(),
+            Some(Request::Disk { modeled: false })
         );
     }
 
@@ -154,7 +194,7 @@ mod tests {
             (b"\xff\xfe", "UTF-8"),
             (b"   ", "empty"),
         ] {
-            let error = parse(line).unwrap_err();
+            let error = parse(line).unwrap_err().to_string();
             assert!(error.contains(fragment), "{error:?} lacks {fragment:?}");
         }
     }

@@ -444,7 +444,7 @@ impl Supervisor {
         for line in lines {
             let reply = match api::parse(&line) {
                 Ok(request) => self.handle(request),
-                Err(error) => json!({ "error": error }),
+                Err(error) => json!({ "error": error.to_string() }),
             };
             replies.push(reply);
         }
