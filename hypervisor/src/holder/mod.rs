@@ -14,7 +14,9 @@
 //! all made before the fork.
 //!
 //! The link is a SOCK_SEQPACKET pair: one JSON object per record, with
-//! descriptors attached to the record they belong to.
+//! descriptors attached to the record they belong to. This module holds
+//! both ends: the front's handle on a holder ([`Holder`], [`RemoteVcpu`],
+//! [`fork_all`]) and the holder's own loop; [`builder`] builds its VMs.
 
 pub mod builder;
 
