@@ -137,7 +137,7 @@ def test_a_killed_cell_takes_only_its_vms_down(tmp_path):
 
 
 def test_a_killed_holder_takes_only_its_vms_down(tmp_path):
-    # One cell of 20 VMs: holders of 8, 8 and 4 (hypervisor/src/holder.rs).
+    # One cell of 20 VMs: holders of 8, 8 and 4 (hypervisor/src/holder/mod.rs).
     m = start(
         tmp_path,
         20,

@@ -2,7 +2,7 @@
  * The densevm <-> webguest ABI: guest-physical layout, the boot-info page,
  * the control page and the shared-memory rings.
  *
- * hypervisor/src/abi.rs mirrors every DV_ constant; a unit test there reads
+ * hypervisor/src/guest/abi.rs mirrors every DV_ constant; a unit test there reads
  * this file and fails if the two disagree.
  *
  * Guest-physical map (identity-mapped by the monitor's page tables):
