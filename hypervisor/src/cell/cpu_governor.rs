@@ -5,7 +5,10 @@
 //! A web guest spends its CPU on requests, tens of microseconds each. A
 //! guest that spins, floods its ring or rewrites its memory in a loop uses
 //! whole cores and serves nothing. Every [`PERIOD`] each live vCPU's thread
-//! CPU time is read and set against the requests the VM served; a thread is
+//! CPU time is read and set against the requests the VM served, as the host
+//! can vouch for them (never the guest's own counter: a guest that spins
+//! while counting requests it never answered is judged on the responses
+//! the host carried, see `event_loop`); a thread is
 //! demoted when it used more than [`DEMOTE_SHARE`] of a core at more than
 //! [`HOG_CPU_PER_REQUEST`] per request. The threads live in the holders,
 //! where a read costs a file of /proc: a holder whose whole process used

@@ -176,8 +176,20 @@ pub struct CellLoop {
 /// What the loop last took from a VM's request counter.
 #[derive(Debug, Default, Clone, Copy)]
 struct Seen {
+    /// The guest's raw counter (its word, never believed as such).
     requests: u64,
     rx_bytes: u64,
+    /// Requests believed so far: bounded by the bytes it was sent.
+    accepted: u64,
+}
+
+impl Seen {
+    /// Requests the host can vouch for: believed from the counter, and no
+    /// more than the response records the proxy took for its connections.
+    /// A guest that counts without answering serves nothing here.
+    fn vouched(&self, vm: &MicroVm) -> u64 {
+        self.accepted.min(vm.tx_responses)
+    }
 }
 
 impl CellLoop {
@@ -339,7 +351,9 @@ impl CellLoop {
         let (entries, seen) = (self.vms.entries(), &self.seen);
         self.governor
             .tick(entries.len(), |index| match &entries[index] {
-                VmEntry::Live(vm) => Some((&**vm, seen[index].requests, busy[index / per_holder])),
+                VmEntry::Live(vm) => {
+                    Some((&**vm, seen[index].vouched(vm), busy[index / per_holder]))
+                }
                 VmEntry::Dead(_) => None,
             });
     }
@@ -405,6 +419,7 @@ impl CellLoop {
         if new_requests > 0 {
             seen.requests = ctrl.requests;
             seen.rx_bytes += new_requests * MIN_REQUEST_BYTES;
+            seen.accepted = seen.accepted.saturating_add(new_requests);
             self.parent.requests_served(id, new_requests);
             self.spend_injected_work(new_requests);
         }

@@ -111,6 +111,9 @@ pub struct MicroVm {
     pub ready: bool,
     /// Request bytes the host has put in its rx ring.
     pub rx_bytes: u64,
+    /// Response records with bytes that went to one of its connections:
+    /// what the host saw of its serving, whatever its counter says.
+    pub tx_responses: u64,
     /// The guest's allowance of tx records (a rate, see `proxy`).
     pub tx_records: RecordBudget,
     /// System pages (rings, control page).
@@ -184,6 +187,7 @@ pub fn adopt(
         accept_paused: false,
         ready: false,
         rx_bytes: 0,
+        tx_responses: 0,
         tx_records: RecordBudget::new(Instant::now()),
         sys,
         ram,

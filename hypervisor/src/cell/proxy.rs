@@ -316,6 +316,7 @@ impl Proxy {
                             std::slice::from_raw_parts(vm.sys.at(offset), len as usize)
                         });
                         buffered = conn.buffered();
+                        vm.tx_responses += u64::from(len > 0);
                     }
                     // The host acknowledged all but `buffered` bytes, so a
                     // guest within its window never gets past it here.
