@@ -38,7 +38,19 @@ const KIND_CONN: usize = 4;
 const HOLDER_TEARDOWN: Duration = Duration::from_secs(30);
 /// Longest a served-request count waits before it is reported to the pager.
 const ACCESS_REPORT_DELAY: Duration = Duration::from_millis(20);
-/// How often connections pinned by their guest are looked for.
+/// Doorbells in a row that brought nothing (no record retired, no rx byte
+/// consumed) before a VM's doorbell is put off: a guest ringing in a loop
+/// would otherwise keep the cell's loop awake for nothing.
+const STORM_RINGS: u32 = 32;
+/// First put-off of a storming VM's doorbell; it doubles while the storm
+/// lasts, up to [`DOORBELL_BACKOFF_MAX`], and is forgotten at the first
+/// doorbell that brings progress.
+const DOORBELL_BACKOFF_MIN: Duration = Duration::from_millis(1);
+/// Longest a storming VM's doorbell is put off: its output waits at most
+/// this long (a normal guest rings only with something to say).
+const DOORBELL_BACKOFF_MAX: Duration = Duration::from_millis(64);
+/// How often connections pinned by their guest, and lingering ones past
+/// their deadline, are looked for.
 const PINNED_SWEEP: Duration = Duration::from_secs(1);
 
 fn token(kind: usize, index: usize) -> Token {
@@ -171,6 +183,19 @@ pub struct CellLoop {
     in_backlog: Vec<bool>,
     last_sweep: Instant,
     governor: CpuGovernor,
+    /// Per VM: its doorbell's storm state.
+    bells: Vec<Bell>,
+}
+
+/// A VM's doorbell, as far as storms go.
+#[derive(Debug, Default, Clone, Copy)]
+struct Bell {
+    /// Rings in a row that brought nothing.
+    idle_rings: u32,
+    /// The last put-off.
+    backoff: Duration,
+    /// Put off (not registered with the loop) until then.
+    deferred_until: Option<Instant>,
 }
 
 /// What the loop last took from a VM's request counter.
@@ -234,6 +259,7 @@ impl CellLoop {
             in_backlog: Vec::new(),
             last_sweep: Instant::now(),
             governor: CpuGovernor::new(),
+            bells: Vec::new(),
         })
     }
 
@@ -246,6 +272,7 @@ impl CellLoop {
         )?;
         self.vms.push(vm);
         self.seen.push(Seen::default());
+        self.bells.push(Bell::default());
         self.in_backlog.push(false);
         Ok(())
     }
@@ -270,6 +297,7 @@ impl CellLoop {
                 .throttled
                 .iter()
                 .map(|(at, _)| *at)
+                .chain(self.bells.iter().filter_map(|b| b.deferred_until))
                 .chain([self.governor.due()])
                 .map(|at| at.saturating_duration_since(Instant::now()))
                 .fold(timeout, Duration::min);
@@ -313,11 +341,15 @@ impl CellLoop {
                 self.service_vm(index);
             }
             self.service_throttled();
+            self.ring_deferred();
             self.govern_cpu();
             if self.last_sweep.elapsed() >= PINNED_SWEEP {
                 self.last_sweep = Instant::now();
                 self.proxy.expire_pinned(self.last_sweep);
+                self.proxy.expire_lingering(&mut self.vms, self.last_sweep);
             }
+            self.proxy
+                .resume_accepts(&mut self.vms, self.poll.registry());
             self.parent.report_access(false);
             // What the socket did not take before (the parent was busy) goes now.
             let _ = self.parent.link.flush();
@@ -395,7 +427,60 @@ impl CellLoop {
         // The eventfd is not read: mio registers it edge-triggered, and
         // every signal raises a new edge whatever the counter holds, so the
         // read would be a system call per wake-up for nothing.
-        if index < self.doorbells.len() {
+        if index >= self.doorbells.len() {
+            return;
+        }
+        let before = self
+            .vms
+            .live(index)
+            .map(|vm| vm.stream.progress_mark(&vm.sys));
+        self.service_vm(index);
+        let Some(vm) = self.vms.live(index) else {
+            return;
+        };
+        let Some(bell) = self.bells.get_mut(index) else {
+            return;
+        };
+        if before != Some(vm.stream.progress_mark(&vm.sys)) {
+            *bell = Bell::default();
+            return;
+        }
+        bell.idle_rings += 1;
+        if bell.idle_rings < STORM_RINGS || bell.deferred_until.is_some() {
+            return;
+        }
+        // A storm: stop listening to this doorbell for a while.
+        bell.idle_rings = 0;
+        bell.backoff = (bell.backoff * 2).clamp(DOORBELL_BACKOFF_MIN, DOORBELL_BACKOFF_MAX);
+        let fd = self.doorbells[index].as_raw_fd();
+        if self
+            .poll
+            .registry()
+            .deregister(&mut mio::unix::SourceFd(&fd))
+            .is_ok()
+        {
+            bell.deferred_until = Some(Instant::now() + bell.backoff);
+            vm.doorbells_deferred += 1;
+        }
+    }
+
+    /// Listens again to the doorbells put off whose time has come, and
+    /// takes in what their VMs produced meanwhile.
+    fn ring_deferred(&mut self) {
+        let now = Instant::now();
+        for index in 0..self.bells.len() {
+            if !self.bells[index].deferred_until.is_some_and(|at| at <= now) {
+                continue;
+            }
+            self.bells[index].deferred_until = None;
+            if register_doorbell(&self.poll, &self.doorbells[index], index).is_err() {
+                self.kill_vm(
+                    index,
+                    VmState::Crashed,
+                    "its doorbell could not be listened to again".into(),
+                );
+                continue;
+            }
             self.service_vm(index);
         }
     }
@@ -553,9 +638,7 @@ impl CellLoop {
             return;
         };
         let _ = self.poll.registry().deregister(&mut vm.listener);
-        for key in vm.slots.iter().flatten().copied().collect::<Vec<_>>() {
-            self.proxy.close(&mut self.vms, key);
-        }
+        self.proxy.close_vm(&mut self.vms, index);
         // The pager may free the VM's memory once its vCPU no longer runs:
         // when its holder says so, or at once if the holder is gone.
         match self.holder_of(index).map(|h| h.stop(dead.id)) {

@@ -107,6 +107,14 @@ pub struct MicroVm {
     pub waiting: Vec<usize>,
     /// Accepting paused until a slot or ring room frees up.
     pub accept_paused: bool,
+    /// Connections it released that still hold output (see `proxy`):
+    /// they count against its slots.
+    pub lingering: usize,
+    /// Lingering connections reset (deadline or the cell's byte cap).
+    pub linger_resets: u64,
+    /// Doorbells whose handling was put off: they rang with no progress
+    /// (see `event_loop`).
+    pub doorbells_deferred: u64,
     /// The guest reported ready.
     pub ready: bool,
     /// Request bytes the host has put in its rx ring.
@@ -185,6 +193,9 @@ pub fn adopt(
         slots: [None; abi::MAX_SLOTS],
         waiting: Vec::new(),
         accept_paused: false,
+        lingering: 0,
+        linger_resets: 0,
+        doorbells_deferred: 0,
         ready: false,
         rx_bytes: 0,
         tx_responses: 0,

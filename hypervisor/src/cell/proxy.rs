@@ -11,6 +11,14 @@
 //! records (the rest waits for the next turn of the loop), a guest that
 //! sends past its window is a protocol violator, and a guest that keeps a
 //! slot after the client's FIN loses the host socket after [`FIN_GRACE`].
+//!
+//! A guest's CLOSE frees its slot at once, while the host may still hold
+//! output the client has not read (up to the window): the connection
+//! *lingers*. Lingerers are bounded three ways: a VM's open and lingering
+//! connections together stay within its slot count (accepting pauses for
+//! that VM only); a lingerer is reset [`LINGER_DEADLINE`] after the CLOSE;
+//! and the output all lingerers of the cell hold stays below
+//! [`LINGER_BYTES_MAX`], the largest lingerer being reset past it.
 
 use crate::cell::microvm::MicroVm;
 use crate::cell::vmtable::VmTable;
@@ -34,6 +42,12 @@ pub const FIN_GRACE: Duration = Duration::from_secs(5);
 /// Shortest HTTP request ("GET / HTTP/1.0" and an empty line): bounds the
 /// requests a guest can claim to have served by the bytes it was sent.
 pub const MIN_REQUEST_BYTES: u64 = 18;
+/// Longest a connection the guest released may keep unsent output before
+/// it is reset.
+pub const LINGER_DEADLINE: Duration = Duration::from_secs(15);
+/// Most output bytes the cell's lingering connections hold together; past
+/// it the largest is reset.
+pub const LINGER_BYTES_MAX: usize = 64 << 20;
 
 /// What an event said about a connection's socket.
 #[derive(Debug, Clone, Copy)]
@@ -90,6 +104,8 @@ struct Conn {
     broken: bool,
     /// The guest released the slot: close once the output is flushed.
     guest_closed: bool,
+    /// Since when it lingers: released by the guest with output unsent.
+    lingering: Option<Instant>,
     /// An event reported the client's FIN (or an error): read to the end.
     /// Until then a short read means the socket is drained, since any byte
     /// that arrives later raises a new edge.
@@ -133,6 +149,10 @@ pub struct Proxy {
     conns: Slab<Conn>,
     /// Turns a connection key into its event-loop token.
     token: fn(usize) -> Token,
+    /// Output bytes the lingering connections hold.
+    lingering_bytes: usize,
+    /// VMs whose accepting paused and that a lingerer's end may resume.
+    resume: Vec<usize>,
 }
 
 impl Proxy {
@@ -141,6 +161,8 @@ impl Proxy {
         Proxy {
             conns: Slab::new(),
             token,
+            lingering_bytes: 0,
+            resume: Vec::new(),
         }
     }
 
@@ -155,6 +177,7 @@ impl Proxy {
     }
 
     /// Accepts connections on VM `index`'s listener while it has a free slot
+    /// (open and lingering connections together within its slot count)
     /// and room in its rx ring for the OPEN record.
     ///
     /// The socket is neither read nor the guest kicked here: registering a
@@ -166,7 +189,9 @@ impl Proxy {
     pub fn accept(&mut self, vms: &mut VmTable, index: usize, registry: &Registry) {
         loop {
             let Some(vm) = vms.live(index) else { return };
-            let Some(slot) = vm.slots.iter().position(Option::is_none) else {
+            let open = vm.slots.iter().flatten().count();
+            let free = vm.slots.iter().position(Option::is_none);
+            let Some(slot) = free.filter(|_| open + vm.lingering < abi::MAX_SLOTS) else {
                 vm.accept_paused = true;
                 return;
             };
@@ -205,6 +230,7 @@ impl Proxy {
                 fin_sent: None,
                 broken: false,
                 guest_closed: false,
+                lingering: None,
                 read_closed: false,
                 drained: false,
             });
@@ -340,6 +366,7 @@ impl Proxy {
                             conn.guest_closed = true;
                         }
                         self.finish_if_done(vms, key);
+                        self.linger(vms, key, now);
                     }
                 }
             }
@@ -364,6 +391,7 @@ impl Proxy {
         let Some(conn) = self.conns.get_mut(key) else {
             return;
         };
+        let before = conn.buffered();
         while let (true, false, Some(stream)) =
             (conn.buffered() > 0, conn.broken, conn.stream.as_mut())
         {
@@ -376,6 +404,11 @@ impl Proxy {
         if conn.buffered() == 0 || conn.broken {
             conn.out.clear();
             conn.out_start = 0;
+        }
+        if conn.lingering.is_some() {
+            self.lingering_bytes = self
+                .lingering_bytes
+                .saturating_sub(before.saturating_sub(conn.buffered()));
         }
         if let Some(slot) = conn.slot {
             let buffered = conn.buffered();
@@ -411,6 +444,109 @@ impl Proxy {
         if let (Some(slot), Some(vm)) = (conn.slot, vms.live(conn.vm)) {
             vm.slots[slot] = None;
         }
+        if conn.lingering.is_some() {
+            self.lingering_bytes = self.lingering_bytes.saturating_sub(conn.buffered());
+            if let Some(vm) = vms.live(conn.vm) {
+                vm.lingering = vm.lingering.saturating_sub(1);
+                if vm.accept_paused {
+                    self.resume.push(conn.vm);
+                }
+            }
+        }
+    }
+
+    /// Resets a connection (RST, its unsent output dropped) and closes it.
+    fn reset(&mut self, vms: &mut VmTable, key: usize) {
+        let Some(conn) = self.conns.get_mut(key) else {
+            return;
+        };
+        if let Some(stream) = conn.stream.as_ref() {
+            let _ = socket2::SockRef::from(stream).set_linger(Some(Duration::ZERO));
+        }
+        // No FIN first: the reset is the point.
+        conn.drained = true;
+        if let Some(vm) = vms.live(conn.vm) {
+            vm.linger_resets += 1;
+        }
+        self.close(vms, key);
+    }
+
+    /// After the guest's CLOSE: a connection still holding output lingers.
+    /// It counts against its VM's slots until it ends, and the cell's
+    /// lingerers together hold at most [`LINGER_BYTES_MAX`].
+    fn linger(&mut self, vms: &mut VmTable, key: usize, now: Instant) {
+        let Some(conn) = self.conns.get_mut(key) else {
+            return;
+        };
+        if conn.lingering.is_some() {
+            return;
+        }
+        conn.lingering = Some(now);
+        // What was sent goes back to the allocator now.
+        conn.out.drain(..conn.out_start);
+        conn.out_start = 0;
+        conn.out.shrink_to_fit();
+        self.lingering_bytes = self.lingering_bytes.saturating_add(conn.buffered());
+        if let Some(vm) = vms.live(conn.vm) {
+            vm.lingering += 1;
+        }
+        while self.lingering_bytes > LINGER_BYTES_MAX {
+            let largest = self
+                .conns
+                .iter()
+                .filter(|(_, c)| c.lingering.is_some())
+                .max_by_key(|(_, c)| c.buffered())
+                .map(|(k, _)| k);
+            match largest {
+                Some(largest) => self.reset(vms, largest),
+                None => {
+                    self.lingering_bytes = 0;
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Accepts again on the VMs whose lingering connections ended while
+    /// accepting was paused.
+    pub fn resume_accepts(&mut self, vms: &mut VmTable, registry: &Registry) {
+        while let Some(index) = self.resume.pop() {
+            let Some(vm) = vms.live(index) else { continue };
+            if std::mem::replace(&mut vm.accept_paused, false) {
+                self.accept(vms, index, registry);
+            }
+        }
+    }
+
+    /// Closes every connection of VM `index`, lingering ones included.
+    pub fn close_vm(&mut self, vms: &mut VmTable, index: usize) {
+        let keys: Vec<usize> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.vm == index)
+            .map(|(k, _)| k)
+            .collect();
+        for key in keys {
+            self.close(vms, key);
+        }
+    }
+
+    /// Resets the connections that have lingered past [`LINGER_DEADLINE`];
+    /// returns how many.
+    pub fn expire_lingering(&mut self, vms: &mut VmTable, now: Instant) -> usize {
+        let expired: Vec<usize> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| {
+                c.lingering
+                    .is_some_and(|since| now.duration_since(since) >= LINGER_DEADLINE)
+            })
+            .map(|(k, _)| k)
+            .collect();
+        for &key in &expired {
+            self.reset(vms, key);
+        }
+        expired.len()
     }
 }
 

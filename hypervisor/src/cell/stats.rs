@@ -32,6 +32,7 @@ pub fn collect(vms: &[VmEntry], connections: usize, governor: &CpuGovernor, per_
     let mut ram_resident = 0u64;
     let mut sys_resident = 0u64;
     let mut background = 0u64;
+    let (mut lingering, mut linger_resets, mut doorbells_deferred) = (0u64, 0u64, 0u64);
     for (index, entry) in vms.iter().enumerate() {
         let in_background = governor.is_background(index) && matches!(entry, VmEntry::Live(_));
         background += u64::from(in_background);
@@ -46,12 +47,20 @@ pub fn collect(vms: &[VmEntry], connections: usize, governor: &CpuGovernor, per_
             VmEntry::Live(vm) => vm.ctrl(),
             VmEntry::Dead(dead) => dead.ctrl,
         };
-        requests += ctrl.requests;
-        errors += ctrl.responses_4xx;
-        tx_bytes += ctrl.tx_bytes;
-        wakeups += ctrl.wakeups;
-        selfcheck_pages += ctrl.selfcheck_pages;
-        selfcheck_errors += ctrl.selfcheck_errors;
+        // Guest-written words: a lying guest saturates the totals, never wraps them.
+        requests = requests.saturating_add(ctrl.requests);
+        errors = errors.saturating_add(ctrl.responses_4xx);
+        tx_bytes = tx_bytes.saturating_add(ctrl.tx_bytes);
+        wakeups = wakeups.saturating_add(ctrl.wakeups);
+        selfcheck_pages = selfcheck_pages.saturating_add(ctrl.selfcheck_pages);
+        selfcheck_errors = selfcheck_errors.saturating_add(ctrl.selfcheck_errors);
+        let (vm_lingering, vm_resets, vm_deferred) = match entry {
+            VmEntry::Live(vm) => (vm.lingering as u64, vm.linger_resets, vm.doorbells_deferred),
+            VmEntry::Dead(_) => (0, 0, 0),
+        };
+        lingering += vm_lingering;
+        linger_resets += vm_resets;
+        doorbells_deferred += vm_deferred;
         if !per_vm {
             continue;
         }
@@ -80,6 +89,9 @@ pub fn collect(vms: &[VmEntry], connections: usize, governor: &CpuGovernor, per_
         value["wakeups"] = json!(ctrl.wakeups);
         value["selfcheck_errors"] = json!(ctrl.selfcheck_errors);
         value["vcpu_background"] = json!(in_background);
+        value["lingering_connections"] = json!(vm_lingering);
+        value["linger_resets"] = json!(vm_resets);
+        value["doorbells_deferred"] = json!(vm_deferred);
         list.push(value);
     }
     let mut reply = json!({
@@ -99,6 +111,9 @@ pub fn collect(vms: &[VmEntry], connections: usize, governor: &CpuGovernor, per_
             "selfcheck_errors": selfcheck_errors,
             "vcpus_background": background,
             "vcpu_demotions": governor.demotions(),
+            "lingering_connections": lingering,
+            "linger_resets": linger_resets,
+            "doorbells_deferred": doorbells_deferred,
         },
     });
     if per_vm {

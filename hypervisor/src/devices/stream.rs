@@ -241,6 +241,13 @@ impl StreamDevice {
         self.tx_progress = true;
     }
 
+    /// Where the two consumers stand (the host's in the tx ring, the
+    /// guest's in the rx ring): a doorbell after which neither moved
+    /// brought nothing.
+    pub fn progress_mark(&self, sys: &Mapping) -> (u32, u32) {
+        (self.tx_cons, Self::rx_cons(sys))
+    }
+
     /// Acknowledges every response byte of `slot` except `still_buffered`.
     pub fn ack(&mut self, sys: &Mapping, slot: usize, still_buffered: usize) {
         let acked = self.tx_received[slot].wrapping_sub(still_buffered as u32);
