@@ -418,3 +418,46 @@ def test_a_doorbell_storm_is_put_off_and_costs_its_cell_little(tmp_path):
             assert get(m.addr(vm)).body == SMALL
     finally:
         assert m.stop() == 0
+
+
+def fd_flags(pid: int, fd: int) -> int:
+    for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines():
+        if line.startswith("flags:"):
+            return int(line.split()[1], 8)
+    raise AssertionError(f"no flags for fd {fd} of {pid}")
+
+
+def test_each_holder_holds_only_its_own_descriptors(tmp_path):
+    """Holders are forked with every descriptor they do not need closed: no
+    other holder's interrupts, doorbells or memory; and what the cell
+    receives from its holders is close-on-exec."""
+    per_holder = 8  # hypervisor/src/holder/mod.rs HOLDER_VMS
+    m = start(
+        tmp_path,
+        20,
+        "127.244.0.0",
+        *("--cell-vms", "20", "--cell-placement", "floating", "--vcpu-stats"),
+    )
+    try:
+        (cell,) = children(m.proc.pid)
+        holders = children(cell)
+        assert len(holders) == 3
+        seen: set[int] = set()
+        for holder in holders:
+            targets = [t for t, _ in fd_targets(holder).values()]
+            eventfds = sum("[eventfd]" in t for t in targets)
+            assert eventfds <= 2 * per_holder, f"holder {holder} holds {eventfds} eventfds"
+            memfds, uffds = guest_memory([holder])
+            assert uffds == 0, "the pager's userfaultfd is the only one"
+            assert len(memfds) == 2 and not memfds & seen, "another holder's memory"
+            seen |= memfds
+            sockets = sum(t.startswith("socket:") for t in targets)
+            assert sockets == 1, f"holder {holder} holds more than its link: {targets}"
+        stats = [fd for fd, (t, _) in fd_targets(cell).items() if "kvm-vcpu-stats" in t]
+        assert len(stats) == 20
+        O_CLOEXEC = 0o2000000
+        assert all(fd_flags(cell, fd) & O_CLOEXEC for fd in stats), "received without CLOEXEC"
+        for vm in range(20):
+            assert get(m.addr(vm)).body == SMALL
+    finally:
+        assert m.stop() == 0

@@ -430,25 +430,68 @@ enum Received<T> {
     Closed,
 }
 
-fn receive<T: serde::de::DeserializeOwned>(link: &UnixDatagram) -> std::io::Result<Received<T>> {
-    let mut buf = vec![0u8; MAX_RECORD];
-    let mut fds = [-1; 253];
-    let mut iov = [libc::iovec {
+/// Most descriptors one record carries (SCM_RIGHTS' limit).
+const MAX_RECORD_FDS: usize = 253;
+
+/// One record and the descriptors attached to it, received close-on-exec
+/// (MSG_CMSG_CLOEXEC): no process the cell ever starts inherits them.
+/// `Ok(None)`: nothing waiting.
+fn recv_record(
+    link: &UnixDatagram,
+    buf: &mut [u8],
+) -> std::io::Result<Option<(usize, Vec<OwnedFd>)>> {
+    const SPACE: usize = MAX_RECORD_FDS * std::mem::size_of::<RawFd>();
+    // u64 words: aligned for cmsghdr.
+    let mut control = [0u64; SPACE.div_ceil(8) + 4];
+    let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
-    }];
-    // SAFETY: the iovec points into `buf`, which outlives the call.
+    };
+    // SAFETY: a zeroed msghdr is valid; its pointers are set below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(&control);
     let received = nonblocking(|| {
-        unsafe { link.recv_with_fds(&mut iov, &mut fds) }.map_err(std::io::Error::from)
+        // SAFETY: msg points at live buffers for the whole call.
+        let n = unsafe { libc::recvmsg(link.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        if n < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(n as usize)
+        }
     })?;
-    let Some((bytes, nfds)) = received else {
+    let Some(bytes) = received else {
+        return Ok(None);
+    };
+    let mut fds = Vec::new();
+    // SAFETY: walks the control buffer the kernel filled, by its own macros.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
+                let len = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                for i in 0..len / std::mem::size_of::<RawFd>() {
+                    // Descriptors received are ours to own.
+                    fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+    }
+    if msg.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0 {
+        return Err(std::io::Error::other("truncated record"));
+    }
+    Ok(Some((bytes, fds)))
+}
+
+fn receive<T: serde::de::DeserializeOwned>(link: &UnixDatagram) -> std::io::Result<Received<T>> {
+    let mut buf = vec![0u8; MAX_RECORD];
+    let Some((bytes, owned)) = recv_record(link, &mut buf)? else {
         return Ok(Received::Nothing);
     };
-    // SAFETY: descriptors received are ours to own.
-    let owned: Vec<OwnedFd> = fds[..nfds]
-        .iter()
-        .map(|&fd| unsafe { OwnedFd::from_raw_fd(fd) })
-        .collect();
     if bytes == 0 {
         return Ok(Received::Closed);
     }
@@ -620,6 +663,27 @@ fn run(
     }
     ctx.ram.keep_only(index);
     ctx.sys.keep_only(index);
+    // Every descriptor but those this holder needs: no other holder's
+    // interrupts or doorbells, nor anything else the front had open.
+    let own = first_slot as usize..(first_slot + slots) as usize;
+    let mut keep = vec![
+        libc::STDOUT_FILENO,
+        libc::STDERR_FILENO,
+        link.as_raw_fd(),
+        ctx.kvm.as_raw_fd(),
+    ];
+    keep.extend(
+        [&ctx.ram, &ctx.sys]
+            .iter()
+            .filter_map(|slots| slots.part(index))
+            .map(|part| part.memfd().as_raw_fd()),
+    );
+    keep.extend(irqs[own.clone()].iter().map(AsRawFd::as_raw_fd));
+    keep.extend(doorbells[own.clone()].iter().map(AsRawFd::as_raw_fd));
+    if let Err(e) = close_all_but(&mut keep) {
+        eprintln!("densevm: error: holder {index}: close inherited descriptors: {e}");
+        return 1;
+    }
     let memory = ctx.ram.part(index).expect("own part");
     let handoff = match memory.register().and_then(|()| memory.hand_over()) {
         Ok(handoff) => handoff,
@@ -647,7 +711,6 @@ fn run(
         .expect("serializes");
         let _ = exits.send(&record);
     });
-    let own = first_slot as usize..(first_slot + slots) as usize;
     let mut held: HashMap<u32, HeldVm> = HashMap::new();
     loop {
         let request = match receive::<ToHolder>(&link) {
@@ -683,6 +746,30 @@ fn run(
     }
     teardown(held.into_values().collect());
     0
+}
+
+/// Closes every descriptor of the process but those in `keep`
+/// (close_range(2) over the gaps). Only for a freshly forked holder: a Rust
+/// object still owning a descriptor closed here must never be dropped.
+fn close_all_but(keep: &mut [RawFd]) -> std::io::Result<()> {
+    keep.sort_unstable();
+    let mut next: u32 = 0;
+    for &fd in keep.iter() {
+        let fd = fd as u32;
+        if fd > next {
+            close_range(next, fd - 1)?;
+        }
+        next = next.max(fd.saturating_add(1));
+    }
+    close_range(next, u32::MAX)
+}
+
+fn close_range(first: u32, last: u32) -> std::io::Result<()> {
+    // SAFETY: closes descriptors only; the caller keeps what it still uses.
+    match unsafe { libc::syscall(libc::SYS_close_range, first, last, 0u32) } {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
+    }
 }
 
 /// Stops every vCPU, then destroys the VMs from several threads so their
@@ -782,7 +869,15 @@ mod tests {
         a.send_with_fds(&[&two[..]], &[evt.as_raw_fd()]).unwrap();
         a.send(&one).unwrap();
         match receive::<FromHolder>(&b).unwrap() {
-            Received::Record(FromHolder::Ready, fds) => assert_eq!(fds.len(), 1),
+            Received::Record(FromHolder::Ready, fds) => {
+                assert_eq!(fds.len(), 1);
+                // SAFETY: reads the flags of a descriptor we own.
+                let flags = unsafe { libc::fcntl(fds[0].as_raw_fd(), libc::F_GETFD) };
+                assert!(
+                    flags & libc::FD_CLOEXEC != 0,
+                    "received without close-on-exec"
+                );
+            }
             _ => panic!("expected ready with a descriptor"),
         }
         match receive::<FromHolder>(&b).unwrap() {
