@@ -17,8 +17,10 @@ const MIN_CHUNK: u32 = 1024;
 /// past this ([`StreamDevice::rx_reserve`]).
 const RX_RESTART: u32 = 16 << 10;
 
+/// `n` rounded up to a multiple of 8 (saturating: callers check lengths
+/// against the ring first, and a guest word must never overflow here).
 fn round8(n: u32) -> u32 {
-    (n + 7) & !7
+    n.saturating_add(7) & !7
 }
 
 /// A guest record the host cannot accept.
@@ -118,7 +120,10 @@ impl StreamDevice {
     /// host memory.
     pub fn rx_reserve(&mut self, sys: &Mapping, want: u32) -> Option<RingSpace> {
         for _ in 0..2 {
-            let free = RX_SIZE - self.rx_prod.wrapping_sub(Self::rx_cons(sys));
+            // The guest's consumer index: past the producer or more than a
+            // ring behind it, it is a lie, and the guest gets no room.
+            let used = self.rx_prod.wrapping_sub(Self::rx_cons(sys));
+            let free = RX_SIZE.checked_sub(used)?;
             let pos = self.rx_prod % RX_SIZE;
             let contig = RX_SIZE - pos;
             let needed = HEADER + round8(want.min(MIN_CHUNK));
@@ -451,6 +456,26 @@ mod tests {
             StreamDevice::default().tx_peek(&sys).is_err(),
             "producer beyond the ring size"
         );
+    }
+
+    #[test]
+    fn a_lying_rx_consumer_index_gives_no_room_and_no_overflow() {
+        let sys = sys();
+        let mut dev = StreamDevice::default();
+        dev.rx_reserve(&sys, 100).unwrap();
+        dev.rx_commit(&sys, 0, abi::REC_DATA, 100);
+        let prod = dev.rx_prod;
+        for lie in [
+            prod + 8,
+            prod.wrapping_add(RX_SIZE),
+            prod.wrapping_sub(RX_SIZE + 8),
+        ] {
+            sys.atomic_u32(abi::RINGHDR_GPA + ring_hdr::RX_CONS)
+                .store(lie, Ordering::Release);
+            assert!(dev.rx_reserve(&sys, 100).is_none(), "consumer at {lie}");
+            assert!(!dev.rx_control(&sys, 0, abi::REC_FIN));
+        }
+        assert_eq!(round8(u32::MAX), u32::MAX & !7);
     }
 
     #[test]
