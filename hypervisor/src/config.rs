@@ -248,6 +248,86 @@ pub fn ensure_fd_budget(count: u32, fds_each: u64) -> Result<(), FdShortage> {
     Ok(())
 }
 
+/// VM ids stay below this (the pager's limit).
+pub const MAX_VM_ID: u32 = paging_policy::pager::MAX_VM_ID;
+/// Tasks (processes and threads) left to the rest of the host.
+const TASK_HEADROOM: u64 = 2048;
+/// Tasks a cell's front takes besides its VMs (main thread, boot threads).
+const TASKS_PER_CELL: u64 = 4;
+/// Tasks a holder takes besides its vCPU threads.
+const TASKS_PER_HOLDER: u64 = 2;
+/// VMs a holder owns (`holder::HOLDER_VMS`; more in cells of over 960).
+const VMS_PER_HOLDER: u64 = 8;
+/// Descriptors the parent holds per cell (its link, slack) and per holder
+/// (the holder's userfaultfd and guest-RAM memfd, in the pager).
+const PARENT_FDS_PER_CELL: u64 = 2;
+const PARENT_FDS_PER_HOLDER: u64 = 2;
+
+/// The most VMs one densevm may hold at once with cells of `cell_vms`:
+/// each takes a vCPU thread, and its cell and holder their share of tasks,
+/// within the lowest of `kernel.pid_max`, `kernel.threads-max` and
+/// RLIMIT_NPROC (less [`TASK_HEADROOM`]); the parent holds two descriptors
+/// per holder and two per cell within RLIMIT_NOFILE; and ids stay below
+/// [`MAX_VM_ID`]. Returns the maximum and what bounds it, in words.
+pub fn max_vms(cell_vms: u32) -> (u32, String) {
+    let read = |path: &str| {
+        std::fs::read_to_string(path)
+            .ok()
+            .and_then(|t| t.trim().parse::<u64>().ok())
+    };
+    let rlimit = |resource| {
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes the struct given.
+        let rc = unsafe { libc::getrlimit(resource, &mut limit) };
+        (rc == 0 && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur)
+    };
+    let mut tasks = (u64::MAX, "");
+    for (limit, name) in [
+        (read("/proc/sys/kernel/pid_max"), "kernel.pid_max"),
+        (read("/proc/sys/kernel/threads-max"), "kernel.threads-max"),
+        (rlimit(libc::RLIMIT_NPROC), "RLIMIT_NPROC"),
+    ] {
+        if let Some(limit) = limit.filter(|&l| l < tasks.0) {
+            tasks = (limit, name);
+        }
+    }
+    let per_cell = cell_vms.max(1) as u64;
+    let holders = per_cell.div_ceil(VMS_PER_HOLDER);
+    let cell_tasks = per_cell + holders * TASKS_PER_HOLDER + TASKS_PER_CELL;
+    let by_tasks = tasks.0.saturating_sub(TASK_HEADROOM) / cell_tasks * per_cell;
+    // ensure_fd_budget raises the soft limit to the hard one.
+    let mut nofile = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct given.
+    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut nofile) };
+    let cell_fds = holders * PARENT_FDS_PER_HOLDER + PARENT_FDS_PER_CELL;
+    let by_fds = nofile.rlim_max.saturating_sub(FD_HEADROOM) / cell_fds * per_cell;
+    let mut max = (MAX_VM_ID as u64, format!("VM ids below {MAX_VM_ID}"));
+    if by_tasks < max.0 {
+        max = (by_tasks, format!("{} {}", tasks.1, tasks.0));
+    }
+    if by_fds < max.0 {
+        max = (by_fds, format!("RLIMIT_NOFILE {}", nofile.rlim_max));
+    }
+    (max.0 as u32, max.1)
+}
+
+/// Refuses `--vms` past [`max_vms`] for cells of `cell_vms`.
+pub fn check_max_vms(vms: u32, cell_vms: u32) -> Result<u32, ConfigError> {
+    let (max, bound) = max_vms(cell_vms);
+    if vms > max {
+        return Err(ConfigError(format!(
+            "--vms {vms} is more than this host allows with --cell-vms {cell_vms}: at most {max} ({bound})"
+        )));
+    }
+    Ok(max)
+}
+
 /// The guest image's path and the RAM layout of every VM: the image is
 /// loaded to check it and to lay its bss out.
 pub fn load_guest(args: &ServeArgs) -> Result<(PathBuf, RamLayout), ConfigError> {

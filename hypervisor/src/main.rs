@@ -7,6 +7,7 @@ mod devices;
 mod guest;
 mod holder;
 mod link;
+mod log;
 #[cfg(test)]
 mod module_graph;
 mod parent;
@@ -69,7 +70,7 @@ fn main() {
                 .lines()
                 .find(|l| !l.trim().is_empty())
                 .unwrap_or("bad arguments");
-            eprintln!("densevm: {}", first.trim_start_matches("error: "));
+            crate::log!("densevm: {}", first.trim_start_matches("error: "));
             std::process::exit(2);
         }
     };

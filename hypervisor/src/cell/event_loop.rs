@@ -17,7 +17,7 @@ use crate::holder::builder::BuildContext;
 use crate::holder::{FromHolder, Holder};
 use crate::link::framing::{FrameError, LineStream};
 use crate::link::pager_link::PagerLink;
-use crate::link::protocol::{FromCell, ToCell, MAX_LINK_LINE};
+use crate::link::protocol::{FromCell, Request, ToCell, MAX_LINK_LINE};
 use crate::vstate::vcpu::RunState;
 use mio::net::UnixStream;
 use mio::{Events, Interest, Poll, Token};
@@ -670,13 +670,21 @@ impl CellLoop {
             }
         };
         for line in lines {
-            let reply = match serde_json::from_slice::<ToCell>(&line) {
-                Ok(ToCell::Shutdown) => return Some(Exit::Shutdown),
-                Ok(request) => self.handle(request),
-                Err(e) => json!({ "error": format!("bad cell request: {e}") }),
+            // Each reply echoes its request's id, so the parent never takes
+            // it for the answer to another request.
+            let (id, reply) = match serde_json::from_slice::<Request>(&line) {
+                Ok(Request {
+                    req: ToCell::Shutdown,
+                    ..
+                }) => return Some(Exit::Shutdown),
+                Ok(Request { id, req }) => (id, self.handle(req)),
+                Err(e) => {
+                    crate::log!("densevm: cell link: bad request: {e}");
+                    continue;
+                }
             };
             self.parent.report_access(true);
-            self.parent.send(&FromCell::Reply { reply });
+            self.parent.send(&FromCell::Reply { id, reply });
         }
         closed.then_some(Exit::ParentGone)
     }

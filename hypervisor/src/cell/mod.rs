@@ -24,7 +24,7 @@ use crate::guest::memory::{self, HolderSlots};
 use crate::holder::builder::{self, BuildContext};
 use crate::holder::{self, HolderError, HolderInputs};
 use crate::link::framing::peer_gone;
-use crate::link::protocol::{CellConfig, FromCell, Hello, Space, ToCell, MAX_LINK_LINE};
+use crate::link::protocol::{CellConfig, FromCell, Hello, Request, Space, ToCell, MAX_LINK_LINE};
 use crate::platform::{self, PlatformError};
 use crate::scheduling::{self, CellPlacement};
 use crate::vstate::vm::{MissingCapability, VmCaps};
@@ -175,7 +175,7 @@ fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
         .map_err(|e| link_error("hand the guest memory to the parent", e.into()))?;
     // The pager's copies of the userfaultfds must be the only ones.
     drop(uffds);
-    match read_message::<ToCell>(&link)? {
+    match read_message::<Request>(&link)?.req {
         ToCell::Go => {}
         other => return Err(CellError::Unexpected(other)),
     }

@@ -8,13 +8,62 @@
 //! 3. parent -> cell: [`ToCell::Go`] once the pager holds the cell's memory
 //!    and knows its VMs; the cell boots them.
 //! 4. From then on the parent sends [`ToCell`] requests, one at a time, each
-//!    answered by one [`FromCell::Reply`]; the cell also sends events
-//!    ([`FromCell::Booted`], [`FromCell::Access`], [`FromCell::Stopped`],
-//!    [`FromCell::Failed`]) whenever they happen.
+//!    in a [`Request`] with an id, and each answered by one
+//!    [`FromCell::Reply`] echoing that id; the cell also sends events
+//!    ([`FromCell::Booted`], [`FromCell::Access`], [`FromCell::Stopped`])
+//!    whenever they happen, and [`FromCell::Failed`] if it cannot start.
+//!
+//! The parent trusts none of it: a line that does not parse, is too long,
+//! answers no request in flight (or another one), reports counts or VMs
+//! that are not the cell's, or a `Failed` after the handshake ends that
+//! cell (it is killed, its VMs crashed), never the parent. Every wait has a
+//! deadline, in [`deadline`].
 
 use crate::config::CellSettings;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use std::time::Duration;
+
+/// The deadline budget of the links, in one place: parent > cell > holder.
+/// Each side waits for the one below it for less than it is itself waited
+/// for, so a stuck holder is given up by its cell before the parent gives up
+/// the cell; a cell that misses the parent's deadline is killed (its VMs
+/// crashed) rather than blocking the parent.
+pub mod deadline {
+    use super::Duration;
+
+    /// The parent waits this long for a cell's hello (its holders started).
+    pub const CELL_HELLO: Duration = Duration::from_secs(60);
+    /// A cell waits this long for each holder's start (its userfaultfd).
+    pub const HOLDER_START: Duration = Duration::from_secs(45);
+    /// The parent waits this long for the reply to `stats`, `list`,
+    /// `destroy` or `crash` (all cells asked at once share it).
+    pub const CELL_REPLY: Duration = Duration::from_secs(10);
+    /// A cell waits this long for a holder's answer to anything but a
+    /// build (stop a VM, say): well within [`CELL_REPLY`].
+    pub const HOLDER_REPLY: Duration = Duration::from_secs(5);
+    /// The parent waits this long for a cell to answer `create` (a new
+    /// cell: its hello, then its first reply).
+    pub const CELL_CREATE: Duration = Duration::from_secs(60);
+    /// A cell waits this long, in all, for its holders to build the VMs of
+    /// one `create`: within [`CELL_CREATE`].
+    pub const HOLDER_BUILD: Duration = Duration::from_secs(45);
+
+    // The budget runs parent > cell > holder, checked when compiled.
+    const _: () = assert!(HOLDER_START.as_secs() < CELL_HELLO.as_secs());
+    const _: () = assert!(HOLDER_REPLY.as_secs() < CELL_REPLY.as_secs());
+    const _: () = assert!(HOLDER_BUILD.as_secs() < CELL_CREATE.as_secs());
+}
+
+/// A request from the parent with the id its reply echoes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Request {
+    /// Unique on this link, increasing; the handshake's [`ToCell::Go`] is 0.
+    pub id: u64,
+    /// What is asked.
+    pub req: ToCell,
+}
 
 /// Longest line either side accepts on a cell link (a full stats reply of a
 /// cell's VMs stays far below it).
@@ -121,10 +170,13 @@ pub enum FromCell {
     },
     /// The answer to the request in flight.
     Reply {
+        /// The id of the [`Request`] it answers.
+        id: u64,
         /// As the control API would answer it.
         reply: Value,
     },
-    /// The cell cannot go on (its VMs did not boot in time, say).
+    /// The cell cannot start (sent instead of its hello, or before its
+    /// first boot ends); after that the parent takes it as hostile.
     Failed {
         /// One line.
         error: String,
@@ -137,15 +189,29 @@ mod tests {
 
     #[test]
     fn requests_and_events_round_trip() {
-        for request in [
+        for (id, req) in [
             ToCell::Go,
             ToCell::Stats { per_vm: false },
             ToCell::Create { first: 5, count: 2 },
             ToCell::Shutdown,
-        ] {
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let request = Request { id: id as u64, req };
             let line = serde_json::to_string(&request).unwrap();
-            assert_eq!(serde_json::from_str::<ToCell>(&line).unwrap(), request);
+            assert_eq!(serde_json::from_str::<Request>(&line).unwrap(), request);
         }
+        assert_eq!(
+            serde_json::to_string(&Request {
+                id: 7,
+                req: ToCell::List
+            })
+            .unwrap(),
+            r#"{"id":7,"req":{"cmd":"list"}}"#
+        );
+        // A reply without its request's id is not a reply.
+        assert!(serde_json::from_str::<FromCell>(r#"{"ev":"reply","reply":{}}"#).is_err());
         let line = serde_json::to_string(&FromCell::Access {
             counts: vec![(3, 2)],
         })

@@ -1,20 +1,93 @@
 //! The parent's side of its cells: starting one, the handshake that hands
 //! its guest memory to the pager, and the link it is driven through.
+//!
+//! A cell is untrusted input: its hello is checked against what the parent
+//! asked for ([`HelloError`]), descriptors arrive close-on-exec, every wait
+//! has a deadline ([`deadline`]), and a cell is started with every
+//! descriptor of the parent above stderr closed.
 
 use crate::config::CellSettings;
 use crate::link::framing::{FrameError, LineStream};
-use crate::link::protocol::{CellConfig, FromCell, Hello, ToCell, MAX_LINK_LINE};
+use crate::link::protocol::{
+    deadline, CellConfig, FromCell, Hello, Request, ToCell, MAX_LINK_LINE,
+};
 use paging_policy::{Pager, PagerError, SpaceHandoff, SpaceId};
 use std::io::{self, Read, Write};
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
-/// Longest a cell may take to start and hand over its memory.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Longest hello accepted (126 spaces take about 6 KiB).
+const MAX_HELLO: usize = 64 << 10;
+/// Longest message of a cell quoted in a reason.
+const MAX_QUOTED: usize = 200;
+
+/// A hello that does not match the cell the parent started.
+#[derive(Debug, thiserror::Error)]
+pub enum HelloError {
+    /// It is not JSON of a hello.
+    #[error("unreadable: {0}")]
+    Unreadable(serde_json::Error),
+    /// Longer than [`MAX_HELLO`] bytes.
+    #[error("longer than {MAX_HELLO} bytes")]
+    TooLong,
+    /// Another pid than the child's.
+    #[error("pid {said}, but the cell is {actual}")]
+    Pid {
+        /// What it said.
+        said: u32,
+        /// The child's.
+        actual: u32,
+    },
+    /// No VM per holder.
+    #[error("{holder_vms} VMs per holder for a capacity of {capacity}")]
+    HolderVms {
+        /// What it said.
+        holder_vms: u32,
+        /// The cell's capacity.
+        capacity: u32,
+    },
+    /// Not one space per holder.
+    #[error("{spaces} spaces where its {capacity} slots need {needed}")]
+    Spaces {
+        /// How many it sent.
+        spaces: usize,
+        /// The cell's capacity.
+        capacity: u32,
+        /// How many the slots need.
+        needed: u64,
+    },
+    /// Not a userfaultfd and a memfd per space.
+    #[error("{fds} descriptors for {spaces} spaces (two each)")]
+    Descriptors {
+        /// How many came.
+        fds: usize,
+        /// Spaces it sent.
+        spaces: usize,
+    },
+    /// A space that is not whole pages, overlaps another or has the wrong length.
+    #[error("space {space}: {base:#x}+{len:#x} {why}")]
+    Space {
+        /// Its index.
+        space: usize,
+        /// Its base.
+        base: usize,
+        /// Its length.
+        len: usize,
+        /// What is wrong.
+        why: &'static str,
+    },
+    /// Another platform than the parent's.
+    #[error("platform {said:?}, but the host is {actual:?}")]
+    Platform {
+        /// What it said (cut short).
+        said: String,
+        /// The parent's.
+        actual: &'static str,
+    },
+}
 
 /// A step of a cell's start that failed.
 #[derive(Debug, thiserror::Error)]
@@ -34,6 +107,9 @@ pub enum StartFailure {
     /// Its hello could not be received.
     #[error("receive its memory: {0}")]
     Receive(io::Error),
+    /// No hello within the deadline.
+    #[error("no hello within {} s", deadline::CELL_HELLO.as_secs())]
+    Timeout,
     /// The process ended during start-up (how, in words).
     #[error("{0}")]
     Ended(String),
@@ -43,18 +119,12 @@ pub enum StartFailure {
     /// The cell could not start, and said why.
     #[error("{0}")]
     Refused(String),
-    /// Its hello could not be read.
+    /// Its hello does not fit the cell.
     #[error("bad hello: {0}")]
-    BadHello(serde_json::Error),
-    /// Its hello lacks descriptors.
-    #[error("its hello lacks the guest-memory descriptors")]
-    NoDescriptors,
+    BadHello(#[from] HelloError),
     /// The pager refused its memory or a VM.
     #[error(transparent)]
     Pager(#[from] PagerError),
-    /// A VM's slot is in no space the cell sent.
-    #[error("VM {0}: no space")]
-    NoSpace(u32),
     /// It could not be told to boot.
     #[error("start it: {0}")]
     Go(io::Error),
@@ -70,6 +140,23 @@ pub struct CellStartError {
     pub failure: StartFailure,
 }
 
+/// `text` cut to [`MAX_QUOTED`] bytes and one line, for a reason.
+pub fn quote(text: &str) -> String {
+    let mut end = text.len().min(MAX_QUOTED);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let cut: String = text[..end]
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    if end < text.len() {
+        format!("{cut}...")
+    } else {
+        cut
+    }
+}
+
 /// A cell started but not yet handed over.
 pub struct PendingCell {
     index: u32,
@@ -82,7 +169,10 @@ pub struct PendingCell {
 
 impl PendingCell {
     /// Starts `densevm cell` for VMs `first_id..first_id + count`, with room
-    /// for `capacity`, and sends it its configuration.
+    /// for `capacity`, and sends it its configuration. The cell inherits
+    /// stdin (its link), stderr and nothing else: every other descriptor of
+    /// the parent (other cells' links, userfaultfds and guest memory, the
+    /// swap, the control socket) is close-on-exec in it.
     pub fn spawn(
         settings: &CellSettings,
         index: u32,
@@ -95,13 +185,32 @@ impl PendingCell {
             failure,
         };
         let (ours, theirs) = UnixStream::pair().map_err(|e| failed(StartFailure::Socketpair(e)))?;
-        // This very binary, even if the file was replaced since it started.
-        let child = Command::new("/proc/self/exe")
+        let mut command = Command::new("/proc/self/exe");
+        command
             .arg0("densevm")
             .arg("cell")
             .stdin(Stdio::from(OwnedFd::from(theirs)))
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
+            .stderr(Stdio::inherit());
+        // SAFETY: runs in the child between fork and exec, after its stdio
+        // is in place; close_range is async-signal-safe. CLOEXEC rather
+        // than closing keeps the descriptor std reports a failed exec on.
+        unsafe {
+            command.pre_exec(|| {
+                let rc = libc::syscall(
+                    libc::SYS_close_range,
+                    3u32,
+                    u32::MAX,
+                    libc::CLOSE_RANGE_CLOEXEC,
+                );
+                if rc != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        // This very binary, even if the file was replaced since it started.
+        let child = command
             .spawn()
             .map_err(|e| failed(StartFailure::Spawn(e)))?;
         let config = CellConfig {
@@ -122,7 +231,11 @@ impl PendingCell {
             count,
             capacity,
         };
-        if let Err(e) = (&cell.link).write_all(&line) {
+        let sent = cell
+            .link
+            .set_write_timeout(Some(deadline::CELL_HELLO))
+            .and_then(|()| (&cell.link).write_all(&line));
+        if let Err(e) = sent {
             let _ = cell.child.kill();
             let _ = cell.child.wait();
             return Err(failed(StartFailure::SendConfig(e)));
@@ -131,14 +244,29 @@ impl PendingCell {
     }
 
     /// Receives the cell's guest memory, gives it to the pager with the
-    /// cell's VMs, and lets the cell boot them.
-    pub fn handshake(mut self, pager: &Pager, ram_bytes: usize) -> Result<Cell, CellStartError> {
-        let handed = self.try_handshake(pager, ram_bytes).and_then(|handed| {
-            self.link
-                .set_nonblocking(true)
-                .map_err(StartFailure::Link)?;
-            Ok(handed)
-        });
+    /// cell's VMs, and lets the cell boot them. Waits at most
+    /// [`deadline::CELL_HELLO`] (or until `by`, if sooner) for the hello.
+    /// On any failure the cell is killed and nothing stays registered.
+    pub fn handshake(
+        mut self,
+        pager: &Pager,
+        ram_bytes: usize,
+        platform: &'static str,
+        by: Option<Instant>,
+    ) -> Result<Cell, CellStartError> {
+        let mut by_then = Instant::now() + deadline::CELL_HELLO;
+        if let Some(by) = by {
+            by_then = by_then.min(by);
+        }
+        let handed = self
+            .try_handshake(pager, ram_bytes, platform, by_then)
+            .and_then(|handed| {
+                if let Err(e) = self.link.set_nonblocking(true) {
+                    handed.0.iter().for_each(|&s| pager.detach_space(s));
+                    return Err(StartFailure::Link(e));
+                }
+                Ok(handed)
+            });
         match handed {
             Ok((spaces, holder_vms)) => {
                 let link = mio::net::UnixStream::from_std(self.link);
@@ -146,7 +274,7 @@ impl PendingCell {
                     index: self.index,
                     pid: self.child.id(),
                     child: self.child,
-                    link: LineStream::new(link, MAX_LINK_LINE),
+                    link: Some(LineStream::new(link, MAX_LINK_LINE)),
                     spaces,
                     holder_vms,
                     first_id: self.first_id,
@@ -154,6 +282,8 @@ impl PendingCell {
                     capacity: self.capacity,
                     booted: None,
                     dead: None,
+                    next_request: 1,
+                    forgotten: Vec::new(),
                 })
             }
             Err(failure) => {
@@ -167,28 +297,37 @@ impl PendingCell {
         }
     }
 
+    /// Waits for the link to be readable until `by`.
+    fn wait_readable(&self, by: Instant) -> Result<(), StartFailure> {
+        loop {
+            let left = by.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(StartFailure::Timeout);
+            }
+            let mut fds = [libc::pollfd {
+                fd: self.link.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            }];
+            // SAFETY: one valid pollfd.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), 1, left.as_millis().min(1000) as i32) };
+            if n > 0 {
+                return Ok(());
+            }
+        }
+    }
+
     fn try_handshake(
         &mut self,
         pager: &Pager,
         ram_bytes: usize,
+        platform: &'static str,
+        by: Instant,
     ) -> Result<(Vec<SpaceId>, u32), StartFailure> {
-        self.link
-            .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
-            .map_err(StartFailure::Link)?;
+        self.wait_readable(by)?;
         let mut buf = vec![0u8; 4096];
-        let mut fds = [-1; MAX_HELLO_FDS];
-        let mut iov = [libc::iovec {
-            iov_base: buf.as_mut_ptr().cast(),
-            iov_len: buf.len(),
-        }];
-        // SAFETY: the iovec points into `buf`, which outlives the call.
-        let (bytes, nfds) = unsafe { self.link.recv_with_fds(&mut iov, &mut fds) }
-            .map_err(|e| StartFailure::Receive(e.into()))?;
-        // SAFETY: descriptors received are ours to own.
-        let received: Vec<OwnedFd> = fds[..nfds]
-            .iter()
-            .map(|&fd| unsafe { OwnedFd::from_raw_fd(fd) })
-            .collect();
+        let (bytes, received) =
+            recv_with_fds_cloexec(&self.link, &mut buf).map_err(StartFailure::Receive)?;
         if bytes == 0 {
             return Err(self
                 .exit_reason()
@@ -196,7 +335,16 @@ impl PendingCell {
         }
         let mut hello = buf[..bytes].to_vec();
         while !hello.ends_with(b"\n") {
-            let n = self.link.read(&mut buf).map_err(StartFailure::Receive)?;
+            if hello.len() > MAX_HELLO {
+                return Err(HelloError::TooLong.into());
+            }
+            self.wait_readable(by)?;
+            let n = match self.link.read(&mut buf) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(StartFailure::Receive(e)),
+            };
             if n == 0 {
                 return Err(StartFailure::Closed);
             }
@@ -204,17 +352,41 @@ impl PendingCell {
         }
         // A cell that failed to start sends its reason instead of a hello.
         if let Ok(FromCell::Failed { error }) = serde_json::from_slice::<FromCell>(&hello) {
-            return Err(StartFailure::Refused(error));
+            return Err(StartFailure::Refused(quote(&error)));
         }
-        let hello: Hello = serde_json::from_slice(&hello).map_err(StartFailure::BadHello)?;
-        if received.len() != 2 * hello.spaces.len() || hello.holder_vms == 0 {
-            return Err(StartFailure::NoDescriptors);
-        }
+        let hello: Hello = serde_json::from_slice(&hello).map_err(HelloError::Unreadable)?;
+        check_hello(
+            &hello,
+            self.child.id(),
+            self.capacity,
+            received.len(),
+            ram_bytes,
+            platform,
+        )?;
         let mut spaces = Vec::with_capacity(hello.spaces.len());
+        let handed = self.hand_over(pager, &hello, received, ram_bytes, &mut spaces);
+        if let Err(e) = handed {
+            // Detaching a space unregisters every VM registered in it.
+            spaces.iter().for_each(|&s| pager.detach_space(s));
+            return Err(e);
+        }
+        Ok((spaces, hello.holder_vms))
+    }
+
+    /// Attaches the spaces (pushed to `spaces` as they are), registers the
+    /// VMs and tells the cell to boot them.
+    fn hand_over(
+        &mut self,
+        pager: &Pager,
+        hello: &Hello,
+        received: Vec<OwnedFd>,
+        ram_bytes: usize,
+        spaces: &mut Vec<SpaceId>,
+    ) -> Result<(), StartFailure> {
         let mut fds = received.into_iter();
         for space in &hello.spaces {
             let (Some(uffd), Some(memfd)) = (fds.next(), fds.next()) else {
-                unreachable!("two descriptors a space, checked above")
+                unreachable!("two descriptors a space, checked by check_hello")
             };
             let handoff = SpaceHandoff {
                 uffd,
@@ -222,32 +394,20 @@ impl PendingCell {
                 base: space.base,
                 len: space.len,
             };
-            match pager.attach_space(handoff) {
-                Ok(id) => spaces.push(id),
-                Err(e) => {
-                    spaces.iter().for_each(|&s| pager.detach_space(s));
-                    return Err(e.into());
-                }
-            }
+            spaces.push(pager.attach_space(handoff)?);
         }
         for i in 0..self.count {
-            let (space, offset) = space_of(&spaces, hello.holder_vms, i, ram_bytes);
-            let registered = space
-                .ok_or(StartFailure::NoSpace(self.first_id + i))
-                .and_then(|space| {
-                    pager
-                        .register_vm(self.first_id + i, space, offset, ram_bytes)
-                        .map_err(StartFailure::from)
-                });
-            if let Err(e) = registered {
-                spaces.iter().for_each(|&s| pager.detach_space(s));
-                return Err(e);
-            }
+            let (space, offset) = space_of(spaces, hello.holder_vms, i, ram_bytes);
+            let space = space.expect("every slot has a space, checked by check_hello");
+            pager.register_vm(self.first_id + i, space, offset, ram_bytes)?;
         }
-        let mut go = serde_json::to_vec(&ToCell::Go).expect("serializes");
+        let mut go = serde_json::to_vec(&Request {
+            id: 0,
+            req: ToCell::Go,
+        })
+        .expect("serializes");
         go.push(b'\n');
-        self.link.write_all(&go).map_err(StartFailure::Go)?;
-        Ok((spaces, hello.holder_vms))
+        self.link.write_all(&go).map_err(StartFailure::Go)
     }
 
     fn exit_reason(&mut self) -> Option<String> {
@@ -260,6 +420,126 @@ impl PendingCell {
         }
         None
     }
+}
+
+/// Checks a cell's hello against what the parent started it for: its pid,
+/// one whole-page space per holder of `holder_vms` slots, as long as those
+/// slots, not overlapping; two descriptors a space; the host's platform.
+fn check_hello(
+    hello: &Hello,
+    pid: u32,
+    capacity: u32,
+    fds: usize,
+    ram_bytes: usize,
+    platform: &'static str,
+) -> Result<(), HelloError> {
+    if hello.pid != pid {
+        return Err(HelloError::Pid {
+            said: hello.pid,
+            actual: pid,
+        });
+    }
+    if hello.holder_vms == 0 {
+        return Err(HelloError::HolderVms {
+            holder_vms: hello.holder_vms,
+            capacity,
+        });
+    }
+    let needed = capacity.div_ceil(hello.holder_vms) as u64;
+    if hello.spaces.len() as u64 != needed || hello.spaces.len() > MAX_HELLO_FDS / 2 {
+        return Err(HelloError::Spaces {
+            spaces: hello.spaces.len(),
+            capacity,
+            needed,
+        });
+    }
+    if fds != 2 * hello.spaces.len() {
+        return Err(HelloError::Descriptors {
+            fds,
+            spaces: hello.spaces.len(),
+        });
+    }
+    let page = 4096;
+    let mut taken: Vec<(usize, usize)> = Vec::with_capacity(hello.spaces.len());
+    for (h, space) in hello.spaces.iter().enumerate() {
+        let bad = |why| HelloError::Space {
+            space: h,
+            base: space.base,
+            len: space.len,
+            why,
+        };
+        let slots = (capacity - h as u32 * hello.holder_vms).min(hello.holder_vms) as usize;
+        if space.base == 0 || space.base % page != 0 || space.len % page != 0 {
+            return Err(bad("is not whole pages"));
+        }
+        if Some(space.len) != slots.checked_mul(ram_bytes) {
+            return Err(bad("is not as long as its slots"));
+        }
+        let Some(end) = space.base.checked_add(space.len) else {
+            return Err(bad("wraps around"));
+        };
+        if taken.iter().any(|&(b, e)| space.base < e && b < end) {
+            return Err(bad("overlaps another space"));
+        }
+        taken.push((space.base, end));
+    }
+    if hello.platform != platform {
+        return Err(HelloError::Platform {
+            said: quote(&hello.platform),
+            actual: platform,
+        });
+    }
+    Ok(())
+}
+
+/// Receives one message and the descriptors it carries, each close-on-exec
+/// from the start (MSG_CMSG_CLOEXEC): none can leak into a process the
+/// parent starts later. Descriptors past [`MAX_HELLO_FDS`] are closed by
+/// the kernel (MSG_CTRUNC), and the count then disagrees with the hello.
+fn recv_with_fds_cloexec(link: &UnixStream, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE((MAX_HELLO_FDS * std::mem::size_of::<i32>()) as u32) };
+    // u64 words keep the control buffer aligned for cmsghdr.
+    let mut control = vec![0u64; (space as usize).div_ceil(8)];
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: zeroed msghdr is a valid empty header; fields set below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = control.len() * 8;
+    let bytes = loop {
+        // SAFETY: msg points at live buffers for the duration of the call.
+        let n = unsafe { libc::recvmsg(link.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        if n >= 0 {
+            break n as usize;
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    };
+    let mut fds = Vec::new();
+    // SAFETY: the CMSG_* walk stays within msg_control as the kernel filled it.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(cmsg).cast::<i32>();
+                let header = libc::CMSG_LEN(0) as usize;
+                let n = ((*cmsg).cmsg_len as usize).saturating_sub(header) / 4;
+                for i in 0..n {
+                    // The descriptors received are ours to own.
+                    fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+    }
+    Ok((bytes, fds))
 }
 
 /// Descriptors a cell's hello may carry (SCM_RIGHTS takes at most 253).
@@ -292,8 +572,8 @@ pub struct Cell {
     /// Its pid.
     pub pid: u32,
     child: Child,
-    /// The link (registered with the parent's event loop).
-    pub link: LineStream<mio::net::UnixStream>,
+    /// The link (registered with the parent's event loop), until the cell ends.
+    pub link: Option<LineStream<mio::net::UnixStream>>,
     /// Its holders' guest memory in the pager, until it is detached.
     pub spaces: Vec<SpaceId>,
     /// VMs per holder: slot `i` is in `spaces[i / holder_vms]`.
@@ -308,6 +588,10 @@ pub struct Cell {
     pub booted: Option<(u32, u32)>,
     /// Why it is gone, once it is.
     pub dead: Option<String>,
+    /// The id of the next request.
+    next_request: u64,
+    /// Once it is gone: which of its VMs were destroyed (forgotten).
+    forgotten: Vec<bool>,
 }
 
 impl Cell {
@@ -318,15 +602,25 @@ impl Cell {
 
     /// Whether VM `id` is one of this cell's.
     pub fn holds(&self, id: u32) -> bool {
-        id >= self.first_id && id < self.first_id + self.count
+        id >= self.first_id && id - self.first_id < self.count
     }
 
-    /// Queues a request and writes what the socket takes.
-    pub fn send(&mut self, request: &ToCell) -> Result<(), FrameError> {
-        let line = serde_json::to_vec(request).expect("requests serialize");
-        self.link.queue(&line);
-        self.link.flush()?;
-        Ok(())
+    /// Queues a request and writes what the socket takes; returns the id
+    /// its reply must carry.
+    pub fn send(&mut self, request: &ToCell) -> Result<u64, FrameError> {
+        let Some(link) = self.link.as_mut() else {
+            return Err(FrameError::Closed);
+        };
+        let id = self.next_request;
+        self.next_request += 1;
+        let line = serde_json::to_vec(&Request {
+            id,
+            req: request.clone(),
+        })
+        .expect("requests serialize");
+        link.queue(&line);
+        link.flush()?;
+        Ok(id)
     }
 
     /// Waits for the process to end after its link closed (or kills it after
@@ -339,22 +633,124 @@ impl Cell {
                 Ok(None) if Instant::now() < deadline => {
                     std::thread::sleep(Duration::from_millis(5))
                 }
-                Ok(None) => {
-                    let _ = self.child.kill();
-                    return self
-                        .child
-                        .wait()
-                        .map(describe_exit)
-                        .unwrap_or_else(|e| format!("lost: {e}"));
-                }
+                Ok(None) => return self.kill(),
                 Err(e) => return format!("lost: {e}"),
             }
         }
     }
 
-    /// Kills the process at once (the run is failing).
-    pub fn kill(&mut self) {
+    /// Kills the process at once; returns how it ended.
+    pub fn kill(&mut self) -> String {
         let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.child
+            .wait()
+            .map(describe_exit)
+            .unwrap_or_else(|e| format!("lost: {e}"))
+    }
+
+    /// Forgets VM `id` of a cell that is gone (`destroy` of a crashed VM);
+    /// false if it is not one of its VMs or was forgotten already.
+    pub fn forget(&mut self, id: u32) -> bool {
+        if self.dead.is_none() || !self.holds(id) {
+            return false;
+        }
+        if self.forgotten.is_empty() {
+            self.forgotten = vec![false; self.count as usize];
+        }
+        let slot = &mut self.forgotten[(id - self.first_id) as usize];
+        !std::mem::replace(slot, true)
+    }
+
+    /// The VMs of a cell that is gone that are still listed (not forgotten).
+    pub fn remembered(&self) -> impl Iterator<Item = u32> + '_ {
+        (self.first_id..self.first_id + self.count).filter(|&id| {
+            !self
+                .forgotten
+                .get((id - self.first_id) as usize)
+                .copied()
+                .unwrap_or(false)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::link::protocol::Space;
+
+    fn hello(holder_vms: u32, spaces: &[(usize, usize)]) -> Hello {
+        Hello {
+            pid: 7,
+            holder_vms,
+            spaces: spaces
+                .iter()
+                .map(|&(base, len)| Space { base, len })
+                .collect(),
+            platform: "kvm".into(),
+        }
+    }
+
+    #[test]
+    fn a_hello_that_fits_the_cell_is_accepted() {
+        const RAM: usize = 1 << 20;
+        let good = hello(8, &[(1 << 30, 8 * RAM), (2 << 30, 2 * RAM)]);
+        check_hello(&good, 7, 10, 4, RAM, "kvm").unwrap();
+    }
+
+    #[test]
+    fn a_hello_that_does_not_fit_the_cell_is_refused_with_a_reason() {
+        const RAM: usize = 1 << 20;
+        let base = 1 << 30;
+        for (h, capacity, fds, platform, fragment) in [
+            (hello(0, &[(base, RAM)]), 1, 2, "kvm", "VMs per holder"),
+            (hello(8, &[(base, 8 * RAM)]), 10, 2, "kvm", "need 2"),
+            (hello(8, &[(base, 8 * RAM)]), 8, 1, "kvm", "descriptors"),
+            (hello(8, &[(base + 1, 8 * RAM)]), 8, 2, "kvm", "whole pages"),
+            (hello(8, &[(base, 4 * RAM)]), 8, 2, "kvm", "as long as"),
+            (
+                hello(8, &[(usize::MAX - 4095, 8 * RAM)]),
+                8,
+                2,
+                "kvm",
+                "wraps",
+            ),
+            (
+                hello(4, &[(base, 4 * RAM), (base + RAM, 4 * RAM)]),
+                8,
+                4,
+                "kvm",
+                "overlaps",
+            ),
+            (hello(8, &[(base, 8 * RAM)]), 8, 2, "pvm", "platform"),
+        ] {
+            let error = check_hello(&h, 7, capacity, fds, RAM, platform)
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains(fragment), "{error:?} lacks {fragment:?}");
+        }
+        let mut other = hello(8, &[(base, 8 * RAM)]);
+        other.pid = 8;
+        assert!(check_hello(&other, 7, 8, 2, RAM, "kvm").is_err());
+    }
+
+    #[test]
+    fn descriptors_received_are_close_on_exec() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let file = std::fs::File::open("/dev/null").unwrap();
+        use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+        a.send_with_fds(&[&b"hi\n"[..]], &[file.as_raw_fd()])
+            .unwrap();
+        let mut buf = [0u8; 16];
+        let (n, fds) = recv_with_fds_cloexec(&b, &mut buf).unwrap();
+        assert_eq!((n, fds.len()), (3, 1));
+        // SAFETY: F_GETFD on a descriptor we own.
+        let flags = unsafe { libc::fcntl(fds[0].as_raw_fd(), libc::F_GETFD) };
+        assert_ne!(flags & libc::FD_CLOEXEC, 0);
+    }
+
+    #[test]
+    fn quoted_text_is_one_short_line() {
+        assert_eq!(quote("a\nb"), "a b");
+        assert!(quote(&"é".repeat(500)).len() <= MAX_QUOTED + 3);
     }
 }

@@ -19,10 +19,15 @@ pub struct DescribeArgs {
 }
 
 /// The description of `args.serve`'s configuration, checked as `serve`
-/// checks it (guest, block, budget, policy, disk, swap path).
+/// checks it (its flags, guest, block, budget, policy, disk, swap path, the
+/// most VMs this host allows).
 pub fn describe(args: &ServeArgs) -> Result<Value, ConfigError> {
+    config::check_flags(args)?;
     let (_, layout) = config::load_guest(args)?;
     let pager = config::pager_config(args, &layout)?;
+    let cell_vms = config::cell_vms(args, &layout, &pager);
+    let (max_vms, bound) = config::max_vms(cell_vms);
+    config::check_max_vms(args.vms, cell_vms)?;
     Ok(json!({
         "schema": "densevm-describe/1",
         "version": env!("CARGO_PKG_VERSION"),
@@ -39,7 +44,9 @@ pub fn describe(args: &ServeArgs) -> Result<Value, ConfigError> {
             "budget_bytes": pager.budget_bytes,
             "policy": pager.policy.to_string(),
             "disk": pager.disk.text,
-            "cell_vms": config::cell_vms(args, &layout, &pager),
+            "cell_vms": cell_vms,
+            "max_vms": max_vms,
+            "max_vms_bound": bound,
         },
         "swap": {
             "vms_sized_for": config::vms_with_headroom(args.vms),
@@ -61,7 +68,7 @@ pub fn run(args: DescribeArgs) -> i32 {
             0
         }
         Err(ConfigError(e)) => {
-            eprintln!("densevm: error: {e}");
+            crate::log!("densevm: error: {e}");
             2
         }
     }

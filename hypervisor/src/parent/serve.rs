@@ -2,8 +2,8 @@
 //! cells that hold the VMs, supervise them until a signal, tear down.
 
 use crate::config::{
-    boot_layout, cell_settings, cell_vms, check_flags, ensure_fd_budget, fds_per_vm, load_guest,
-    pager_config, vms_with_headroom, CellSettings, ConfigError, ServeArgs,
+    boot_layout, cell_settings, cell_vms, check_flags, check_max_vms, ensure_fd_budget, fds_per_vm,
+    load_guest, pager_config, vms_with_headroom, CellSettings, ConfigError, ServeArgs,
 };
 use crate::guest::boot::RamLayout;
 use crate::parent::cell_handle::PendingCell;
@@ -36,6 +36,8 @@ struct Prepared {
     cell_vms: u32,
     /// VMs each cell boots with, in ID order.
     cell_sizes: Vec<u32>,
+    /// Most VMs held at once (`config::max_vms`).
+    max_vms: u32,
 }
 
 fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
@@ -51,6 +53,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
     let (guest, layout) = load_guest(args)?;
     let pager_config = pager_config(args, &layout)?;
     let cell_vms = cell_vms(args, &layout, &pager_config);
+    let max_vms = check_max_vms(args.vms, cell_vms)?;
     let cell_sizes = boot_layout(args.vms, cell_vms, pinned_cpus);
     // The parent holds a few descriptors per cell; each cell checks its own VMs.
     ensure_fd_budget(cell_sizes.len() as u32, FDS_PER_CELL)
@@ -83,15 +86,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
         .api
         .clone()
         .unwrap_or_else(|| PathBuf::from(format!("densevm-{}.sock", std::process::id())));
-    if api_path.exists() {
-        if std::os::unix::net::UnixStream::connect(&api_path).is_ok() {
-            return Err(ConfigError(format!(
-                "control socket {} is in use by another densevm",
-                api_path.display()
-            )));
-        }
-        let _ = std::fs::remove_file(&api_path);
-    }
+    check_api_path(&api_path)?;
     let pager = Pager::new(pager_config, vms_with_headroom(args.vms), layout.ram_bytes)
         .map_err(|e| ConfigError(e.to_string()))?;
     // Only the owner may drive the monitor: the socket is created 0600, whatever the umask.
@@ -118,7 +113,39 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
         platform,
         cell_vms,
         cell_sizes,
+        max_vms,
     })
+}
+
+/// Only a stale socket at the control path may be replaced: a live one is
+/// another densevm's, and anything else (a file, a link, a folder) is left
+/// alone and refused.
+fn check_api_path(path: &std::path::Path) -> Result<(), ConfigError> {
+    use std::os::unix::fs::FileTypeExt;
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => {
+            return Err(ConfigError(format!(
+                "control socket {}: {e}",
+                path.display()
+            )))
+        }
+    };
+    if !meta.file_type().is_socket() {
+        return Err(ConfigError(format!(
+            "--api {} exists and is not a socket; it is left alone",
+            path.display()
+        )));
+    }
+    if std::os::unix::net::UnixStream::connect(path).is_ok() {
+        return Err(ConfigError(format!(
+            "control socket {} is in use by another densevm",
+            path.display()
+        )));
+    }
+    std::fs::remove_file(path)
+        .map_err(|e| ConfigError(format!("stale control socket {}: {e}", path.display())))
 }
 
 /// Runs `densevm serve`; returns the exit code.
@@ -126,7 +153,7 @@ pub fn run(args: ServeArgs) -> i32 {
     let prepared = match prepare(&args) {
         Ok(p) => p,
         Err(ConfigError(message)) => {
-            eprintln!("densevm: error: {message}");
+            crate::log!("densevm: error: {message}");
             return 2;
         }
     };
@@ -140,10 +167,11 @@ pub fn run(args: ServeArgs) -> i32 {
         platform,
         cell_vms,
         cell_sizes,
+        max_vms,
     } = prepared;
     let boot_started = Instant::now();
     let fail = |message: String| {
-        eprintln!("densevm: error: {message}");
+        crate::log!("densevm: error: {message}");
         let _ = std::fs::remove_file(&api_path);
         pager.shutdown();
         1
@@ -161,7 +189,7 @@ pub fn run(args: ServeArgs) -> i32 {
     }
     let mut cells = Vec::with_capacity(pending.len());
     for cell in pending {
-        match cell.handshake(&pager, layout.ram_bytes as usize) {
+        match cell.handshake(&pager, layout.ram_bytes as usize, platform, None) {
             Ok(cell) => cells.push(cell),
             Err(e) => return fail(e.to_string()),
         }
@@ -180,9 +208,11 @@ pub fn run(args: ServeArgs) -> i32 {
     let setup = SupervisorSetup {
         settings,
         cell_vms,
+        max_vms,
         cells,
         pager: Arc::clone(&pager),
         ram_bytes: layout.ram_bytes as usize,
+        platform,
         api,
         api_path: api_path.clone(),
         boot_started,
@@ -199,7 +229,7 @@ pub fn run(args: ServeArgs) -> i32 {
             // exiting releases everything anyway.
             std::thread::spawn(|| {
                 std::thread::sleep(TEARDOWN_GRACE);
-                eprintln!(
+                crate::log!(
                     "densevm: teardown took over {} s; exiting with VMs still held",
                     TEARDOWN_GRACE.as_secs()
                 );
@@ -219,7 +249,7 @@ pub fn run(args: ServeArgs) -> i32 {
             let message = error.to_string();
             // The run is broken (the pager failed, say): report first, then
             // stop the cells without waiting for vCPUs that may never return.
-            eprintln!("densevm: error: {message}");
+            crate::log!("densevm: error: {message}");
             emit(&json!({ "event": "exit", "reason": "error", "error": message }));
             supervisor.kill_cells();
             let _ = std::fs::remove_file(&api_path);

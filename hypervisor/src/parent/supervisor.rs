@@ -6,18 +6,30 @@
 //! the pager's figures, so a client sees one monitor. A cell that dies takes
 //! only its own VMs down: they are reported crashed with the reason, and
 //! their budget and swap go back to the pager.
+//!
+//! A cell is untrusted: a message that does not parse, is too long, answers
+//! no request in flight, or names counts or VMs that are not the cell's, a
+//! `Failed` after its boot, a reply later than its deadline
+//! ([`deadline`]), or a failure of its guest memory in the pager ends that
+//! cell (killed, its VMs crashed with a one-line reason), never the parent.
+//!
+//! A control client gets work done only while it is there and reads: its
+//! requests are handled one at a time, none once it has hung up, none
+//! while its unread replies pass [`API_BACKPRESSURE`]; a turn of the loop
+//! handles requests for at most [`TURN_BUDGET`], so signals stay prompt.
 
-use crate::config::CellSettings;
+use crate::config::{self, CellSettings};
 use crate::link::framing::{FrameError, LineStream, More};
-use crate::link::protocol::{FromCell, ToCell};
+use crate::link::protocol::{deadline, FromCell, ToCell};
 use crate::parent::api::{self, Request};
-use crate::parent::cell_handle::{Cell, PendingCell};
+use crate::parent::cell_handle::{quote, Cell, PendingCell};
 use mio::net::{UnixListener, UnixStream};
 use mio::{Events, Interest, Poll, Token};
 use paging_policy::trace::TraceWriter;
 use paging_policy::Pager;
 use serde_json::{json, Map, Value};
 use slab::Slab;
+use std::collections::VecDeque;
 use std::io::{self, Write};
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
@@ -37,12 +49,17 @@ const MAX_API_CLIENTS: usize = 256;
 /// pipelines requests faster than they are answered waits for the next turn,
 /// so the other clients, the cells and the signals are served in between.
 const API_REQUESTS_PER_TURN: usize = 32;
-/// Replies a client may leave unread before it is disconnected (a full
-/// stats reply of 10,000 VMs is ~3 MB).
-const MAX_API_UNSENT: usize = 64 << 20;
-/// Longest a cell may take to answer a request before it is reported as not
-/// answering.
-const CELL_REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Unread replies past which a client's requests are not read any more
+/// until it reads (backpressure): at most one reply more is queued.
+pub const API_BACKPRESSURE: usize = 1 << 20;
+/// Longest a turn of the loop spends on control requests before it looks at
+/// signals and the cells again (a request in progress is finished).
+pub const TURN_BUDGET: Duration = Duration::from_millis(50);
+/// Lines of one cell handled per turn (a cell that floods its link waits
+/// for the next turn).
+const CELL_LINES_PER_TURN: usize = 1024;
+/// Longest a cell whose link closed may take to exit before it is killed.
+const CELL_EXIT_AFTER_CLOSE: Duration = Duration::from_secs(1);
 /// Longest a cell may take to exit once asked to.
 const CELL_EXIT_GRACE: Duration = Duration::from_secs(20);
 /// Most requests of one VM recorded per report (a guest writes the counter).
@@ -68,7 +85,7 @@ pub enum SupervisorError {
     /// Polling failed.
     #[error("event loop: {0}")]
     Poll(io::Error),
-    /// A cell failed, or answered a request with an error (its message).
+    /// A cell failed its first boot, or answered a request with an error (its message).
     #[error("cell {index}: {error}")]
     Cell {
         /// The cell's index.
@@ -76,9 +93,33 @@ pub enum SupervisorError {
         /// What it said.
         error: String,
     },
-    /// A new cell's link could not join the event loop.
-    #[error("create: {0}")]
-    Adopt(io::Error),
+}
+
+/// What a cell said or did that ends it, or the run.
+enum CellFault {
+    /// The cell is ended (killed): a hostile or broken message.
+    Hostile(String),
+    /// One of the first cells could not boot: the run cannot go on.
+    BootFailed(String),
+}
+
+/// Why a cell is ended.
+enum End {
+    /// Its link closed or failed.
+    Link(FrameError),
+    /// It broke the protocol (what, one line).
+    Hostile(String),
+    /// It missed a deadline.
+    Deadline(Duration),
+    /// The pager failed on its guest memory.
+    Memory(String),
+}
+
+/// A control client.
+struct ApiClient {
+    lines: LineStream<UnixStream>,
+    /// It closed its end: no more requests; kept until its replies are out.
+    eof: bool,
 }
 
 /// Parameters of [`Supervisor::new`].
@@ -87,12 +128,16 @@ pub struct SupervisorSetup {
     pub settings: CellSettings,
     /// Most VMs a cell holds (`--cell-vms` resolved).
     pub cell_vms: u32,
+    /// Most VMs the monitor holds at once ([`config::max_vms`]).
+    pub max_vms: u32,
     /// The cells, handed over and booting.
     pub cells: Vec<Cell>,
     /// The pager every cell's memory is attached to.
     pub pager: Arc<Pager>,
     /// RAM of one VM.
     pub ram_bytes: usize,
+    /// "pvm" or "kvm": what every cell's hello must say.
+    pub platform: &'static str,
     /// Bound control socket.
     pub api: std::os::unix::net::UnixListener,
     /// Its path (removed at exit).
@@ -110,18 +155,35 @@ pub struct Supervisor {
     poll: Poll,
     settings: CellSettings,
     cell_vms: u32,
+    max_vms: u32,
     cells: Vec<Cell>,
+    /// Cells with lines left unread after their turn.
+    cells_with_more: Vec<usize>,
     pager: Arc<Pager>,
     ram_bytes: usize,
+    platform: &'static str,
     api: UnixListener,
     api_path: PathBuf,
-    clients: Slab<LineStream<UnixStream>>,
-    /// Clients that had more requests than one turn handles.
-    clients_with_more: Vec<usize>,
+    clients: Slab<ApiClient>,
+    /// Clients that may have requests left after their turn.
+    clients_with_more: VecDeque<usize>,
     signals: signal_hook_mio::v1_0::Signals,
     boot_started: Instant,
     ready_line: Option<Value>,
     trace: Option<TraceWriter>,
+}
+
+/// Whether the peer of `fd` has closed its end entirely (it can read no
+/// reply): POLLHUP, which a half-close (SHUT_WR) does not raise.
+fn hung_up(fd: i32) -> bool {
+    let mut fds = [libc::pollfd {
+        fd,
+        events: 0,
+        revents: 0,
+    }];
+    // SAFETY: one valid pollfd; a zero timeout never waits.
+    let n = unsafe { libc::poll(fds.as_mut_ptr(), 1, 0) };
+    n == 1 && fds[0].revents & (libc::POLLHUP | libc::POLLERR) != 0
 }
 
 impl Supervisor {
@@ -138,13 +200,16 @@ impl Supervisor {
             poll,
             settings: setup.settings,
             cell_vms: setup.cell_vms,
+            max_vms: setup.max_vms,
             cells: Vec::new(),
+            cells_with_more: Vec::new(),
             pager: setup.pager,
             ram_bytes: setup.ram_bytes,
+            platform: setup.platform,
             api,
             api_path: setup.api_path,
             clients: Slab::new(),
-            clients_with_more: Vec::new(),
+            clients_with_more: VecDeque::new(),
             signals,
             boot_started: setup.boot_started,
             ready_line: Some(setup.ready_line),
@@ -158,11 +223,13 @@ impl Supervisor {
 
     fn adopt(&mut self, mut cell: Cell) -> io::Result<()> {
         let index = self.cells.len();
-        self.poll.registry().register(
-            &mut cell.link.stream,
-            token(KIND_CELL, index),
-            Interest::READABLE,
-        )?;
+        if let Some(link) = cell.link.as_mut() {
+            self.poll.registry().register(
+                &mut link.stream,
+                token(KIND_CELL, index),
+                Interest::READABLE,
+            )?;
+        }
         self.cells.push(cell);
         Ok(())
     }
@@ -175,8 +242,10 @@ impl Supervisor {
             if let Some(error) = self.pager.fatal_error() {
                 return Err(SupervisorError::Pager(error));
             }
+            self.end_failures();
             self.check_boot();
-            let timeout = if !self.clients_with_more.is_empty() {
+            let timeout = if !self.clients_with_more.is_empty() || !self.cells_with_more.is_empty()
+            {
                 Duration::ZERO
             } else if self.ready_line.is_some() {
                 Duration::from_millis(20)
@@ -185,6 +254,7 @@ impl Supervisor {
             };
             crate::link::framing::nonblocking(|| self.poll.poll(&mut events, Some(timeout)))
                 .map_err(SupervisorError::Poll)?;
+            let turn = Instant::now();
             for event in events.iter() {
                 let Token(t) = event.token();
                 match event.token() {
@@ -197,15 +267,26 @@ impl Supervisor {
                     _ => {
                         let index = t & ((1 << KIND_SHIFT) - 1);
                         match t >> KIND_SHIFT {
-                            KIND_API_CLIENT => self.client_ready(index),
+                            KIND_API_CLIENT => self.client_ready(index, turn),
                             KIND_CELL => self.cell_ready(index)?,
                             _ => {}
                         }
                     }
                 }
             }
-            for key in std::mem::take(&mut self.clients_with_more) {
-                self.client_ready(key);
+            for index in std::mem::take(&mut self.cells_with_more) {
+                self.cell_ready(index)?;
+            }
+            // Each client left over gets its turn, in order, while this
+            // turn's budget lasts; the rest wait for the next turn.
+            for _ in 0..self.clients_with_more.len() {
+                if turn.elapsed() >= TURN_BUDGET {
+                    break;
+                }
+                let Some(key) = self.clients_with_more.pop_front() else {
+                    break;
+                };
+                self.client_ready(key, turn);
             }
         }
     }
@@ -220,11 +301,13 @@ impl Supervisor {
             return;
         }
         let mut line = self.ready_line.take().expect("checked above");
-        let (mut ready, mut failed) = (0, 0);
+        let (mut ready, mut failed) = (0u32, 0u32);
         for cell in &self.cells {
             match (cell.booted, &cell.dead) {
-                (Some((r, f)), None) => (ready, failed) = (ready + r, failed + f),
-                _ => failed += cell.count,
+                (Some((r, f)), None) => {
+                    (ready, failed) = (ready.saturating_add(r), failed.saturating_add(f))
+                }
+                _ => failed = failed.saturating_add(cell.count),
             }
         }
         line["event"] = json!("ready");
@@ -234,86 +317,175 @@ impl Supervisor {
         emit(&line);
     }
 
-    // ---- cells ----
-
-    fn cell_ready(&mut self, index: usize) -> Result<(), SupervisorError> {
-        let mut lines = Vec::new();
-        let result = self.cells[index].link.read_lines(&mut lines);
-        for line in lines {
-            self.cell_message(index, &line)?;
-        }
-        match result {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                self.cell_died(index, &e);
-                Ok(())
+    /// Ends what the pager reports failed: the cell of a failed space, a
+    /// failed VM.
+    fn end_failures(&mut self) {
+        for failure in self.pager.take_failures() {
+            match failure.vm {
+                None => {
+                    let holder = self
+                        .cells
+                        .iter()
+                        .position(|c| c.dead.is_none() && c.spaces.contains(&failure.space));
+                    match holder {
+                        Some(index) => self.end_cell(index, End::Memory(failure.reason)),
+                        None => self.pager.detach_space(failure.space),
+                    }
+                }
+                Some(vm) => {
+                    crate::log!(
+                        "densevm: VM {vm}: the pager failed on its memory ({}); it is stopped",
+                        quote(&failure.reason)
+                    );
+                    if let Some(index) = self.live_cell_of(vm) {
+                        // Its vCPU may wait in a fault until it is unregistered:
+                        // the destroy is not waited for.
+                        if let Ok(id) = self.cells[index].send(&ToCell::Destroy { vm }) {
+                            let _ = self
+                                .collect(vec![(index, id)], Instant::now() + deadline::CELL_REPLY);
+                        }
+                    }
+                    self.pager.unregister_vm(vm);
+                }
             }
         }
     }
 
-    /// Handles an event from a cell; returns a reply if the line was one.
+    // ---- cells ----
+
+    fn cell_ready(&mut self, index: usize) -> Result<(), SupervisorError> {
+        let Some(link) = self.cells[index].link.as_mut() else {
+            return Ok(());
+        };
+        let mut lines = Vec::new();
+        let result = link.read_lines_upto(&mut lines, CELL_LINES_PER_TURN);
+        for line in lines {
+            match self.cell_message(index, &line) {
+                Ok(None) => {}
+                Ok(Some((id, _))) => {
+                    self.end_cell(index, End::Hostile(format!("a reply ({id}) to no request")));
+                    return Ok(());
+                }
+                Err(CellFault::Hostile(why)) => {
+                    self.end_cell(index, End::Hostile(why));
+                    return Ok(());
+                }
+                Err(CellFault::BootFailed(error)) => {
+                    return Err(SupervisorError::Cell { index, error })
+                }
+            }
+        }
+        match result {
+            Ok(More::No) => {}
+            Ok(More::Lines) => self.cells_with_more.push(index),
+            Err(e) => self.end_cell(index, End::Link(e)),
+        }
+        Ok(())
+    }
+
+    /// Handles a line from a cell: an event, or a reply (returned with its
+    /// id for the caller to match).
     fn cell_message(
         &mut self,
         index: usize,
         line: &[u8],
-    ) -> Result<Option<Value>, SupervisorError> {
-        let message = match serde_json::from_slice::<FromCell>(line) {
-            Ok(message) => message,
-            Err(e) => {
-                eprintln!("densevm: cell {index}: bad message: {e}");
-                return Ok(None);
-            }
-        };
+    ) -> Result<Option<(u64, Value)>, CellFault> {
+        let message = serde_json::from_slice::<FromCell>(line)
+            .map_err(|e| CellFault::Hostile(format!("bad message ({e})")))?;
+        let cell = &mut self.cells[index];
         match message {
-            FromCell::Booted { ready, failed } => self.cells[index].booted = Some((ready, failed)),
-            FromCell::Access { counts } => self.note_access(index, &counts),
-            FromCell::Stopped { vm } if self.cells[index].holds(vm) => self.pager.unregister_vm(vm),
-            FromCell::Stopped { vm } => {
-                eprintln!("densevm: cell {index}: reported VM {vm}, which it does not hold")
+            FromCell::Booted { .. } if cell.booted.is_some() => {
+                return Err(CellFault::Hostile("booted twice".into()))
             }
-            FromCell::Reply { reply } => return Ok(Some(reply)),
-            FromCell::Failed { error } => return Err(SupervisorError::Cell { index, error }),
+            FromCell::Booted { ready, failed } => {
+                if ready as u64 + failed as u64 > cell.count as u64 {
+                    return Err(CellFault::Hostile(format!(
+                        "booted {ready} + {failed} of its {} VMs",
+                        cell.count
+                    )));
+                }
+                cell.booted = Some((ready, failed));
+            }
+            FromCell::Access { counts } => {
+                if let Some(&(vm, _)) = counts.iter().find(|(vm, _)| !cell.holds(*vm)) {
+                    return Err(CellFault::Hostile(format!(
+                        "reported requests of VM {vm}, which it does not hold"
+                    )));
+                }
+                self.note_access(&counts);
+            }
+            FromCell::Stopped { vm } if cell.holds(vm) => self.pager.unregister_vm(vm),
+            FromCell::Stopped { vm } => {
+                return Err(CellFault::Hostile(format!(
+                    "reported VM {vm} stopped, which it does not hold"
+                )))
+            }
+            FromCell::Reply { id, reply } => return Ok(Some((id, reply))),
+            FromCell::Failed { error } if cell.booted.is_none() && self.ready_line.is_some() => {
+                return Err(CellFault::BootFailed(quote(&error)))
+            }
+            FromCell::Failed { error } => {
+                return Err(CellFault::Hostile(format!("failed: {}", quote(&error))))
+            }
         }
         Ok(None)
     }
 
-    fn note_access(&mut self, index: usize, counts: &[(u32, u64)]) {
+    fn note_access(&mut self, counts: &[(u32, u64)]) {
         for &(vm, requests) in counts {
-            if !self.cells[index].holds(vm) {
-                continue;
-            }
             self.pager.note_access(vm);
             if let Some(writer) = self.trace.as_mut() {
                 let recorded =
                     (0..requests.min(MAX_TRACED_PER_REPORT)).try_for_each(|_| writer.record(vm));
                 if let Err(e) = recorded {
-                    eprintln!("densevm: error: trace: {e}; recording stops");
+                    crate::log!("densevm: error: trace: {e}; recording stops");
                     self.trace = None;
                 }
             }
         }
     }
 
-    /// A cell's link closed or broke: the cell is gone, and so are its VMs.
-    fn cell_died(&mut self, index: usize, cause: &FrameError) {
+    /// Ends cell `index`: its link closes, the process is reaped (killed
+    /// unless its link closed on its own), its VMs are down and its memory
+    /// goes back to the pager.
+    fn end_cell(&mut self, index: usize, end: End) {
         let cell = &mut self.cells[index];
         if cell.dead.is_some() {
             return;
         }
-        let _ = self.poll.registry().deregister(&mut cell.link.stream);
-        let how = cell.reap(Duration::from_secs(2));
+        if let Some(mut link) = cell.link.take() {
+            let _ = self.poll.registry().deregister(&mut link.stream);
+        }
+        let (i, pid) = (cell.index, cell.pid);
         // A process that dies with bytes unread on its socket resets the link.
-        let reason = match cause {
-            FrameError::Closed => format!("cell {} (pid {}) {how}", cell.index, cell.pid),
-            FrameError::Io(e) if e.kind() == io::ErrorKind::ConnectionReset => {
-                format!("cell {} (pid {}) {how}", cell.index, cell.pid)
+        let reason = match end {
+            End::Link(FrameError::Closed) => {
+                format!("cell {i} (pid {pid}) {}", cell.reap(CELL_EXIT_AFTER_CLOSE))
             }
-            other => format!(
-                "cell {} (pid {}): link failed ({other}); {how}",
-                cell.index, cell.pid
+            End::Link(FrameError::Io(e)) if e.kind() == io::ErrorKind::ConnectionReset => {
+                format!("cell {i} (pid {pid}) {}", cell.reap(CELL_EXIT_AFTER_CLOSE))
+            }
+            End::Link(other) => {
+                format!(
+                    "cell {i} (pid {pid}): link failed ({other}); {}",
+                    cell.kill()
+                )
+            }
+            End::Hostile(why) => {
+                format!("cell {i} (pid {pid}) was stopped: {why}; {}", cell.kill())
+            }
+            End::Deadline(within) => format!(
+                "cell {i} (pid {pid}) was stopped: no answer within {} s; {}",
+                within.as_secs(),
+                cell.kill()
+            ),
+            End::Memory(why) => format!(
+                "cell {i} (pid {pid}) was stopped: its guest memory failed ({}); {}",
+                quote(&why),
+                cell.kill()
             ),
         };
-        eprintln!(
+        crate::log!(
             "densevm: {reason}: its VMs {}..{} are down",
             cell.first_id,
             cell.first_id + cell.count.saturating_sub(1)
@@ -322,86 +494,131 @@ impl Supervisor {
             self.pager.detach_space(space);
         }
         cell.dead = Some(reason);
+        self.cells_with_more.retain(|&c| c != index);
     }
 
     /// Sends `request` to each cell in `targets`, then collects their
-    /// replies, handling their events meanwhile. A cell that dies or does
-    /// not answer in time gets an error in its place.
-    fn ask(
-        &mut self,
-        targets: &[usize],
-        request: &ToCell,
-    ) -> Result<Vec<(usize, Value)>, SupervisorError> {
-        let mut sent = Vec::new();
+    /// replies until `by`, handling their events meanwhile. A cell that dies
+    /// or breaks the protocol gets an error in its place; one that has not
+    /// answered by then is killed.
+    fn ask(&mut self, targets: &[usize], request: &ToCell, by: Instant) -> Vec<(usize, Value)> {
+        let mut waiting = Vec::new();
         for &index in targets {
             if self.cells[index].dead.is_some() {
                 continue;
             }
             match self.cells[index].send(request) {
-                Ok(()) => sent.push(index),
-                Err(e) => self.cell_died(index, &e),
+                Ok(id) => waiting.push((index, id)),
+                Err(e) => self.end_cell(index, End::Link(e)),
             }
         }
-        let mut replies = Vec::with_capacity(sent.len());
-        for index in sent {
-            let reply = self.await_reply(index)?;
-            replies.push((index, reply));
-        }
-        Ok(replies)
+        self.collect(waiting, by)
     }
 
-    fn await_reply(&mut self, index: usize) -> Result<Value, SupervisorError> {
-        let deadline = Instant::now() + CELL_REPLY_TIMEOUT;
-        let mut pending: Vec<Vec<u8>> = Vec::new();
-        loop {
-            while !pending.is_empty() {
-                let line = pending.remove(0);
-                if let Some(reply) = self.cell_message(index, &line)? {
-                    // Events after the reply are handled now, in order.
-                    for rest in pending.drain(..) {
-                        self.cell_message(index, &rest)?;
+    /// Collects the replies of `waiting` (cell, request id) until `by`.
+    fn collect(&mut self, mut waiting: Vec<(usize, u64)>, by: Instant) -> Vec<(usize, Value)> {
+        let started = Instant::now();
+        let mut replies = Vec::with_capacity(waiting.len());
+        let gone = |index: usize| json!({ "error": format!("cell {index} is gone") });
+        while !waiting.is_empty() {
+            let mut again = false;
+            let mut i = 0;
+            while i < waiting.len() {
+                let (index, id) = waiting[i];
+                match self.try_reply(index, id) {
+                    Some(Some(reply)) => {
+                        replies.push((index, reply));
+                        waiting.swap_remove(i);
                     }
-                    return Ok(reply);
-                }
-            }
-            let cell = &mut self.cells[index];
-            let flushed = cell.link.flush();
-            if let Err(e) = cell
-                .link
-                .read_lines(&mut pending)
-                .and(flushed.map(drop).map_err(FrameError::from))
-            {
-                for line in std::mem::take(&mut pending) {
-                    if let Some(reply) = self.cell_message(index, &line)? {
-                        self.cell_died(index, &e);
-                        return Ok(reply);
+                    Some(None) => {
+                        replies.push((index, gone(index)));
+                        waiting.swap_remove(i);
+                    }
+                    None => {
+                        again |= self.cells_with_more.contains(&index);
+                        i += 1;
                     }
                 }
-                self.cell_died(index, &e);
-                return Ok(json!({ "error": format!("cell {index} is gone") }));
             }
-            if !pending.is_empty() {
+            if waiting.is_empty() {
+                break;
+            }
+            let left = by.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let within = by.saturating_duration_since(started);
+                for (index, _) in waiting.drain(..) {
+                    self.end_cell(index, End::Deadline(within.max(Duration::from_secs(1))));
+                    replies.push((
+                        index,
+                        json!({ "error": format!("cell {index} did not answer within {} s; it was stopped", within.as_secs().max(1)) }),
+                    ));
+                }
+                break;
+            }
+            if again {
                 continue;
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Ok(
-                    json!({ "error": format!("cell {index} did not answer within {} s", CELL_REPLY_TIMEOUT.as_secs()) }),
-                );
-            }
-            let events = if self.cells[index].link.unsent() > 0 {
-                libc::POLLIN | libc::POLLOUT
-            } else {
-                libc::POLLIN
+            let mut fds: Vec<libc::pollfd> = waiting
+                .iter()
+                .filter_map(|&(index, _)| self.cells[index].link.as_ref())
+                .map(|link| libc::pollfd {
+                    fd: link.stream.as_raw_fd(),
+                    events: if link.unsent() > 0 {
+                        libc::POLLIN | libc::POLLOUT
+                    } else {
+                        libc::POLLIN
+                    },
+                    revents: 0,
+                })
+                .collect();
+            // SAFETY: valid pollfds, as many as given.
+            unsafe {
+                libc::poll(
+                    fds.as_mut_ptr(),
+                    fds.len() as libc::nfds_t,
+                    left.as_millis().clamp(1, 1000) as i32,
+                )
             };
-            let mut fds = [libc::pollfd {
-                fd: self.cells[index].link.stream.as_raw_fd(),
-                events,
-                revents: 0,
-            }];
-            // SAFETY: one valid pollfd.
-            unsafe { libc::poll(fds.as_mut_ptr(), 1, left.as_millis().min(1000) as i32) };
         }
+        replies
+    }
+
+    /// Reads what cell `index` sent: `Some(Some(reply))` once the reply to
+    /// request `id` came, `Some(None)` if the cell is gone (or was ended),
+    /// `None` while it is still awaited.
+    fn try_reply(&mut self, index: usize, id: u64) -> Option<Option<Value>> {
+        self.cells_with_more.retain(|&c| c != index);
+        let link = self.cells[index].link.as_mut()?;
+        let flushed = link.flush();
+        let mut lines = Vec::new();
+        let read = link
+            .read_lines_upto(&mut lines, CELL_LINES_PER_TURN)
+            .and_then(|more| flushed.map(|_| more).map_err(FrameError::from));
+        let mut answer = None;
+        for line in lines {
+            let fault = match self.cell_message(index, &line) {
+                Ok(None) => continue,
+                Ok(Some((rid, reply))) if rid == id && answer.is_none() => {
+                    answer = Some(reply);
+                    continue;
+                }
+                Ok(Some((rid, _))) => format!("a reply ({rid}) to no request in flight ({id})"),
+                Err(CellFault::Hostile(why)) => why,
+                // Not at boot: a cell is asked only after the ready line.
+                Err(CellFault::BootFailed(why)) => format!("failed: {why}"),
+            };
+            self.end_cell(index, End::Hostile(fault));
+            return Some(None);
+        }
+        match read {
+            Ok(More::No) => {}
+            Ok(More::Lines) => self.cells_with_more.push(index),
+            Err(e) => {
+                self.end_cell(index, End::Link(e));
+                return Some(answer);
+            }
+        }
+        answer.map(Some)
     }
 
     // ---- control API ----
@@ -410,6 +627,16 @@ impl Supervisor {
         loop {
             match crate::link::framing::nonblocking(|| self.api.accept()) {
                 Ok(Some((mut stream, _))) => {
+                    if self.clients.len() >= MAX_API_CLIENTS {
+                        // Clients that have gone make room first.
+                        let gone: Vec<usize> = self
+                            .clients
+                            .iter()
+                            .filter(|(_, c)| hung_up(c.lines.stream.as_raw_fd()))
+                            .map(|(key, _)| key)
+                            .collect();
+                        gone.into_iter().for_each(|key| self.drop_client(key));
+                    }
                     if self.clients.len() >= MAX_API_CLIENTS {
                         let refusal = format!("{{\"error\":\"more than {MAX_API_CLIENTS} control clients at once\"}}\n");
                         let _ = std::io::Write::write(&mut stream, refusal.as_bytes());
@@ -426,7 +653,10 @@ impl Supervisor {
                         )
                         .is_ok()
                     {
-                        entry.insert(LineStream::new(stream, MAX_API_LINE));
+                        entry.insert(ApiClient {
+                            lines: LineStream::new(stream, MAX_API_LINE),
+                            eof: false,
+                        });
                     }
                 }
                 Ok(None) | Err(_) => return,
@@ -434,46 +664,72 @@ impl Supervisor {
         }
     }
 
-    fn client_ready(&mut self, key: usize) {
-        let Some(client) = self.clients.get_mut(key) else {
-            return;
-        };
-        let mut lines = Vec::new();
-        let read = client.read_lines_upto(&mut lines, API_REQUESTS_PER_TURN);
-        let mut replies = Vec::with_capacity(lines.len() + 1);
-        for line in lines {
+    fn drop_client(&mut self, key: usize) {
+        if let Some(mut client) = self.clients.try_remove(key) {
+            let _ = self.poll.registry().deregister(&mut client.lines.stream);
+        }
+        self.clients_with_more.retain(|&k| k != key);
+    }
+
+    /// Serves client `key`: flushes its replies, then handles its requests
+    /// one at a time while it is there, reads its replies, and the turn
+    /// (`turn`) has budget left.
+    fn client_ready(&mut self, key: usize, turn: Instant) {
+        let mut handled = 0;
+        loop {
+            let Some(client) = self.clients.get_mut(key) else {
+                return;
+            };
+            if client.lines.flush().is_err() {
+                return self.drop_client(key);
+            }
+            if client.eof {
+                if client.lines.unsent() == 0 {
+                    self.drop_client(key);
+                }
+                return;
+            }
+            // Backpressure: not read from until it reads (a WRITABLE event
+            // brings it back here).
+            if client.lines.unsent() > API_BACKPRESSURE {
+                return;
+            }
+            // A client that has gone gets no more work done for it.
+            if hung_up(client.lines.stream.as_raw_fd()) {
+                return self.drop_client(key);
+            }
+            if handled >= API_REQUESTS_PER_TURN || turn.elapsed() >= TURN_BUDGET {
+                if !self.clients_with_more.contains(&key) {
+                    self.clients_with_more.push_back(key);
+                }
+                return;
+            }
+            let mut lines = Vec::with_capacity(1);
+            let line = match client.lines.read_lines_upto(&mut lines, 1) {
+                Ok(_) => match lines.pop() {
+                    Some(line) => line,
+                    // Nothing more now: its next input brings it back.
+                    None => return,
+                },
+                Err(FrameError::TooLong(limit)) => {
+                    let refusal = json!({ "error": format!("request longer than {limit} bytes") });
+                    client.lines.queue(refusal.to_string().as_bytes());
+                    let _ = client.lines.flush();
+                    return self.drop_client(key);
+                }
+                Err(_) => {
+                    client.eof = true;
+                    continue;
+                }
+            };
             let reply = match api::parse(&line) {
                 Ok(request) => self.handle(request),
                 Err(error) => json!({ "error": error.to_string() }),
             };
-            replies.push(reply);
-        }
-        let closing = match read {
-            Ok(More::No) => false,
-            Ok(More::Lines) => {
-                if !self.clients_with_more.contains(&key) {
-                    self.clients_with_more.push(key);
-                }
-                false
+            handled += 1;
+            if let Some(client) = self.clients.get_mut(key) {
+                client.lines.queue(reply.to_string().as_bytes());
             }
-            Err(FrameError::TooLong(limit)) => {
-                replies.push(json!({ "error": format!("request longer than {limit} bytes") }));
-                true
-            }
-            Err(_) => true,
-        };
-        let Some(client) = self.clients.get_mut(key) else {
-            return;
-        };
-        for reply in replies {
-            client.queue(reply.to_string().as_bytes());
-        }
-        let flushed = client.flush();
-        // A client that never reads its replies is not allowed to grow them without bound.
-        if closing || flushed.is_err() || client.unsent() > MAX_API_UNSENT {
-            let mut client = self.clients.remove(key);
-            let _ = client.flush();
-            let _ = self.poll.registry().deregister(&mut client.stream);
         }
     }
 
@@ -487,13 +743,17 @@ impl Supervisor {
         self.cells.iter().position(|c| c.holds(vm))
     }
 
+    fn live_cell_of(&self, vm: u32) -> Option<usize> {
+        self.cell_of(vm).filter(|&i| self.cells[i].dead.is_none())
+    }
+
     fn handle(&mut self, request: Request) -> Value {
         let result = match request {
             Request::Stats { per_vm } => self.stats(per_vm),
-            Request::List => self.list(),
-            Request::Create { count } => self.create(count),
-            Request::Destroy { vm } => self.forward(vm, ToCell::Destroy { vm }),
-            Request::Crash { vm, triple } => self.forward(vm, ToCell::Crash { vm, triple }),
+            Request::List => Ok(self.list()),
+            Request::Create { count } => Ok(self.create(count)),
+            Request::Destroy { vm } => Ok(self.destroy(vm)),
+            Request::Crash { vm, triple } => Ok(self.forward(vm, ToCell::Crash { vm, triple })),
             Request::Pager => Ok(
                 json!({ "ok": true, "pager": self.pager.totals().get("config").cloned().unwrap_or(Value::Null) }),
             ),
@@ -505,34 +765,54 @@ impl Supervisor {
         result.unwrap_or_else(|error| json!({ "error": error.to_string() }))
     }
 
-    fn forward(&mut self, vm: u32, request: ToCell) -> Result<Value, SupervisorError> {
-        let Some(index) = self.cell_of(vm).filter(|&i| self.cells[i].dead.is_none()) else {
-            return Ok(json!({ "error": format!("no running VM {vm}") }));
+    fn forward(&mut self, vm: u32, request: ToCell) -> Value {
+        let Some(index) = self.live_cell_of(vm) else {
+            return json!({ "error": format!("no running VM {vm}") });
         };
-        Ok(self.ask(&[index], &request)?.pop().map_or_else(
+        let by = Instant::now() + deadline::CELL_REPLY;
+        self.ask(&[index], &request, by).pop().map_or_else(
             || json!({ "error": format!("no running VM {vm}") }),
             |(_, r)| r,
-        ))
+        )
     }
 
-    fn list(&mut self) -> Result<Value, SupervisorError> {
-        let replies = self.ask(&self.live_cells(), &ToCell::List)?;
+    /// Stops a VM; one of a cell that is gone (crashed) is forgotten: no
+    /// longer listed, so nothing of it is kept.
+    fn destroy(&mut self, vm: u32) -> Value {
+        if let Some(index) = self.cell_of(vm) {
+            if self.cells[index].dead.is_some() {
+                return match self.cells[index].forget(vm) {
+                    true => json!({ "ok": true, "vm": vm }),
+                    false => json!({ "error": format!("no running VM {vm}") }),
+                };
+            }
+        }
+        self.forward(vm, ToCell::Destroy { vm })
+    }
+
+    fn list(&mut self) -> Value {
+        let by = Instant::now() + deadline::CELL_REPLY;
+        let replies = self.ask(&self.live_cells(), &ToCell::List, by);
         let mut vms = Vec::new();
-        for (_, reply) in &replies {
+        for (index, reply) in &replies {
+            // A cell ended while asked is listed with the dead ones below.
+            if self.cells[*index].dead.is_some() {
+                continue;
+            }
             if let Some(list) = reply["vms"].as_array() {
                 vms.extend(list.iter().cloned());
             }
         }
         vms.extend(self.dead_cells_vms(false));
         sort_by_id(&mut vms);
-        Ok(json!({ "ok": true, "vms": vms }))
+        json!({ "ok": true, "vms": vms })
     }
 
-    /// The VMs of cells that died, as crashed entries.
+    /// The VMs of cells that died (not forgotten), as crashed entries.
     fn dead_cells_vms(&self, counters: bool) -> Vec<Value> {
         let mut vms = Vec::new();
         for cell in self.cells.iter().filter(|c| c.dead.is_some()) {
-            for id in cell.first_id..cell.first_id + cell.count {
+            for id in cell.remembered() {
                 let mut vm = json!({
                     "id": id,
                     "addr": self.settings.addr_of(id).to_string(),
@@ -557,14 +837,19 @@ impl Supervisor {
     }
 
     fn stats(&mut self, per_vm: bool) -> Result<Value, SupervisorError> {
-        let replies = self.ask(&self.live_cells(), &ToCell::Stats { per_vm })?;
+        let by = Instant::now() + deadline::CELL_REPLY;
+        let replies = self.ask(&self.live_cells(), &ToCell::Stats { per_vm }, by);
         let mut totals = Map::new();
         let mut vms = Vec::new();
         for (index, reply) in replies {
+            // A cell ended while asked is counted with the dead ones below.
+            if self.cells[index].dead.is_some() {
+                continue;
+            }
             if let Some(error) = reply.get("error") {
                 return Err(SupervisorError::Cell {
                     index,
-                    error: error.as_str().unwrap_or("failed").to_string(),
+                    error: quote(error.as_str().unwrap_or("failed")),
                 });
             }
             if let Some(theirs) = reply["totals"].as_object() {
@@ -578,10 +863,14 @@ impl Supervisor {
             .cells
             .iter()
             .filter(|c| c.dead.is_some())
-            .map(|c| c.count as u64)
+            .map(|c| c.remembered().count() as u64)
             .sum();
         for key in ["vms", "crashed"] {
-            let value = totals.get(key).and_then(Value::as_u64).unwrap_or(0) + dead;
+            let value = totals
+                .get(key)
+                .and_then(Value::as_u64)
+                .unwrap_or(0)
+                .saturating_add(dead);
             totals.insert(key.into(), json!(value));
         }
         totals.insert("cells".into(), json!(self.live_cells().len()));
@@ -602,47 +891,75 @@ impl Supervisor {
         Ok(reply)
     }
 
+    /// VMs the live cells hold (slots taken, dead VMs of live cells included).
+    fn held_vms(&self) -> u64 {
+        self.cells
+            .iter()
+            .filter(|c| c.dead.is_none())
+            .map(|c| c.count as u64)
+            .sum()
+    }
+
     /// Boots `count` more VMs: into the last cell while it has room, then
-    /// into new cells.
-    fn create(&mut self, count: u32) -> Result<Value, SupervisorError> {
-        let mut created = Vec::new();
+    /// into new cells. The whole create has one deadline.
+    fn create(&mut self, count: u32) -> Value {
+        let next_id = self.cells.last().map_or(0, |c| c.first_id + c.count);
+        if self.held_vms() + count as u64 > self.max_vms as u64 {
+            return json!({ "error": format!(
+                "create: {} VMs would pass the maximum of {} on this host (see densevm describe)",
+                self.held_vms() + count as u64, self.max_vms
+            ) });
+        }
+        let last_addr =
+            u32::from(self.settings.addr_base).checked_add(next_id.saturating_add(count - 1));
+        if next_id
+            .checked_add(count)
+            .is_none_or(|end| end > config::MAX_VM_ID)
+            || !last_addr.is_some_and(|a| std::net::Ipv4Addr::from(a).is_loopback())
+        {
+            return json!({ "error": format!("create: VM ids {next_id}.. would leave 127.0.0.0/8 or pass {}", config::MAX_VM_ID) });
+        }
+        let by = Instant::now() + deadline::CELL_CREATE;
+        let mut created: Vec<u32> = Vec::new();
         let mut left = count;
         while left > 0 {
             let next_id = self.cells.last().map_or(0, |c| c.first_id + c.count);
             let last = self.cells.len().checked_sub(1).filter(|&i| {
                 self.cells[i].dead.is_none() && self.cells[i].count < self.cells[i].capacity
             });
-            let reply = match last {
+            let (n, result) = match last {
                 Some(index) => {
                     let n = left.min(self.cells[index].capacity - self.cells[index].count);
-                    self.grow_cell(index, next_id, n)?
+                    (n, self.grow_cell(index, next_id, n, by))
                 }
                 None => {
                     let n = left.min(self.cell_vms);
-                    self.new_cell(next_id, n)?
+                    (n, self.new_cell(next_id, n, by))
                 }
             };
-            if let Some(ids) = reply["created"].as_array() {
-                created.extend(ids.iter().cloned());
+            match result {
+                Ok(()) => {
+                    created.extend(next_id..next_id + n);
+                    left -= n;
+                }
+                Err((made, error)) => {
+                    created.extend(next_id..next_id + made);
+                    return json!({ "error": error, "created": created });
+                }
             }
-            if reply.get("error").is_some() {
-                let mut reply = reply;
-                reply["created"] = json!(created);
-                return Ok(reply);
-            }
-            left -= reply["created"]
-                .as_array()
-                .map_or(0, |ids| ids.len() as u32);
         }
-        Ok(json!({ "ok": true, "created": created }))
+        json!({ "ok": true, "created": created })
     }
 
+    /// Boots VMs `first..first + count` in live cell `index`. Err: how many
+    /// it made (the first ones) and why not the rest.
     fn grow_cell(
         &mut self,
         index: usize,
         first: u32,
         count: u32,
-    ) -> Result<Value, SupervisorError> {
+        by: Instant,
+    ) -> Result<(), (u32, String)> {
         for i in 0..count {
             let (space, offset) = self.cells[index].space_of(first + i, self.ram_bytes);
             let registered = match space {
@@ -656,44 +973,82 @@ impl Supervisor {
                 for j in 0..i {
                     self.pager.unregister_vm(first + j);
                 }
-                return Ok(json!({ "error": format!("create VM {}: {e}", first + i) }));
+                return Err((0, format!("create VM {}: {e}", first + i)));
             }
         }
         self.cells[index].count += count;
         let reply = self
-            .ask(&[index], &ToCell::Create { first, count })?
+            .ask(&[index], &ToCell::Create { first, count }, by)
             .pop()
-            .map(|(_, r)| r);
-        let reply = reply.unwrap_or_else(|| json!({ "error": format!("cell {index} is gone") }));
-        let made = reply["created"]
-            .as_array()
-            .map_or(0, |ids| ids.len() as u32);
+            .map(|(_, r)| r)
+            .unwrap_or_else(|| json!({ "error": format!("cell {index} is gone") }));
+        if self.cells[index].dead.is_some() {
+            // Its ids stay taken (its VMs are listed crashed) and its
+            // memory went back to the pager with the cell.
+            let error = reply["error"].as_str().unwrap_or("the cell is gone");
+            return Err((0, format!("create: {}", quote(error))));
+        }
+        // The cell must say exactly which of the VMs asked for it built:
+        // the first `made` of them, in order.
+        let made = match reply["created"].as_array() {
+            Some(ids)
+                if ids.len() <= count as usize
+                    && ids
+                        .iter()
+                        .zip(first..)
+                        .all(|(id, want)| id.as_u64() == Some(want as u64)) =>
+            {
+                ids.len() as u32
+            }
+            _ => {
+                self.end_cell(
+                    index,
+                    End::Hostile("a create reply that is not what was asked".into()),
+                );
+                return Err((
+                    0,
+                    format!("create: cell {index} answered wrongly; it was stopped"),
+                ));
+            }
+        };
         // VMs the cell could not build are not its: release them.
         for id in first + made..first + count {
             self.pager.unregister_vm(id);
         }
         self.cells[index].count -= count - made;
-        Ok(reply)
+        if made < count {
+            let error = reply["error"]
+                .as_str()
+                .map(quote)
+                .unwrap_or_else(|| format!("create: cell {index} built {made} of {count} VMs"));
+            return Err((made, error));
+        }
+        Ok(())
     }
 
-    fn new_cell(&mut self, first: u32, count: u32) -> Result<Value, SupervisorError> {
+    /// Starts a cell for VMs `first..first + count`.
+    fn new_cell(&mut self, first: u32, count: u32, by: Instant) -> Result<(), (u32, String)> {
         let index = self.cells.len() as u32;
-        let cell = PendingCell::spawn(&self.settings, index, first, count, self.cell_vms)
-            .and_then(|pending| pending.handshake(&self.pager, self.ram_bytes));
+        let cell = PendingCell::spawn(&self.settings, index, first, count, self.cell_vms).and_then(
+            |pending| pending.handshake(&self.pager, self.ram_bytes, self.platform, Some(by)),
+        );
         match cell {
             Ok(cell) => {
-                self.adopt(cell).map_err(SupervisorError::Adopt)?;
+                if let Err(e) = self.adopt(cell) {
+                    // Not adopted: its VMs are taken down with it.
+                    let index = self.cells.len() - 1;
+                    self.end_cell(index, End::Hostile(format!("cannot watch its link: {e}")));
+                    return Err((0, format!("create: {e}")));
+                }
                 // A cell answers once its event loop runs: its VMs are built and
                 // listening, as those a running cell creates are when it replies.
                 let index = self.cells.len() - 1;
-                match self.ask(&[index], &ToCell::List)?.pop() {
-                    Some((_, reply)) if reply.get("ok").is_some() => Ok(
-                        json!({ "ok": true, "created": (first..first + count).collect::<Vec<_>>() }),
-                    ),
-                    _ => Ok(json!({ "error": format!("create: cell {index} did not start") })),
+                match self.ask(&[index], &ToCell::List, by).pop() {
+                    Some((_, reply)) if reply.get("ok").is_some() => Ok(()),
+                    _ => Err((0, format!("create: cell {index} did not start"))),
                 }
             }
-            Err(e) => Ok(json!({ "error": format!("create: {e}") })),
+            Err(e) => Err((0, format!("create: {e}"))),
         }
     }
 
@@ -735,7 +1090,7 @@ fn add_totals(sum: &mut Map<String, Value>, theirs: &Map<String, Value>) {
     for (key, value) in theirs {
         match (sum.get(key).and_then(Value::as_u64), value.as_u64()) {
             (Some(a), Some(b)) => {
-                sum.insert(key.clone(), json!(a + b));
+                sum.insert(key.clone(), json!(a.saturating_add(b)));
             }
             (None, _) if !sum.contains_key(key) => {
                 sum.insert(key.clone(), value.clone());
