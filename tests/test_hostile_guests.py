@@ -40,6 +40,7 @@ class Behaviour(IntEnum):
     DIRTY_SYSTEM = 6
     FAULT_STORM = 7
     SPIN = 8
+    WRITE_IMAGE = 11
 
 
 def start_hostile(tmp_path: Path, behaviour: Behaviour, addr_base: str, *extra: str) -> Monitor:
@@ -309,3 +310,26 @@ def test_a_swap_without_room_for_every_vm_refuses_to_start(tmp_path, small_files
     lines = done.stderr.decode().splitlines()
     assert len(lines) == 1 and "cannot reserve" in lines[0], lines
     assert not (small_filesystem / "swap").exists(), "the swap file is removed"
+
+
+@pytest.mark.parametrize(
+    "readonly_slots", [True, False], ids=["readonly-slots", "no-readonly-slots"]
+)
+def test_a_guest_writing_the_image_leaves_neighbours_exact(tmp_path, monkeypatch, readonly_slots):
+    """The image every VM runs is shared. Where KVM maps it read-only the
+    writer stops; where it cannot (forced here, as on a KVM without
+    KVM_CAP_READONLY_MEM), each VM has a copy-on-write mapping of its own."""
+    if not readonly_slots:
+        monkeypatch.setenv("DENSEVM_TEST_NO_READONLY_MEM", "1")
+    m = start_hostile(tmp_path, Behaviour.WRITE_IMAGE, "127.228.0.0")
+    try:
+        time.sleep(0.5)
+        neighbours_serve(m)
+        if readonly_slots:
+            entry = vm_entry(m, HOSTILE_VM)
+            assert entry["state"] == "crashed", "a write to the read-only image stops the writer"
+        # Otherwise the writer broke only its own copy (its HTTP strings
+        # too): whatever it does now, its neighbours above served exact bytes.
+        neighbours_serve(m)
+    finally:
+        stop_quickly(m)

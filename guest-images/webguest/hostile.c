@@ -18,6 +18,10 @@ static void lying_counter(void) __attribute__((noreturn));
 static void output_after_close(void) __attribute__((noreturn));
 static void dirty_system(void) __attribute__((noreturn));
 static void fault_storm(const struct dv_boot_info *bi) __attribute__((noreturn));
+static void write_image(void);
+
+/* The image's rodata (link.ld): the objects' pattern, the HTTP strings. */
+extern char __rodata_start[], __rodata_end[];
 
 static void publish_tx_record(uint16_t slot, uint8_t type, uint32_t len)
 {
@@ -186,6 +190,15 @@ static void fault_storm(const struct dv_boot_info *bi)
             *(volatile uint64_t *)a = round;
 }
 
+/* Inverts every byte of the image's rodata. Where KVM maps the image
+ * read-only the first write stops this VM; elsewhere the host gives each VM
+ * a private copy, so only this VM serves the wrong bytes. */
+static void write_image(void)
+{
+    for (volatile char *p = __rodata_start; p < __rodata_end; p++)
+        *p = (char)~*p;
+}
+
 void hostile_start(const struct dv_boot_info *bi)
 {
     uint32_t chosen = (bi->guest_arg >> 32) & 0xff;
@@ -232,6 +245,9 @@ void hostile_start(const struct dv_boot_info *bi)
         ctrl->state = DV_STATE_READY;
         arch_doorbell();
         output_after_close();
+    case HOSTILE_WRITE_IMAGE:
+        write_image();
+        return;
     case HOSTILE_NONE:
     case HOSTILE_ALL:
         return;

@@ -19,7 +19,8 @@ enum hostile_behaviour {
     HOSTILE_SPIN = 8,            /* say ready, then spin without serving */
     HOSTILE_LYING_COUNTER = 9,   /* spin without serving while counting requests it never served */
     HOSTILE_OUTPUT_AFTER_CLOSE = 10, /* answer every connection with a full window, then release the slot at once */
-    HOSTILE_LAST = HOSTILE_OUTPUT_AFTER_CLOSE,
+    HOSTILE_WRITE_IMAGE = 11,    /* overwrite the shared image's rodata (the objects' bytes), then serve */
+    HOSTILE_LAST = HOSTILE_WRITE_IMAGE,
     HOSTILE_ALL = 0xff,
 };
 

@@ -469,7 +469,7 @@ impl CellLoop {
     fn ring_deferred(&mut self) {
         let now = Instant::now();
         for index in 0..self.bells.len() {
-            if !self.bells[index].deferred_until.is_some_and(|at| at <= now) {
+            if self.bells[index].deferred_until.is_none_or(|at| at > now) {
                 continue;
             }
             self.bells[index].deferred_until = None;

@@ -72,6 +72,37 @@ impl Mapping {
         })
     }
 
+    /// Maps the first `len` bytes of file `fd`: shared and read-only, or
+    /// (`private`) a copy-on-write mapping that may be written, whose
+    /// writes no other mapping sees.
+    pub fn of_file(fd: std::os::fd::BorrowedFd<'_>, len: usize, private: bool) -> io::Result<Self> {
+        use std::os::fd::AsRawFd;
+        let (prot, visibility) = if private {
+            (libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE)
+        } else {
+            (libc::PROT_READ, libc::MAP_SHARED)
+        };
+        // SAFETY: a fresh mapping of a file we hold; it aliases nothing we write.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                prot,
+                visibility | libc::MAP_NORESERVE,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Mapping {
+            base: NonNull::new(ptr.cast()).expect("mmap returned null"),
+            len,
+            release: Release::Unmap,
+        })
+    }
+
     /// Host address of the first byte.
     pub fn as_ptr(&self) -> *mut u8 {
         self.base.as_ptr()
@@ -119,6 +150,7 @@ impl Mapping {
     }
 
     /// Copies `bytes` to `offset`.
+    #[cfg(test)]
     pub fn write_bytes(&self, offset: u64, bytes: &[u8]) {
         assert!(offset as usize + bytes.len() <= self.len);
         // SAFETY: bounds checked; the destination is ours.

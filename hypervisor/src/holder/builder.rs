@@ -129,6 +129,9 @@ pub struct HeldVm {
     /// Its memory, which the front and the pager free.
     _sys: Mapping,
     _ram: Mapping,
+    /// Its own copy-on-write image, where KVM cannot map the shared one
+    /// read-only.
+    _image: Option<Mapping>,
 }
 
 impl HeldVm {
@@ -210,6 +213,16 @@ pub fn build(
     ] {
         sys.write_obj(page, 0u64);
     }
+    // Without read-only memory slots a guest could write the image every
+    // VM runs: each VM then gets a copy-on-write mapping of its own.
+    let private_image = match ctx.caps.readonly_mem {
+        true => None,
+        false => Some(
+            ctx.image
+                .private_copy()
+                .map_err(|source| BuildError::Memory { vm: id, source })?,
+        ),
+    };
     let slots = [
         Slot {
             gpa: abi::SYS_GPA,
@@ -219,7 +232,7 @@ pub fn build(
         },
         Slot {
             gpa: abi::IMAGE_GPA,
-            mapping: &ctx.image.mapping,
+            mapping: private_image.as_ref().unwrap_or(&ctx.image.mapping),
             bytes: ctx.image.mapped_bytes,
             readonly: true,
         },
@@ -256,5 +269,6 @@ pub fn build(
         stats_fd,
         _sys: sys,
         _ram: ram,
+        _image: private_image,
     })
 }

@@ -671,6 +671,7 @@ fn run(
         libc::STDERR_FILENO,
         link.as_raw_fd(),
         ctx.kvm.as_raw_fd(),
+        ctx.image.memfd.as_raw_fd(),
     ];
     keep.extend(
         [&ctx.ram, &ctx.sys]
