@@ -336,6 +336,29 @@ def test_bad_configuration_fails_before_boot_with_one_line(tmp_path, args, fragm
     assert not (tmp_path / "s.sock").exists()
 
 
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--vms", "0"], "--vms must be at least 1"),
+        (["--vms", "2", "--addr-base", "10.0.0.1"], "127.0.0.0/8"),
+        (["--vms", "2", "--cell-vms", "0"], "--cell-vms must be at least 1"),
+        (["--vms", "100000"], "kernel memory"),
+    ],
+)
+def test_describe_refuses_what_serve_refuses(args, fragment):
+    proc = subprocess.run(
+        [str(release_binary("densevm")), "describe", "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], proc.stderr
+    assert proc.stdout == ""
+
+
 def test_a_second_monitor_cannot_steal_a_live_control_socket(monitor, tmp_path):
     proc = subprocess.run(
         [

@@ -6,14 +6,23 @@ monitor's RSS over time and its growth after the first minute (the warm-up
 that sets the allocator's high-water marks). Acceptance (issue 14): 10
 minutes without a monitor restart, RSS growth under 5%.
 
-Usage: experiments/bench/control_fuzz.py [--minutes 10] [--vms 100]
+Then the burst of issue 39: 1,000 control clients each pipeline 50
+`{"cmd":"stats"}` (per-VM stats on 200 VMs) and hang up; it prints how long a
+new client's `stats` then takes (113 s on 30b27ac; target: within 1 s), how
+long SIGTERM takes, and whether a swap file is left.
+
+Usage: experiments/bench/control_fuzz.py [--minutes 10] [--vms 100] [--burst-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
+import socket
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,11 +37,52 @@ def rss_kib(pid: int) -> int:
         return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
 
 
+def burst(clients: int = 1000, pipelined: int = 50, vms: int = 200) -> bool:
+    """The vanished-clients burst; prints its figures, True when the target is met."""
+    with tempfile.TemporaryDirectory() as tmp:
+        m = start(Path(tmp), vms, "127.232.0.0", "--cell-placement", "floating")
+        try:
+            payload = b'{"cmd":"stats"}\n' * pipelined
+            started = time.monotonic()
+            for _ in range(clients):
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(str(m.api))
+                    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                        s.sendall(payload)
+            sent = time.monotonic() - started
+            started = time.monotonic()
+            reply = m.control({"cmd": "stats"})
+            answered = time.monotonic() - started
+            ok = bool(reply.get("ok")) and reply["totals"]["vms"] == vms
+            started = time.monotonic()
+            m.proc.send_signal(signal.SIGTERM)
+            code = m.proc.wait(60)
+            stopped = time.monotonic() - started
+        finally:
+            if m.proc.poll() is None:
+                m.proc.kill()
+                m.proc.wait()
+        left = sorted(p.name for p in Path(tmp).glob("densevm-swap-*"))
+    met = "met" if ok and answered < 1 else "NOT met"
+    print(
+        f"burst: {clients} clients x {pipelined} pipelined stats on {vms} VMs "
+        f"sent in {sent:.2f} s; a new stats answered {'ok' if ok else 'WRONG'} "
+        f"in {answered:.2f} s (30b27ac: 113 s; target: within 1 s: {met}); "
+        f"SIGTERM: exit {code} in {stopped:.1f} s; swap files left: {left or 'none'}",
+        flush=True,
+    )
+    return ok and answered < 1 and code == 0 and not left
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=10)
     parser.add_argument("--vms", type=int, default=100)
+    parser.add_argument("--burst-only", action="store_true", help="only the burst of issue 39")
     args = parser.parse_args()
+    burst_met = burst()
+    if args.burst_only:
+        return 0 if burst_met else 1
     with tempfile.TemporaryDirectory() as tmp:
         m = start(Path(tmp), args.vms, "127.231.0.0")
         try:
