@@ -65,7 +65,8 @@ def guest_memory(pids: list[int]) -> tuple[set[int], int]:
     uffds = 0
     for pid in pids:
         for target, inode in fd_targets(pid).values():
-            if target.startswith("/memfd:"):
+            # The guest image (one read-only memfd per cell) is no guest's memory.
+            if target.startswith("/memfd:") and not target.startswith("/memfd:densevm-image"):
                 memfds.add(inode)
             elif "userfaultfd" in target:
                 uffds += 1

@@ -135,7 +135,7 @@ impl CpuGovernor {
                 sample.runnable = live.vcpu.runnable_time().filter(|_| background);
                 if background {
                     self.demotions += 1;
-                    eprintln!(
+                    crate::log!(
                         "densevm: VM {} used {:.0}% of a core serving {} requests; its vCPU now runs in the background",
                         live.id,
                         share * 100.0,

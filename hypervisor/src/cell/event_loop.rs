@@ -554,7 +554,7 @@ impl CellLoop {
             }
             Ok(None) => true,
             Err(e) => {
-                eprintln!("densevm: holder {} link: {e}", holder.pid);
+                crate::log!("densevm: holder {} link: {e}", holder.pid);
                 true
             }
         };
@@ -648,9 +648,11 @@ impl CellLoop {
             _ => self.parent.vm_stopped(dead.id),
         }
         if state == VmState::Crashed {
-            eprintln!(
+            crate::log!(
                 "densevm: VM {} ({}) stopped: {}",
-                dead.id, dead.addr, dead.reason
+                dead.id,
+                dead.addr,
+                dead.reason
             );
         }
     }
@@ -781,11 +783,18 @@ impl CellLoop {
         asked: &[(usize, u32)],
         mut error: Option<String>,
     ) -> Option<String> {
+        // One budget for every holder of this create, within the parent's.
+        let by = Instant::now() + crate::link::protocol::deadline::HOLDER_BUILD;
         for &(h, first) in asked {
-            let built = match self.holders[h].wait_built() {
+            let built = match self.holders[h].wait_built(by) {
                 Ok(built) => built,
                 Err(e) => {
+                    // A holder that missed it may still be building: it goes,
+                    // with its VMs, so none runs on memory nobody tracks.
                     error.get_or_insert(e.to_string());
+                    if self.holders[h].dead.is_none() {
+                        self.holder_gone(h);
+                    }
                     continue;
                 }
             };

@@ -204,7 +204,7 @@ impl Proxy {
                 Ok(None) => return,
                 Err(e) => {
                     // EMFILE and friends: stop accepting until something closes.
-                    eprintln!("densevm: VM {}: accept: {e}", vm.id);
+                    crate::log!("densevm: VM {}: accept: {e}", vm.id);
                     vm.accept_paused = true;
                     return;
                 }

@@ -21,6 +21,7 @@
 pub mod builder;
 
 use crate::link::framing::nonblocking;
+use crate::link::protocol::deadline;
 use crate::vstate::vcpu::RunState;
 use builder::{BuildContext, BuildError, HeldVm};
 use serde::{Deserialize, Serialize};
@@ -43,8 +44,12 @@ const MAX_HOLDERS: u32 = 120;
 const TEARDOWN_THREADS: usize = 4;
 /// Longest record on a holder link.
 const MAX_RECORD: usize = 64 << 10;
-/// Longest the front waits for a holder to answer.
-const REPLY_TIMEOUT: Duration = Duration::from_secs(120);
+/// Longest a holder goes on building the VMs of one request: it answers
+/// with what it built by then, well before its cell stops waiting for it
+/// ([`deadline::HOLDER_BUILD`]), which is itself within the parent's wait
+/// for the cell ([`deadline::CELL_CREATE`]). The whole budget, holder <
+/// cell < parent, is in `link::protocol::deadline`.
+pub const BUILD_LIMIT: Duration = deadline::HOLDER_BUILD.saturating_sub(Duration::from_secs(10));
 
 /// Why a holder could not be started or did not answer.
 #[derive(Debug, thiserror::Error)]
@@ -284,10 +289,11 @@ impl Holder {
         self.send(&ToHolder::Build { first, count })
     }
 
-    /// Waits for the answer to [`Self::request_build`]: the thread ids of
-    /// the VMs built, their stats descriptors, and why the rest were not.
-    pub fn wait_built(&mut self) -> Result<Built, HolderError> {
-        match self.wait_for(|m| matches!(m, FromHolder::Built { .. }))? {
+    /// Waits until `by` for the answer to [`Self::request_build`]: the
+    /// thread ids of the VMs built, their stats descriptors, and why the
+    /// rest were not.
+    pub fn wait_built(&mut self, by: Instant) -> Result<Built, HolderError> {
+        match self.wait_for(|m| matches!(m, FromHolder::Built { .. }), by)? {
             (FromHolder::Built { tids, error }, stats) => Ok(Built { tids, stats, error }),
             _ => unreachable!("wait_for returns what it was asked for"),
         }
@@ -296,14 +302,21 @@ impl Holder {
     /// Stops VM `vm` and waits until the holder has.
     pub fn stop_now(&mut self, vm: u32) {
         if self.stop(vm).is_ok() {
-            let _ = self.wait_for(|m| matches!(m, FromHolder::Stopped { vm: v } if *v == vm));
+            let by = Instant::now() + deadline::HOLDER_REPLY;
+            let _ = self.wait_for(
+                |m| matches!(m, FromHolder::Stopped { vm: v } if *v == vm),
+                by,
+            );
         }
     }
 
     /// Reads until a message `wanted` picks comes; the others are kept in
     /// `pending` for the event loop.
-    fn wait_for(&mut self, wanted: impl Fn(&FromHolder) -> bool) -> Result<Record, HolderError> {
-        let deadline = Instant::now() + REPLY_TIMEOUT;
+    fn wait_for(
+        &mut self,
+        wanted: impl Fn(&FromHolder) -> bool,
+        deadline: Instant,
+    ) -> Result<Record, HolderError> {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -589,7 +602,7 @@ pub fn fork_all(inputs: HolderInputs) -> Result<(Vec<Holder>, Vec<OwnedFd>), Hol
     }
     let mut uffds = Vec::with_capacity(parts);
     for holder in &mut holders {
-        let deadline = Instant::now() + REPLY_TIMEOUT;
+        let deadline = Instant::now() + deadline::HOLDER_START;
         loop {
             wait_fd(
                 holder.link.as_raw_fd(),
@@ -682,14 +695,14 @@ fn run(
     keep.extend(irqs[own.clone()].iter().map(AsRawFd::as_raw_fd));
     keep.extend(doorbells[own.clone()].iter().map(AsRawFd::as_raw_fd));
     if let Err(e) = close_all_but(&mut keep) {
-        eprintln!("densevm: error: holder {index}: close inherited descriptors: {e}");
+        crate::log!("densevm: error: holder {index}: close inherited descriptors: {e}");
         return 1;
     }
     let memory = ctx.ram.part(index).expect("own part");
     let handoff = match memory.register().and_then(|()| memory.hand_over()) {
         Ok(handoff) => handoff,
         Err(e) => {
-            eprintln!("densevm: error: holder {index}: register guest RAM: {e}");
+            crate::log!("densevm: error: holder {index}: register guest RAM: {e}");
             return 1;
         }
     };
@@ -797,6 +810,13 @@ fn build_all(
     doorbells: &[EventFd],
     own: &std::ops::Range<usize>,
 ) -> (Vec<HeldVm>, Option<String>) {
+    let started = Instant::now();
+    let late = |id: u32| {
+        Some(format!(
+            "VM {id}: not built within {} s",
+            BUILD_LIMIT.as_secs()
+        ))
+    };
     let ids = first..first + count;
     if let Some(id) = ids.clone().find(|&id| !own.contains(&ctx.slot_of(id))) {
         return (Vec::new(), Some(format!("VM {id} is not this holder's")));
@@ -805,6 +825,9 @@ fn build_all(
     // one visits every VMA, so this keeps the boot linear in the VM count.
     let mut parts = Vec::with_capacity(count as usize);
     for id in ids.clone() {
+        if started.elapsed() > BUILD_LIMIT {
+            return (Vec::new(), late(id));
+        }
         match builder::create(ctx, id).and_then(|kvm| Ok((kvm, builder::park_vcpu(ctx, id)?))) {
             Ok((kvm, vcpu)) => parts.push(Mutex::new(Some(builder::Prebuilt { vcpu, kvm }))),
             Err(e) => return (Vec::new(), Some(e.to_string())),
@@ -817,7 +840,7 @@ fn build_all(
         for _ in 0..ctx.boot_threads.clamp(1, 16) {
             scope.spawn(|| loop {
                 let index = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                if index >= count {
+                if index >= count || started.elapsed() > BUILD_LIMIT {
                     return;
                 }
                 let prebuilt = parts[index as usize]
@@ -834,7 +857,12 @@ fn build_all(
     });
     let mut vms = Vec::with_capacity(count as usize);
     let mut error = None;
-    for result in built.into_inner().expect("built").into_iter().flatten() {
+    for (index, result) in built.into_inner().expect("built").into_iter().enumerate() {
+        let Some(result) = result else {
+            // Not started before the limit: neither are the rest.
+            error.get_or_insert_with(|| late(first + index as u32).unwrap_or_default());
+            continue;
+        };
         match result {
             Ok(vm) if error.is_none() => vms.push(vm),
             // Past the first failure the ids would not be consecutive.
@@ -850,6 +878,12 @@ fn build_all(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_holder_gives_up_building_before_its_cell_gives_up_on_it() {
+        assert!(BUILD_LIMIT < deadline::HOLDER_BUILD);
+        assert!(deadline::HOLDER_BUILD < deadline::CELL_CREATE);
+    }
 
     #[test]
     fn holders_are_small_until_a_cell_needs_too_many() {
