@@ -537,7 +537,7 @@ mod tests {
     #[test]
     fn vms_past_the_hosts_maximum_are_refused_with_what_bounds_them() {
         let (max, bound) = max_vms(100);
-        assert!(max >= 1 && max <= MAX_VM_ID, "{max} ({bound})");
+        assert!((1..=MAX_VM_ID).contains(&max), "{max} ({bound})");
         assert!(check_max_vms(max, 100).is_ok());
         let refused = check_max_vms(u32::MAX, 100).unwrap_err().0;
         assert!(refused.contains(&format!("at most {max}")), "{refused}");
