@@ -9,6 +9,7 @@ not about the binaries; the real ones are exercised by test_scalebench_e2e.py.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -119,19 +120,34 @@ FAKE_ZIPFPERF = textwrap.dedent("""\
     """)
 
 
-@pytest.fixture
-def fakes(tmp_path, monkeypatch) -> Path:
-    """A bin directory holding the FAKE densevm and zipfperf; their pids go to tmp/pids."""
-    bindir = tmp_path / "bin"
+def install_fakes(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    bindir = tmp / "bin"
     bindir.mkdir()
     for name, text in (("densevm", FAKE_DENSEVM), ("zipfperf", FAKE_ZIPFPERF)):
         path = bindir / name
         path.write_text(text.format(python=sys.executable, real=release_binary("densevm")))
         path.chmod(0o755)
     monkeypatch.setenv("SCALEBENCH_BIN_DIR", str(bindir))
-    monkeypatch.setenv("FAKE_PIDS", str(tmp_path / "pids"))
-    monkeypatch.setenv("SCALEBENCH_CALIBRATION", str(tmp_path / "calibration.json"))
-    return tmp_path
+    monkeypatch.setenv("FAKE_PIDS", str(tmp / "pids"))
+    monkeypatch.setenv("SCALEBENCH_CALIBRATION", str(tmp / "calibration.json"))
+    return tmp
+
+
+@pytest.fixture
+def fakes(tmp_path, monkeypatch) -> Path:
+    """A bin directory holding the FAKE densevm and zipfperf; their pids go to tmp/pids."""
+    return install_fakes(tmp_path, monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def completed_run(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """One run of small_config() on the fakes, as `fakes` sets them up, for the tests that read
+    a completed run: its directory (tmp/run, the fakes' pids in tmp) and its RunResult."""
+    tmp = tmp_path_factory.mktemp("completed")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        install_fakes(tmp, monkeypatch)
+        result = run(small_config(tmp), bins=Binaries.find())
+    return tmp, result
 
 
 def started_pids(tmp: Path) -> list[int]:
@@ -162,8 +178,8 @@ def small_config(tmp: Path, **changes) -> RunConfig:
     return RunConfig(**settings)
 
 
-def test_run_completes_and_records_everything(fakes):
-    result = run(small_config(fakes), bins=Binaries.find())
+def test_run_completes_and_records_everything(completed_run):
+    fakes, result = completed_run
     assert result.status == "ok", result.error
     doc = json.loads((fakes / "run" / "result.json").read_text())
     assert doc["schema"] == "scalebench.result/1"
@@ -206,11 +222,13 @@ def test_run_completes_and_records_everything(fakes):
     assert started_pids(fakes) and not any(alive(p) for p in started_pids(fakes))
 
 
-def test_a_stored_run_is_remodeled_from_what_it_recorded(fakes):
+def test_a_stored_run_is_remodeled_from_what_it_recorded(completed_run, tmp_path):
     from scalebench.runner import remodel
 
-    result = run(small_config(fakes), bins=Binaries.find())
-    path = fakes / "run" / "result.json"
+    # A copy of the completed run's result document, which this test rewrites.
+    ran, result = completed_run
+    path = tmp_path / "result.json"
+    shutil.copyfile(ran / "run" / "result.json", path)
     doc = json.loads(path.read_text())
     # Pretend an older model had predicted something else: remodel restores this model's figure.
     doc["model_rps"], doc["measured_over_model"] = 1.0, doc["throughput_rps"]
