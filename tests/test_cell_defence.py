@@ -462,3 +462,30 @@ def test_each_holder_holds_only_its_own_descriptors(tmp_path):
             assert get(m.addr(vm)).body == SMALL
     finally:
         assert m.stop() == 0
+
+
+def test_a_crashed_vm_destroyed_is_forgotten(tmp_path):
+    """Crashed VMs are destroyed to forget them, so a host whose holders keep
+    dying returns to what it held (experiments/bench/cell_chaos.py)."""
+    m = start(tmp_path, 16, "127.244.0.0", "--cell-vms", "16", "--cell-placement", "floating")
+    try:
+        (cell,) = children(m.proc.pid)
+        os.kill(children(cell)[0], signal.SIGKILL)  # VMs 0-7
+
+        def crashed() -> list[int]:
+            vms = m.control({"cmd": "list"})["vms"]
+            return [v["id"] for v in vms if v["state"] == "crashed"]
+
+        assert wait_for(lambda: len(crashed()) == 8)
+        for vm in crashed():
+            assert m.control({"cmd": "destroy", "vm": vm}) == {"ok": True, "vm": vm}
+        listed = [v["id"] for v in m.control({"cmd": "list"})["vms"]]
+        assert listed == list(range(8, 16))
+        assert m.control({"cmd": "stats", "vms": False})["totals"]["vms"] == 8
+        assert "no running VM 3" in m.raw_control(b'{"cmd":"destroy","vm":3}\n')["error"]
+        # A VM destroyed while it ran stays listed as stopped.
+        assert m.control({"cmd": "destroy", "vm": 9})["ok"]
+        assert {v["id"]: v["state"] for v in m.control({"cmd": "list"})["vms"]}[9] == "stopped"
+        assert get(m.addr(10)).body == SMALL
+    finally:
+        assert m.stop() == 0

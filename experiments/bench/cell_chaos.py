@@ -74,12 +74,14 @@ class Footprint:
         )
 
 
-def footprint(pid: int) -> Footprint:
+def footprint(pid: int, workdir: str) -> Footprint:
+    """The parent's descriptors and RSS, and the blocks its swap file holds
+    (nameless once open: the file it has open in `workdir`)."""
     swap = 0
     fds = os.listdir(f"/proc/{pid}/fd")
     for fd in fds:
         try:
-            if "densevm-swap" in os.readlink(f"/proc/{pid}/fd/{fd}"):
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(workdir + "/"):
                 swap = max(swap, os.stat(f"/proc/{pid}/fd/{fd}").st_blocks * 512)
         except OSError:
             continue
@@ -119,6 +121,11 @@ def zipfperf(first: int, count: int, seconds: float) -> subprocess.Popen:
 def finish(load: subprocess.Popen) -> dict:
     out, _ = load.communicate(timeout=120)
     return json.loads(out)
+
+
+def error_kinds(load: dict) -> dict:
+    """zipfperf's non-zero error counts by kind."""
+    return {k: v for k, v in load.get("error_detail", load["errors"]).items() if v and k != "total"}
 
 
 def say_hostile_words(cell: int, words: bytes) -> None:
@@ -191,11 +198,17 @@ class Chaos:
                 os.kill(pid, signal.SIGCONT)
 
 
-def replace_the_dead(api: Path) -> int:
-    """Forgets dead VMs and creates as many new ones; returns how many."""
-    dead = [v["id"] for v in control(api, {"cmd": "list"})["vms"] if v["state"] == "crashed"]
+def replace_the_dead(api: Path, replaced: set[int]) -> int:
+    """Destroys (forgets) the VMs that died since the last call and creates as
+    many new ones; returns how many."""
+    dead = [
+        v["id"]
+        for v in control(api, {"cmd": "list"})["vms"]
+        if v["state"] == "crashed" and v["id"] not in replaced
+    ]
     for vm in dead:
         control(api, {"cmd": "destroy", "vm": vm})
+        replaced.add(vm)
     for start in range(0, len(dead), 1024):
         control(api, {"cmd": "create", "count": min(1024, len(dead) - start)})
     return len(dead)
@@ -231,7 +244,7 @@ def main() -> int:
                 raise SystemExit("cell_chaos: densevm did not start")
             print(f"ready: {ready['vms']} VMs in {ready['cells']} cells", flush=True)
             finish(zipfperf(0, args.vms, 20))  # warm-up: working sets in, swap written
-            start = footprint(proc.pid)
+            start = footprint(proc.pid, tmp)
             print(f"start: {start}", flush=True)
 
             seconds = args.baseline_minutes * 60
@@ -240,31 +253,32 @@ def main() -> int:
             finish(other)
             print(
                 f"baseline ({args.baseline_minutes:g} min): untouched p99 "
-                f"{baseline['latency_ms']['p99']:.2f} ms, errors {baseline['errors']['total']}",
+                f"{baseline['latency_ms']['p99']:.2f} ms, errors {baseline['errors']['total']} "
+                f"{error_kinds(baseline)}",
                 flush=True,
             )
 
             seconds = args.minutes * 60
             calm, other = zipfperf(0, half, seconds), zipfperf(half, args.vms - half, seconds)
             deadline = time.monotonic() + seconds
-            replaced = 0
+            replaced: set[int] = set()
             while time.monotonic() < deadline and proc.poll() is None:
                 print(f"  {chaos.strike()}", flush=True)
                 time.sleep(args.interval)
                 if proc.poll() is None:
-                    replaced += replace_the_dead(api)
+                    replace_the_dead(api, replaced)
             chaotic = finish(calm)
             finish(other)
             chaos.release()
             alive = proc.poll() is None
-            print(f"strikes: {chaos.counts}; VMs replaced: {replaced}", flush=True)
+            print(f"strikes: {chaos.counts}; VMs replaced: {len(replaced)}", flush=True)
             if not alive:
                 print("the parent DIED: NOT met")
                 return 1
             time.sleep(3)
-            replace_the_dead(api)
+            replace_the_dead(api, replaced)
             time.sleep(2)
-            end = footprint(proc.pid)
+            end = footprint(proc.pid, tmp)
             vms = control(api, {"cmd": "stats"})["vms"]
         finally:
             chaos.release()
@@ -285,7 +299,8 @@ def main() -> int:
         (
             "untouched VMs never failed a request",
             chaotic["errors"]["total"] == 0 and not not_running,
-            f"{chaotic['errors']['total']} errors, {len(not_running)} not running",
+            f"{chaotic['errors']['total']} errors {error_kinds(chaotic)}, "
+            f"{len(not_running)} not running",
         ),
         ("untouched self-checks: 0 mismatches", mismatches == 0, f"{mismatches} mismatches"),
         (

@@ -386,7 +386,7 @@ impl CellLoop {
                 VmEntry::Live(vm) => {
                     Some((&**vm, seen[index].vouched(vm), busy[index / per_holder]))
                 }
-                VmEntry::Dead(_) => None,
+                VmEntry::Dead(_) | VmEntry::Forgotten => None,
             });
     }
 
@@ -667,7 +667,7 @@ impl CellLoop {
             Err(FrameError::Closed) => true,
             Err(FrameError::Io(e)) if crate::link::framing::peer_gone(&e) => true,
             Err(e) => {
-                eprintln!("densevm: cell link: {e}");
+                crate::log!("densevm: cell link: {e}");
                 true
             }
         };
@@ -698,15 +698,11 @@ impl CellLoop {
                 stats::collect(self.vms.entries(), self.proxy.len(), &self.governor, per_vm)
             }
             ToCell::List => {
-                json!({ "ok": true, "vms": self.vms.entries().iter().map(stats::vm_summary).collect::<Vec<_>>() })
+                json!({ "ok": true, "vms": self.vms.entries().iter().filter(|e| e.is_known()).map(stats::vm_summary).collect::<Vec<_>>() })
             }
             ToCell::Create { first, count } => self.create(first, count),
-            ToCell::Destroy { vm } => match self
-                .vms
-                .index_of(vm)
-                .filter(|&i| self.vms.live(i).is_some())
-            {
-                Some(index) => {
+            ToCell::Destroy { vm } => match self.vms.index_of(vm) {
+                Some(index) if self.vms.live(index).is_some() => {
                     self.kill_vm(
                         index,
                         VmState::Stopped,
@@ -714,7 +710,9 @@ impl CellLoop {
                     );
                     json!({ "ok": true, "vm": vm })
                 }
-                None => json!({ "error": format!("no running VM {vm}") }),
+                // A VM that crashed is forgotten: nothing of it stays listed.
+                Some(index) if self.vms.forget(index) => json!({ "ok": true, "vm": vm }),
+                _ => json!({ "error": format!("no running VM {vm}") }),
             },
             ToCell::Crash { vm, triple } => {
                 match self.vms.index_of(vm).and_then(|i| self.vms.live(i)) {

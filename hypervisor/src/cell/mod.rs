@@ -115,7 +115,7 @@ pub fn run() -> i32 {
         Err(CellError::ParentGone) => 1,
         Err(error) => {
             let cell = cell.map(|c| format!(" {c}")).unwrap_or_default();
-            eprintln!("densevm: error: cell{cell}: {error}");
+            crate::log!("densevm: error: cell{cell}: {error}");
             1
         }
     }

@@ -19,6 +19,7 @@ pub fn vm_summary(entry: &VmEntry) -> Value {
         VmEntry::Dead(dead) => {
             json!({ "id": dead.id, "addr": dead.addr.to_string(), "state": dead.state.name(), "reason": dead.reason })
         }
+        VmEntry::Forgotten => Value::Null,
     }
 }
 
@@ -34,6 +35,9 @@ pub fn collect(vms: &[VmEntry], connections: usize, governor: &CpuGovernor, per_
     let mut background = 0u64;
     let (mut lingering, mut linger_resets, mut doorbells_deferred) = (0u64, 0u64, 0u64);
     for (index, entry) in vms.iter().enumerate() {
+        if !entry.is_known() {
+            continue;
+        }
         let in_background = governor.is_background(index) && matches!(entry, VmEntry::Live(_));
         background += u64::from(in_background);
         let state = entry.state();
@@ -46,6 +50,7 @@ pub fn collect(vms: &[VmEntry], connections: usize, governor: &CpuGovernor, per_
         let ctrl = match entry {
             VmEntry::Live(vm) => vm.ctrl(),
             VmEntry::Dead(dead) => dead.ctrl,
+            VmEntry::Forgotten => continue,
         };
         // Guest-written words: a lying guest saturates the totals, never wraps them.
         requests = requests.saturating_add(ctrl.requests);
@@ -56,7 +61,7 @@ pub fn collect(vms: &[VmEntry], connections: usize, governor: &CpuGovernor, per_
         selfcheck_errors = selfcheck_errors.saturating_add(ctrl.selfcheck_errors);
         let (vm_lingering, vm_resets, vm_deferred) = match entry {
             VmEntry::Live(vm) => (vm.lingering as u64, vm.linger_resets, vm.doorbells_deferred),
-            VmEntry::Dead(_) => (0, 0, 0),
+            VmEntry::Dead(_) | VmEntry::Forgotten => (0, 0, 0),
         };
         lingering += vm_lingering;
         linger_resets += vm_resets;
@@ -82,6 +87,7 @@ pub fn collect(vms: &[VmEntry], connections: usize, governor: &CpuGovernor, per_
             VmEntry::Dead(dead) => {
                 json!({ "id": dead.id, "addr": dead.addr.to_string(), "state": state.name(), "reason": dead.reason })
             }
+            VmEntry::Forgotten => continue,
         };
         value["requests"] = json!(ctrl.requests);
         value["errors_4xx"] = json!(ctrl.responses_4xx);
@@ -97,7 +103,7 @@ pub fn collect(vms: &[VmEntry], connections: usize, governor: &CpuGovernor, per_
     let mut reply = json!({
         "ok": true,
         "totals": {
-            "vms": vms.len(),
+            "vms": vms.iter().filter(|e| e.is_known()).count(),
             "running": running,
             "booting": booting,
             "crashed": crashed,

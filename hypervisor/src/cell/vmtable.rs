@@ -38,6 +38,9 @@ pub enum VmEntry {
     Live(Box<MicroVm>),
     /// Its guest died or it was destroyed; kept for the stats.
     Dead(DeadVm),
+    /// A crashed VM destroyed through the control API: nothing of it is
+    /// kept but its place, so that the ids after it keep their indices.
+    Forgotten,
 }
 
 /// What the stats report about a VM that no longer runs.
@@ -66,7 +69,13 @@ impl VmEntry {
                 RunState::Stopped => VmState::Stopped,
             },
             VmEntry::Dead(dead) => dead.state,
+            VmEntry::Forgotten => VmState::Stopped,
         }
+    }
+
+    /// Whether the control API still reports it.
+    pub fn is_known(&self) -> bool {
+        !matches!(self, VmEntry::Forgotten)
     }
 }
 
@@ -118,7 +127,24 @@ impl VmTable {
         }
         match std::mem::replace(entry, VmEntry::Dead(dead)) {
             VmEntry::Live(vm) => Some(vm),
-            VmEntry::Dead(_) => None,
+            VmEntry::Dead(_) | VmEntry::Forgotten => None,
+        }
+    }
+
+    /// Forgets the crashed VM at `index` (a destroy of a VM that died);
+    /// false if it is live, was stopped, or is already forgotten.
+    pub fn forget(&mut self, index: usize) -> bool {
+        match self.entries.get_mut(index) {
+            Some(
+                entry @ VmEntry::Dead(DeadVm {
+                    state: VmState::Crashed,
+                    ..
+                }),
+            ) => {
+                *entry = VmEntry::Forgotten;
+                true
+            }
+            _ => false,
         }
     }
 
@@ -133,7 +159,7 @@ impl VmTable {
             .drain(..)
             .filter_map(|entry| match entry {
                 VmEntry::Live(vm) => Some(*vm),
-                VmEntry::Dead(_) => None,
+                VmEntry::Dead(_) | VmEntry::Forgotten => None,
             })
             .collect()
     }
