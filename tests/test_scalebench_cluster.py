@@ -1,11 +1,10 @@
 """`scalebench sweep --cluster` on a real dask cluster of two "hosts" on this machine.
 
-The tests share one dask scheduler and two workers (`python -m dask scheduler|worker`,
+Each test starts a dask scheduler and two workers (`python -m dask scheduler|worker`,
 as the README's fleet does), each worker a "host" of its own by configuration:
-its name (SCALEBENCH_HOST_NAME), its kind (host-b's is named), its VMs' loopback range
-(SCALEBENCH_HOST_ADDR_BASE) and its work directory. Points are real, tiny scalebench runs
-(densevm and zipfperf). Workers run without a nanny, so a killed worker stays dead, as a lost
-host does; the next test starts a new one for that host, and starts on empty work directories.
+its name (SCALEBENCH_HOST_NAME), its VMs' loopback range (SCALEBENCH_HOST_ADDR_BASE)
+and its work directory. Points are real, tiny scalebench runs (densevm and zipfperf).
+Workers run without a nanny, so a killed worker stays dead, as a lost host does.
 """
 
 from __future__ import annotations
@@ -13,12 +12,11 @@ from __future__ import annotations
 import csv
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,26 +54,6 @@ class Cluster:
     scheduler_file: Path
     workers: dict[str, subprocess.Popen]  # host name -> its worker process
     work_dirs: dict[str, Path]
-    calibration: Path  # the workers' SCALEBENCH_CALIBRATION, for the client's too
-    start_worker: Callable[[str], subprocess.Popen]  # starts (again) the worker of a host
-
-    def ready(self) -> None:
-        """For the next test: a worker an earlier test killed is started again, and the work
-        directories are empty (nothing runs in them)."""
-        dead = [host for host, proc in self.workers.items() if proc.poll() is not None]
-        for host in dead:
-            self.workers[host] = self.start_worker(host)
-        if dead:
-            with distributed.Client(scheduler_file=str(self.scheduler_file), timeout=60) as client:
-                client.wait_for_workers(len(HOSTS), timeout=60)
-                deadline = time.monotonic() + 60  # the killed ones leave the scheduler too
-                while len(client.scheduler_info()["workers"]) != len(HOSTS):
-                    assert time.monotonic() < deadline, client.scheduler_info()["workers"]
-                    time.sleep(0.2)
-        for work_dir in self.work_dirs.values():
-            assert wait_until_gone(str(work_dir)) == [], work_dir
-            for entry in work_dir.iterdir() if work_dir.exists() else ():
-                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
 
 
 @contextmanager
@@ -94,7 +72,7 @@ def local_cluster(tmp: Path, kinds: dict[str, str] | None = None) -> Iterator[Cl
     logs.mkdir()
 
     def start(name: str, argv: list[str], extra_env: dict) -> subprocess.Popen:
-        with open(logs / f"{name}.log", "a") as log:
+        with open(logs / f"{name}.log", "w") as log:
             command = [
                 sys.executable,
                 "-m",
@@ -112,25 +90,23 @@ def local_cluster(tmp: Path, kinds: dict[str, str] | None = None) -> Iterator[Cl
 
     try:
         start("scheduler", ["scheduler", "--host", "127.0.0.1", "--port", "0"], {})
-        work_dirs = {host: tmp / host for host in HOSTS}
-
-        def start_worker(host: str) -> subprocess.Popen:
-            host_env = {"SCALEBENCH_HOST_NAME": host, "SCALEBENCH_HOST_ADDR_BASE": HOSTS[host]}
+        workers, work_dirs = {}, {}
+        for host, addr_base in HOSTS.items():
+            work_dirs[host] = tmp / host
+            host_env = {"SCALEBENCH_HOST_NAME": host, "SCALEBENCH_HOST_ADDR_BASE": addr_base}
             host_env["SCALEBENCH_WORK_DIR"] = str(work_dirs[host])
             if kinds and host in kinds:
                 host_env["SCALEBENCH_HOST_KIND"] = kinds[host]
-            return start(
+            workers[host] = start(
                 host, ["worker", "--nthreads", "1", "--resources", "host=1", "--no-nanny"], host_env
             )
-
-        workers = {host: start_worker(host) for host in HOSTS}
         deadline = time.monotonic() + 60
         while not scheduler_file.exists():
             assert time.monotonic() < deadline, (logs / "scheduler.log").read_text()
             time.sleep(0.2)
         with distributed.Client(scheduler_file=str(scheduler_file), timeout=60) as client:
             client.wait_for_workers(len(HOSTS), timeout=60)
-        yield Cluster(scheduler_file, workers, work_dirs, tmp / "cal.json", start_worker)
+        yield Cluster(scheduler_file, workers, work_dirs)
     finally:
         # Workers first: a worker whose scheduler is gone spends half a minute reconnecting
         # before it exits.
@@ -153,13 +129,11 @@ def sweep_command(tmp: Path, exp: Path, out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "scalebench.cli", "sweep", str(exp), "--out", str(out), *extra]
 
 
-def sweep(
-    tmp: Path, exp: Path, out: Path, *extra: str, calibration: Path | None = None
-) -> subprocess.CompletedProcess:
+def sweep(tmp: Path, exp: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
         "SCALEBENCH_BIN_DIR": str(release_binary("densevm").parent),
-        "SCALEBENCH_CALIBRATION": str(calibration or tmp / "cal.json"),
+        "SCALEBENCH_CALIBRATION": str(tmp / "cal.json"),
     }
     return subprocess.run(
         sweep_command(tmp, exp, out, *extra),
@@ -190,31 +164,10 @@ def wait_until_gone(text: str, timeout_s: float = 60) -> list[int]:
     return processes_mentioning(text)
 
 
-@pytest.fixture(scope="module")
-def shared_cluster(tmp_path_factory) -> Iterator[Cluster]:
-    """One scheduler and its two workers for the module's tests (host-b of a kind of its own)."""
-    with local_cluster(
-        tmp_path_factory.mktemp("cluster"), kinds={"host-b": "host-b's kind"}
-    ) as cluster:
-        yield cluster
-
-
-@pytest.fixture
-def cluster(shared_cluster: Cluster) -> Cluster:
-    shared_cluster.ready()
-    return shared_cluster
-
-
-def test_a_grid_on_two_hosts_has_the_schema_of_a_local_sweep(tmp_path, cluster):
+def test_a_grid_on_two_hosts_has_the_schema_of_a_local_sweep(tmp_path):
     exp = experiment(tmp_path)
-    proc = sweep(
-        tmp_path,
-        exp,
-        tmp_path / "out",
-        "--cluster",
-        str(cluster.scheduler_file),
-        calibration=cluster.calibration,
-    )
+    with local_cluster(tmp_path, kinds={"host-b": "host-b's kind"}) as cluster:
+        proc = sweep(tmp_path, exp, tmp_path / "out", "--cluster", str(cluster.scheduler_file))
     assert proc.returncode == 0, proc.stderr
     assert "scalebench: warning: the points ran on 2 kinds of host" in proc.stderr
     done = points(tmp_path / "out")
@@ -246,16 +199,7 @@ def test_a_grid_on_two_hosts_has_the_schema_of_a_local_sweep(tmp_path, cluster):
 
     # One point of the same grid run locally: the same CSV columns, the same checks. (A short
     # directory name: densevm's control socket is in the point's directory, within 107 bytes.)
-    local = sweep(
-        tmp_path,
-        exp,
-        tmp_path / "l",
-        "--only",
-        "vms=4",
-        "--only",
-        "policy=demand",
-        calibration=cluster.calibration,
-    )
+    local = sweep(tmp_path, exp, tmp_path / "l", "--only", "vms=4", "--only", "policy=demand")
     assert local.returncode == 0, local.stderr
     local_rows = rows(tmp_path / "l" / "results.csv")
     assert list(local_rows[0]) == list(cluster_rows[0])
@@ -274,34 +218,39 @@ def test_a_grid_on_two_hosts_has_the_schema_of_a_local_sweep(tmp_path, cluster):
     assert "vms=8__policy=wsswap/result.json" in (tmp_path / "out" / "report.html").read_text()
 
 
-def test_a_point_whose_worker_is_killed_is_run_again_elsewhere(tmp_path, cluster):
+def test_a_point_whose_worker_is_killed_is_run_again_elsewhere(tmp_path):
     exp = experiment(tmp_path, duration=3)
-    env = {**os.environ, "SCALEBENCH_CALIBRATION": str(cluster.calibration)}
-    client = subprocess.Popen(
-        sweep_command(
-            tmp_path,
-            exp,
-            tmp_path / "out",
-            "--cluster",
-            str(cluster.scheduler_file),
-            "--only",
-            "vms=4",
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    victim = cluster.work_dirs["host-a"]
-    deadline = time.monotonic() + 120
-    while not any("densevm" in cmdline(pid) for pid in processes_mentioning(str(victim))):
-        assert time.monotonic() < deadline and client.poll() is None, "no point started on host-a"
-        time.sleep(0.1)
-    killed_point = json.loads(next(victim.glob("*/*/config.json")).read_text())["labels"]["point"]
-    cluster.workers["host-a"].send_signal(signal.SIGKILL)
-    _, stderr = client.communicate(timeout=300)
-    # The worker's death reached the point's process: densevm, zipfperf and it are gone.
-    assert processes_mentioning(str(victim)) == []
+    with local_cluster(tmp_path) as cluster:
+        env = {**os.environ, "SCALEBENCH_CALIBRATION": str(tmp_path / "cal.json")}
+        client = subprocess.Popen(
+            sweep_command(
+                tmp_path,
+                exp,
+                tmp_path / "out",
+                "--cluster",
+                str(cluster.scheduler_file),
+                "--only",
+                "vms=4",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        victim = cluster.work_dirs["host-a"]
+        deadline = time.monotonic() + 120
+        while not any("densevm" in cmdline(pid) for pid in processes_mentioning(str(victim))):
+            assert time.monotonic() < deadline and client.poll() is None, (
+                "no point started on host-a"
+            )
+            time.sleep(0.1)
+        killed_point = json.loads(next(victim.glob("*/*/config.json")).read_text())["labels"][
+            "point"
+        ]
+        cluster.workers["host-a"].send_signal(signal.SIGKILL)
+        _, stderr = client.communicate(timeout=300)
+        # The worker's death reached the point's process: densevm, zipfperf and it are gone.
+        assert processes_mentioning(str(victim)) == []
     assert client.returncode == 0, stderr
     done = points(tmp_path / "out")
     assert set(done) == {"vms=4,policy=demand", "vms=4,policy=wsswap"}
@@ -329,34 +278,32 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def test_an_interrupted_cluster_sweep_resumes_without_redoing_points(tmp_path, cluster):
+def test_an_interrupted_cluster_sweep_resumes_without_redoing_points(tmp_path):
     exp = experiment(tmp_path)
     out = tmp_path / "out"
-    env = {**os.environ, "SCALEBENCH_CALIBRATION": str(cluster.calibration)}
-    client = subprocess.Popen(
-        sweep_command(tmp_path, exp, out, "--cluster", str(cluster.scheduler_file)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    deadline = time.monotonic() + 200
-    while len(list(out.glob("points/*/result.json"))) < 2:
-        assert time.monotonic() < deadline and client.poll() is None, "no two points finished"
-        time.sleep(0.1)
-    client.send_signal(signal.SIGINT)
-    _, stderr = client.communicate(timeout=120)
-    assert client.returncode == 130, stderr
-    assert "run the same command again to resume" in stderr
-    kept = {name: d["run_id"] for name, d in points(out).items()}
-    assert 2 <= len(kept) < 6
-    # The points that were running when the client stopped are stopped on their hosts too.
-    for work_dir in cluster.work_dirs.values():
-        assert wait_until_gone(str(work_dir)) == []
-    again = sweep(
-        tmp_path, exp, out, "--cluster", str(cluster.scheduler_file),
-        calibration=cluster.calibration,
-    )  # fmt: skip
+    with local_cluster(tmp_path) as cluster:
+        env = {**os.environ, "SCALEBENCH_CALIBRATION": str(tmp_path / "cal.json")}
+        client = subprocess.Popen(
+            sweep_command(tmp_path, exp, out, "--cluster", str(cluster.scheduler_file)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        deadline = time.monotonic() + 200
+        while len(list(out.glob("points/*/result.json"))) < 2:
+            assert time.monotonic() < deadline and client.poll() is None, "no two points finished"
+            time.sleep(0.1)
+        client.send_signal(signal.SIGINT)
+        _, stderr = client.communicate(timeout=120)
+        assert client.returncode == 130, stderr
+        assert "run the same command again to resume" in stderr
+        kept = {name: d["run_id"] for name, d in points(out).items()}
+        assert 2 <= len(kept) < 6
+        # The points that were running when the client stopped are stopped on their hosts too.
+        for work_dir in cluster.work_dirs.values():
+            assert wait_until_gone(str(work_dir)) == []
+        again = sweep(tmp_path, exp, out, "--cluster", str(cluster.scheduler_file))
     assert again.returncode == 0, again.stderr
     assert f"{len(kept)} of 6 point(s) already done: kept" in again.stderr
     done = points(out)
