@@ -120,9 +120,8 @@ def test_densevm_killed_mid_run(tmp_path):
                 return
             time.sleep(0.2)
 
-    # The kill waits for the load phase whatever the warm-up; the long duration keeps it mid-run.
     proc, r = scalebench(
-        tmp_path, "--vms", "20", "--duration", "20", "--warmup", "1", on_start=kill_densevm
+        tmp_path, "--vms", "20", "--duration", "20", "--warmup", "5", on_start=kill_densevm
     )
     assert proc.returncode == 1
     assert r["boot_seconds"] is not None  # it failed mid-run, not at start-up
