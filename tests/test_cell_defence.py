@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 from conftest import release_binary
+from scalebench.scaling import children
 from scalebench.webobject import SMALL
-from support.densevm import Monitor, get, kvm_available, start
+from support.densevm import Monitor, get, kvm_available, start, wait_for
 
 pytestmark = pytest.mark.skipif(
     not kvm_available(), reason="/dev/kvm is absent or not accessible on this host"
@@ -32,17 +33,6 @@ HOSTILE_VM = 0
 LYING_COUNTER = 9  # guest-images/webguest/hostile.h
 OUTPUT_AFTER_CLOSE = 10
 MAX_SLOTS = 64  # connections per VM (abi.h DV_MAX_SLOTS)
-
-
-def children(pid: int) -> list[int]:
-    found: list[int] = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                found.extend(int(c) for c in f.read().split())
-        except FileNotFoundError:  # a thread that ended since the listing
-            continue
-    return sorted(found)
 
 
 def fd_targets(pid: int) -> dict[int, tuple[str, int]]:
@@ -71,15 +61,6 @@ def guest_memory(pids: list[int]) -> tuple[set[int], int]:
             elif "userfaultfd" in target:
                 uffds += 1
     return memfds, uffds
-
-
-def wait_for(predicate, timeout: float = 20) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def test_a_cell_started_at_runtime_holds_no_other_cells_memory(tmp_path):
@@ -179,15 +160,23 @@ def test_a_burst_of_vanished_control_clients_leaves_the_api_responsive(tmp_path)
     assert swap_files(tmp_path) == []
 
 
+NEIGHBOURS = 20  # VMs 1-20 beside the hostile VM 0
+
+
 def hostile(tmp_path: Path, behaviour: int, addr_base: str, *extra: str) -> Monitor:
     return start(
         tmp_path,
-        21,
+        1 + NEIGHBOURS,
         addr_base,
         *("--guest", str(release_binary("webguest-hostile.elf"))),
         *("--guest-arg", str((behaviour << 32) | HOSTILE_VM)),
         *extra,
     )
+
+
+def neighbours_serve(m: Monitor) -> None:
+    for vm in range(1, 1 + NEIGHBOURS):
+        assert get(m.addr(vm)).body == SMALL, f"neighbour {vm}"
 
 
 def test_a_guest_lying_about_its_requests_is_still_demoted(tmp_path):
@@ -213,8 +202,7 @@ def test_a_guest_lying_about_its_requests_is_still_demoted(tmp_path):
         while time.monotonic() < deadline:
             assert demoted(), "a lying request counter won the vCPU back"
             time.sleep(0.05)
-        for vm in range(1, 21):
-            assert get(m.addr(vm)).body == SMALL
+        neighbours_serve(m)
     finally:
         for s in clients:
             s.close()
@@ -250,8 +238,7 @@ def test_output_held_for_clients_that_never_read_is_bounded(tmp_path):
         time.sleep(2)
         held = len(os.listdir(f"/proc/{cell}/fd")) - fds_before
         assert held <= MAX_SLOTS + 8, f"the cell holds {held} more descriptors"
-        for vm in range(1, 21):
-            assert get(m.addr(vm)).body == SMALL
+        neighbours_serve(m)
     finally:
         for s in clients:
             s.close()
@@ -415,8 +402,7 @@ def test_a_doorbell_storm_is_put_off_and_costs_its_cell_little(tmp_path):
         vm = next(v for v in m.control({"cmd": "stats"})["vms"] if v["id"] == HOSTILE_VM)
         assert vm["doorbells_deferred"] > 0
         assert m.control({"cmd": "stats", "vms": False})["totals"]["doorbells_deferred"] > 0
-        for vm in range(1, 21):
-            assert get(m.addr(vm)).body == SMALL
+        neighbours_serve(m)
     finally:
         assert m.stop() == 0
 

@@ -7,30 +7,21 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 from conftest import release_binary
+from scalebench.scaling import children
 from scalebench.webobject import LARGE, SMALL
-from support.densevm import get, kvm_available, start
+from support.densevm import get, kvm_available, start, wait_for
 
 pytestmark = pytest.mark.skipif(
     not kvm_available(), reason="/dev/kvm is absent or not accessible on this host"
 )
 
 
-def cell_pids(pid: int) -> list[int]:
-    """The densevm cells (child processes) of the monitor `pid`."""
-    children: list[int] = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            children.extend(int(c) for c in f.read().split())
-    return sorted(children)
-
-
 def cell_processes(pid: int) -> list[int]:
     """A cell `pid` and its holders (the children that own its KVM VMs)."""
-    return [pid, *cell_pids(pid)]
+    return [pid, *children(pid)]
 
 
 def alive(pid: int) -> bool:
@@ -51,22 +42,13 @@ def alive(pid: int) -> bool:
     return False
 
 
-def wait_for(predicate, timeout: float = 10) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
 def test_vms_over_several_cells_answer_as_one_monitor(tmp_path):
     # Floating cells: their layout does not depend on the machine's CPUs.
     m = start(tmp_path, 10, "127.221.0.0", "--cell-vms", "3", "--cell-placement", "floating")
     try:
         assert m.ready["vms"] == 10 and m.ready["failed"] == 0
         assert m.ready["cells"] == 4 and m.ready["cell_vms"] == 3
-        assert len(cell_pids(m.proc.pid)) == 4
+        assert len(children(m.proc.pid)) == 4
         for vm in range(10):
             assert get(m.addr(vm)).body == SMALL
         stats = m.control({"cmd": "stats"})
@@ -84,7 +66,7 @@ def test_vms_over_several_cells_answer_as_one_monitor(tmp_path):
         # Ten VMs spread evenly over four cells: 3, 3, 2, 2. New VMs fill the
         # last cell (VMs 8 and 9), then a new one.
         assert m.control({"cmd": "create", "count": 3})["created"] == [10, 11, 12]
-        assert len(cell_pids(m.proc.pid)) == 5
+        assert len(children(m.proc.pid)) == 5
         for vm in (10, 11, 12):
             assert get(m.addr(vm), "/large").body == LARGE
         light = m.control({"cmd": "stats", "vms": False})
@@ -105,7 +87,7 @@ def test_a_killed_cell_takes_only_its_vms_down(tmp_path):
         for vm in range(9):
             assert get(m.addr(vm)).body == SMALL
         before = m.control({"cmd": "stats"})["totals"]
-        victim = cell_pids(m.proc.pid)[1]  # VMs 3, 4, 5
+        victim = children(m.proc.pid)[1]  # VMs 3, 4, 5
         os.kill(victim, signal.SIGKILL)
 
         def down():
@@ -148,8 +130,8 @@ def test_a_killed_holder_takes_only_its_vms_down(tmp_path):
         for vm in range(20):
             assert get(m.addr(vm)).body == SMALL
         before = m.control({"cmd": "stats"})["totals"]
-        [cell] = cell_pids(m.proc.pid)
-        holders = cell_pids(cell)
+        [cell] = children(m.proc.pid)
+        holders = children(cell)
         assert len(holders) == 3
         victim = next(h for h in holders if "vcpu10" in thread_names(h))
         os.kill(victim, signal.SIGKILL)
@@ -187,7 +169,7 @@ def thread_names(pid: int) -> set[str]:
 
 def test_a_killed_parent_takes_every_cell_with_it(tmp_path):
     m = start(tmp_path, 6, "127.223.0.0", "--cell-vms", "2")
-    cells = cell_pids(m.proc.pid)
+    cells = children(m.proc.pid)
     assert len(cells) == m.ready["cells"] >= 3
     processes = [p for cell in cells for p in cell_processes(cell)]
     assert len(processes) == 2 * len(cells)  # each cell and its holder
@@ -200,7 +182,7 @@ def test_a_killed_parent_takes_every_cell_with_it(tmp_path):
 
 def test_sigterm_stops_every_cell(tmp_path):
     m = start(tmp_path, 6, "127.224.0.0", "--cell-vms", "2")
-    cells = cell_pids(m.proc.pid)
+    cells = children(m.proc.pid)
     processes = [p for cell in cells for p in cell_processes(cell)]
     assert m.stop(30) == 0
     assert not any(alive(pid) for pid in processes)
@@ -245,7 +227,7 @@ def test_pinned_cells_go_round_robin_over_the_cpus_densevm_may_use(tmp_path):
     m = start(tmp_path, 6, "127.234.0.0", "--cell-vms", "2")
     try:
         assert m.ready["cell_placement"] == "pinned"
-        cells = cell_pids(m.proc.pid)
+        cells = children(m.proc.pid)
         # Three cells would hold the six VMs; pinned ones come in a multiple
         # of the CPUs (at most one per VM), so every CPU serves as many VMs.
         assert len(cells) == m.ready["cells"]
@@ -279,7 +261,7 @@ def test_cells_stay_within_the_cpus_densevm_was_given(tmp_path):
     finally:
         os.sched_setaffinity(0, allowed)
     try:
-        assert all(t == {only} for pid in cell_pids(m.proc.pid) for t in thread_cpus(pid))
+        assert all(t == {only} for pid in children(m.proc.pid) for t in thread_cpus(pid))
         assert get(m.addr(3)).body == SMALL
     finally:
         assert m.stop() == 0
@@ -290,7 +272,7 @@ def test_floating_cells_leave_placement_to_the_scheduler(tmp_path):
     m = start(tmp_path, 4, "127.236.0.0", "--cell-vms", "2", "--cell-placement", "floating")
     try:
         assert m.ready["cell_placement"] == "floating"
-        assert all(t == allowed for pid in cell_pids(m.proc.pid) for t in thread_cpus(pid))
+        assert all(t == allowed for pid in children(m.proc.pid) for t in thread_cpus(pid))
         assert get(m.addr(3)).body == SMALL
     finally:
         assert m.stop() == 0

@@ -50,7 +50,7 @@ class TreeCpu:
 
 
 def children(pid: int) -> list[int]:
-    """The child processes of `pid` (none once it is gone)."""
+    """The child processes of `pid` (none once it is gone), oldest pid first."""
     out: list[int] = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
@@ -62,7 +62,7 @@ def children(pid: int) -> list[int]:
                 out.extend(int(c) for c in f.read().split())
         except FileNotFoundError:
             continue
-    return out
+    return sorted(out)
 
 
 def descendants(pid: int) -> list[int]:

@@ -50,6 +50,8 @@ from scalebench.scaling import children  # noqa: E402
 RELEASE = ROOT / "target" / "release"
 ADDR_BASE = ipaddress.IPv4Address("127.1.0.0")
 SYS_PIDFD_GETFD = 438
+BATCH = 100  # VMs created at once
+CREATE_TIMEOUT_S = 90  # above the parent's create deadline (link::protocol::deadline)
 HOSTILE_WORDS = [
     b"\x00\xffgarbage, not json\n",
     b"x" * (70 << 20),
@@ -118,8 +120,9 @@ def zipfperf(first: int, count: int, seconds: float) -> subprocess.Popen:
     )
 
 
-def finish(load: subprocess.Popen) -> dict:
-    out, _ = load.communicate(timeout=120)
+def finish(load: subprocess.Popen, seconds: float) -> dict:
+    """zipfperf's document, once its `seconds` of load are over."""
+    out, _ = load.communicate(timeout=seconds + 120)
     return json.loads(out)
 
 
@@ -203,14 +206,17 @@ def replace_the_dead(api: Path, replaced: set[int]) -> int:
     many new ones; returns how many."""
     dead = [
         v["id"]
-        for v in control(api, {"cmd": "list"})["vms"]
+        for v in control(api, {"cmd": "list"}, timeout_s=CREATE_TIMEOUT_S)["vms"]
         if v["state"] == "crashed" and v["id"] not in replaced
     ]
     for vm in dead:
         control(api, {"cmd": "destroy", "vm": vm})
         replaced.add(vm)
-    for start in range(0, len(dead), 1024):
-        control(api, {"cmd": "create", "count": min(1024, len(dead) - start)})
+    # A cell's worth at a time: each create boots one new cell, which the
+    # parent may take up to its create deadline (60 s) to start.
+    for start in range(0, len(dead), BATCH):
+        count = min(BATCH, len(dead) - start)
+        control(api, {"cmd": "create", "count": count}, timeout_s=CREATE_TIMEOUT_S)
     return len(dead)
 
 
@@ -243,14 +249,14 @@ def main() -> int:
             if not ready:
                 raise SystemExit("cell_chaos: densevm did not start")
             print(f"ready: {ready['vms']} VMs in {ready['cells']} cells", flush=True)
-            finish(zipfperf(0, args.vms, 20))  # warm-up: working sets in, swap written
+            finish(zipfperf(0, args.vms, 20), 20)  # warm-up: working sets in, swap written
             start = footprint(proc.pid, tmp)
             print(f"start: {start}", flush=True)
 
             seconds = args.baseline_minutes * 60
             calm, other = zipfperf(0, half, seconds), zipfperf(half, args.vms - half, seconds)
-            baseline = finish(calm)
-            finish(other)
+            baseline = finish(calm, seconds)
+            finish(other, seconds)
             print(
                 f"baseline ({args.baseline_minutes:g} min): untouched p99 "
                 f"{baseline['latency_ms']['p99']:.2f} ms, errors {baseline['errors']['total']} "
@@ -267,8 +273,8 @@ def main() -> int:
                 time.sleep(args.interval)
                 if proc.poll() is None:
                     replace_the_dead(api, replaced)
-            chaotic = finish(calm)
-            finish(other)
+            chaotic = finish(calm, seconds)
+            finish(other, seconds)
             chaos.release()
             alive = proc.poll() is None
             print(f"strikes: {chaos.counts}; VMs replaced: {len(replaced)}", flush=True)

@@ -101,20 +101,26 @@ static void window_violation(void)
     }
 }
 
+/* Halts until the host has put something in the rx ring. */
+static void idle_until_rx(void)
+{
+    struct dv_ring_hdr *r = ring_hdr();
+    irq_seen = 0;
+    r->idle_gen++;
+    r->guest_idle = 1;
+    arch_mb();
+    if (__atomic_load_n(&r->rx_prod, __ATOMIC_ACQUIRE) == r->rx_cons)
+        idle_wait();
+    r->guest_idle = 0;
+}
+
 /* Slots open and are never released: FINs are read and ignored. */
 static void never_close(void)
 {
     static uint8_t open[DV_MAX_SLOTS];
-    struct dv_ring_hdr *r = ring_hdr();
     for (;;) {
         take_opens(open);
-        irq_seen = 0;
-        r->idle_gen++;
-        r->guest_idle = 1;
-        arch_mb();
-        if (__atomic_load_n(&r->rx_prod, __ATOMIC_ACQUIRE) == r->rx_cons)
-            idle_wait();
-        r->guest_idle = 0;
+        idle_until_rx();
     }
 }
 
@@ -145,7 +151,6 @@ static void output_after_close(void)
 {
     static uint8_t open[DV_MAX_SLOTS];
     static uint32_t sent[DV_MAX_SLOTS];
-    struct dv_ring_hdr *r = ring_hdr();
     for (;;) {
         take_opens(open);
         int busy = 0;
@@ -164,13 +169,7 @@ static void output_after_close(void)
         arch_doorbell();
         if (busy)
             continue;
-        irq_seen = 0;
-        r->idle_gen++;
-        r->guest_idle = 1;
-        arch_mb();
-        if (__atomic_load_n(&r->rx_prod, __ATOMIC_ACQUIRE) == r->rx_cons)
-            idle_wait();
-        r->guest_idle = 0;
+        idle_until_rx();
     }
 }
 

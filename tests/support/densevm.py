@@ -16,6 +16,16 @@ from conftest import release_binary
 from scalebench.densevm import control
 
 
+def wait_for(predicate, timeout: float = 20) -> bool:
+    """Polls `predicate` until it holds or `timeout` seconds pass; its last answer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
 def kvm_available() -> bool:
     return os.access("/dev/kvm", os.R_OK | os.W_OK)
 

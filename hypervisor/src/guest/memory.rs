@@ -51,25 +51,8 @@ impl Mapping {
         } else {
             libc::MAP_PRIVATE
         };
-        // SAFETY: a fresh anonymous mapping aliases nothing.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                visibility | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(Mapping {
-            base: NonNull::new(ptr.cast()).expect("mmap returned null"),
-            len,
-            release: Release::Unmap,
-        })
+        let prot = libc::PROT_READ | libc::PROT_WRITE;
+        Self::map(len, prot, visibility | libc::MAP_ANONYMOUS, -1)
     }
 
     /// Maps the first `len` bytes of file `fd`: shared and read-only, or
@@ -82,14 +65,21 @@ impl Mapping {
         } else {
             (libc::PROT_READ, libc::MAP_SHARED)
         };
-        // SAFETY: a fresh mapping of a file we hold; it aliases nothing we write.
+        Self::map(len, prot, visibility, fd.as_raw_fd())
+    }
+
+    /// A fresh mapping of `len` bytes (of `fd`, or anonymous with -1),
+    /// unmapped on drop.
+    fn map(len: usize, prot: libc::c_int, flags: libc::c_int, fd: libc::c_int) -> io::Result<Self> {
+        // SAFETY: a fresh mapping (of a file we hold, or anonymous) aliases
+        // nothing we write.
         let ptr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 len,
                 prot,
-                visibility | libc::MAP_NORESERVE,
-                fd.as_raw_fd(),
+                flags | libc::MAP_NORESERVE,
+                fd,
                 0,
             )
         };

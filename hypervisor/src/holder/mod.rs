@@ -20,6 +20,7 @@
 
 pub mod builder;
 
+use crate::link::fds::recv_with_fds;
 use crate::link::framing::nonblocking;
 use crate::link::protocol::deadline;
 use crate::vstate::vcpu::RunState;
@@ -443,66 +444,10 @@ enum Received<T> {
     Closed,
 }
 
-/// Most descriptors one record carries (SCM_RIGHTS' limit).
-const MAX_RECORD_FDS: usize = 253;
-
-/// One record and the descriptors attached to it, received close-on-exec
-/// (MSG_CMSG_CLOEXEC): no process the cell ever starts inherits them.
-/// `Ok(None)`: nothing waiting.
-fn recv_record(
-    link: &UnixDatagram,
-    buf: &mut [u8],
-) -> std::io::Result<Option<(usize, Vec<OwnedFd>)>> {
-    const SPACE: usize = MAX_RECORD_FDS * std::mem::size_of::<RawFd>();
-    // u64 words: aligned for cmsghdr.
-    let mut control = [0u64; SPACE.div_ceil(8) + 4];
-    let mut iov = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
-    };
-    // SAFETY: a zeroed msghdr is valid; its pointers are set below.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = std::mem::size_of_val(&control);
-    let received = nonblocking(|| {
-        // SAFETY: msg points at live buffers for the whole call.
-        let n = unsafe { libc::recvmsg(link.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-        if n < 0 {
-            Err(std::io::Error::last_os_error())
-        } else {
-            Ok(n as usize)
-        }
-    })?;
-    let Some(bytes) = received else {
-        return Ok(None);
-    };
-    let mut fds = Vec::new();
-    // SAFETY: walks the control buffer the kernel filled, by its own macros.
-    unsafe {
-        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
-        while !cmsg.is_null() {
-            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
-                let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
-                let len = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
-                for i in 0..len / std::mem::size_of::<RawFd>() {
-                    // Descriptors received are ours to own.
-                    fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
-                }
-            }
-            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
-        }
-    }
-    if msg.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0 {
-        return Err(std::io::Error::other("truncated record"));
-    }
-    Ok(Some((bytes, fds)))
-}
-
 fn receive<T: serde::de::DeserializeOwned>(link: &UnixDatagram) -> std::io::Result<Received<T>> {
     let mut buf = vec![0u8; MAX_RECORD];
-    let Some((bytes, owned)) = recv_record(link, &mut buf)? else {
+    // Close-on-exec on receipt: no process the cell ever starts inherits them.
+    let Some((bytes, owned)) = nonblocking(|| recv_with_fds(link, &mut buf))? else {
         return Ok(Received::Nothing);
     };
     if bytes == 0 {

@@ -1,7 +1,9 @@
 //! What crosses the boundary between the parent and a cell: the messages
-//! ([`protocol`]), their framing on the socket ([`framing`]), and what a
-//! cell reports to the parent's pager ([`pager_link`]).
+//! ([`protocol`]), their framing on the socket ([`framing`]), descriptors
+//! passed with them ([`fds`]), and what a cell reports to the parent's
+//! pager ([`pager_link`]).
 
+pub mod fds;
 pub mod framing;
 pub mod pager_link;
 pub mod protocol;

@@ -7,13 +7,14 @@
 //! descriptor of the parent above stderr closed.
 
 use crate::config::CellSettings;
+use crate::link::fds::{self, recv_with_fds};
 use crate::link::framing::{FrameError, LineStream};
 use crate::link::protocol::{
     deadline, CellConfig, FromCell, Hello, Request, ToCell, MAX_LINK_LINE,
 };
 use paging_policy::{Pager, PagerError, SpaceHandoff, SpaceId};
 use std::io::{self, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, Stdio};
@@ -326,8 +327,13 @@ impl PendingCell {
     ) -> Result<(Vec<SpaceId>, u32), StartFailure> {
         self.wait_readable(by)?;
         let mut buf = vec![0u8; 4096];
-        let (bytes, received) =
-            recv_with_fds_cloexec(&self.link, &mut buf).map_err(StartFailure::Receive)?;
+        // Close-on-exec on receipt: no cell started later inherits them.
+        let (bytes, received) = loop {
+            match recv_with_fds(&self.link, &mut buf) {
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                received => break received.map_err(StartFailure::Receive)?,
+            }
+        };
         if bytes == 0 {
             return Err(self
                 .exit_reason()
@@ -446,7 +452,7 @@ fn check_hello(
         });
     }
     let needed = capacity.div_ceil(hello.holder_vms) as u64;
-    if hello.spaces.len() as u64 != needed || hello.spaces.len() > MAX_HELLO_FDS / 2 {
+    if hello.spaces.len() as u64 != needed || hello.spaces.len() > fds::MAX_FDS / 2 {
         return Err(HelloError::Spaces {
             spaces: hello.spaces.len(),
             capacity,
@@ -491,59 +497,6 @@ fn check_hello(
     }
     Ok(())
 }
-
-/// Receives one message and the descriptors it carries, each close-on-exec
-/// from the start (MSG_CMSG_CLOEXEC): none can leak into a process the
-/// parent starts later. Descriptors past [`MAX_HELLO_FDS`] are closed by
-/// the kernel (MSG_CTRUNC), and the count then disagrees with the hello.
-fn recv_with_fds_cloexec(link: &UnixStream, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE((MAX_HELLO_FDS * std::mem::size_of::<i32>()) as u32) };
-    // u64 words keep the control buffer aligned for cmsghdr.
-    let mut control = vec![0u64; (space as usize).div_ceil(8)];
-    let mut iov = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
-    };
-    // SAFETY: zeroed msghdr is a valid empty header; fields set below.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = control.len() * 8;
-    let bytes = loop {
-        // SAFETY: msg points at live buffers for the duration of the call.
-        let n = unsafe { libc::recvmsg(link.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-        if n >= 0 {
-            break n as usize;
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    };
-    let mut fds = Vec::new();
-    // SAFETY: the CMSG_* walk stays within msg_control as the kernel filled it.
-    unsafe {
-        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
-        while !cmsg.is_null() {
-            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
-                let data = libc::CMSG_DATA(cmsg).cast::<i32>();
-                let header = libc::CMSG_LEN(0) as usize;
-                let n = ((*cmsg).cmsg_len as usize).saturating_sub(header) / 4;
-                for i in 0..n {
-                    // The descriptors received are ours to own.
-                    fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
-                }
-            }
-            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
-        }
-    }
-    Ok((bytes, fds))
-}
-
-/// Descriptors a cell's hello may carry (SCM_RIGHTS takes at most 253).
-const MAX_HELLO_FDS: usize = 253;
 
 /// The space holding a cell's slot `slot`, and the slot's offset in it.
 fn space_of(
@@ -731,21 +684,6 @@ mod tests {
         let mut other = hello(8, &[(base, 8 * RAM)]);
         other.pid = 8;
         assert!(check_hello(&other, 7, 8, 2, RAM, "kvm").is_err());
-    }
-
-    #[test]
-    fn descriptors_received_are_close_on_exec() {
-        let (a, b) = UnixStream::pair().unwrap();
-        let file = std::fs::File::open("/dev/null").unwrap();
-        use vmm_sys_util::sock_ctrl_msg::ScmSocket;
-        a.send_with_fds(&[&b"hi\n"[..]], &[file.as_raw_fd()])
-            .unwrap();
-        let mut buf = [0u8; 16];
-        let (n, fds) = recv_with_fds_cloexec(&b, &mut buf).unwrap();
-        assert_eq!((n, fds.len()), (3, 1));
-        // SAFETY: F_GETFD on a descriptor we own.
-        let flags = unsafe { libc::fcntl(fds[0].as_raw_fd(), libc::F_GETFD) };
-        assert_ne!(flags & libc::FD_CLOEXEC, 0);
     }
 
     #[test]

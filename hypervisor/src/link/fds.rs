@@ -1,0 +1,80 @@
+//! Descriptors passed between densevm's processes with SCM_RIGHTS: a cell's
+//! guest memory to the parent, a holder's VMs to its cell.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+/// Most descriptors one message carries (SCM_RIGHTS' limit).
+pub const MAX_FDS: usize = 253;
+
+/// Receives one message on `socket` and the descriptors attached to it,
+/// each close-on-exec from the start (MSG_CMSG_CLOEXEC), so that none can
+/// leak into a process started later. One `recvmsg`: EINTR and EWOULDBLOCK
+/// come back as errors for the caller to handle. A message whose bytes or
+/// descriptors did not fit (the kernel then closes the extra descriptors)
+/// is an error.
+pub fn recv_with_fds(socket: &impl AsRawFd, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
+    const SPACE: usize = MAX_FDS * std::mem::size_of::<RawFd>();
+    // u64 words keep the control buffer aligned for cmsghdr; the extra words
+    // hold the header.
+    let mut control = [0u64; SPACE.div_ceil(8) + 4];
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: a zeroed msghdr is a valid empty header; its pointers are set below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(&control);
+    // SAFETY: msg points at live buffers for the whole call.
+    let n = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut fds = Vec::new();
+    // SAFETY: walks the control buffer as the kernel filled it, by its own macros.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
+                let header = libc::CMSG_LEN(0) as usize;
+                let count = ((*cmsg).cmsg_len as usize).saturating_sub(header)
+                    / std::mem::size_of::<RawFd>();
+                for i in 0..count {
+                    // Descriptors received are ours to own.
+                    fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+    }
+    if msg.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0 {
+        return Err(io::Error::other("truncated message"));
+    }
+    Ok((n as usize, fds))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::recv_with_fds;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::net::UnixStream;
+    use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+
+    #[test]
+    fn descriptors_received_are_close_on_exec() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let file = std::fs::File::open("/dev/null").unwrap();
+        a.send_with_fds(&[&b"hi\n"[..]], &[file.as_raw_fd()])
+            .unwrap();
+        let mut buf = [0u8; 16];
+        let (n, fds) = recv_with_fds(&b, &mut buf).unwrap();
+        assert_eq!((n, fds.len()), (3, 1));
+        // SAFETY: F_GETFD on a descriptor we own.
+        let flags = unsafe { libc::fcntl(fds[0].as_raw_fd(), libc::F_GETFD) };
+        assert_ne!(flags & libc::FD_CLOEXEC, 0);
+    }
+}
