@@ -9,22 +9,11 @@ import os
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
-from conftest import RELEASE_DIR, REPO_ROOT, release_binary
+from conftest import REPO_ROOT, release_binary
+from support.plugins import fifo_plugin
 
 PAGER_SRC = REPO_ROOT / "paging-policy" / "src"
-
-
-def fifo_plugin() -> Path:
-    lib = RELEASE_DIR / "examples" / "libfifo_policy.so"
-    if not lib.exists():
-        subprocess.run(
-            ["cargo", "build", "--release", "-q", "-p", "paging-policy", "--examples"],
-            cwd=REPO_ROOT,
-            check=True,
-        )
-    return lib
 
 
 def test_a_bare_policy_name_is_read_from_the_current_directory_not_the_library_path(tmp_path):

@@ -10,7 +10,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import RELEASE_DIR, REPO_ROOT, release_binary
+from conftest import release_binary
+from support.plugins import fifo_plugin as build_fifo_plugin
 
 
 def pagesim(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -155,15 +156,7 @@ def test_trace_with_bad_record_is_an_error(tmp_path):
 
 @pytest.fixture(scope="module")
 def fifo_plugin() -> Path:
-    lib = RELEASE_DIR / "examples" / "libfifo_policy.so"
-    if not lib.exists():
-        subprocess.run(
-            ["cargo", "build", "--release", "-q", "-p", "paging-policy", "--examples"],
-            cwd=REPO_ROOT,
-            check=True,
-            timeout=900,
-        )
-    return lib
+    return build_fifo_plugin()
 
 
 def test_plugin_policy(fifo_plugin):

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .config import REPO_ROOT, ConfigError
+from .db.analysis import STUDY_COLUMNS
 from .result import host_info, now_iso
 
 SCHEMA = "scalebench.results/1"
@@ -463,20 +464,7 @@ def publish_ecommerce(results_json: Path, dest: Path, context: dict) -> dict:
                 "run": i,
                 "steady": (d.get("steady") or {}).get("reached"),
                 "db_memory_mib": o.get("db_memory_mib"),
-                **{
-                    k: m.get(k)
-                    for k in (
-                        "read_share",
-                        "regions_per_1000",
-                        "sectors_read",
-                        "sectors_written",
-                        "avg_read_stream",
-                        "avg_write_stream",
-                        "read_seq",
-                        "write_seq",
-                        "avg_interarrival_ms",
-                    )
-                },
+                **{k: m.get(k) for k in ("read_share", "regions_per_1000", *STUDY_COLUMNS)},
             }
         )
     staging = work / "publish"
