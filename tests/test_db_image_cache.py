@@ -4,10 +4,9 @@ without building an image: the build functions here write a few small files."""
 from __future__ import annotations
 
 import importlib.util
-import multiprocessing
 import shutil
+import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -185,19 +184,26 @@ def test_nested_levels_share_one_lock(tmp_path: Path) -> None:
     assert (entry / "from").read_text() == "base-b" and cache.lookup("base-b") is not None
 
 
-def _slow_build(root: str, counter: str) -> str:
-    def build(out: Path) -> None:
-        with open(counter, "a") as f:
-            f.write("built\n")
-        time.sleep(0.5)
-        _image(out)
-
-    return str(BuildCache(Path(root)).ensure("image-k", build))
+# A builder in a process of its own, as two CI jobs on one host are: it counts its build, then
+# takes long enough that the other starts while it holds the lock.
+SLOW_BUILDER = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from buildcache import BuildCache
+def build(out):
+    with open(sys.argv[3], "a") as f:
+        f.write("built\\n")
+    time.sleep(0.5)
+    (out / "vmlinuz").write_bytes(b"kernel")
+print(BuildCache(Path(sys.argv[2])).ensure("image-k", build))
+"""
 
 
 def test_a_concurrent_second_builder_waits_and_reuses(tmp_path: Path) -> None:
     counter = tmp_path / "builds"
-    ctx = multiprocessing.get_context("fork")
-    with ctx.Pool(2) as pool:
-        paths = pool.starmap(_slow_build, [(str(tmp_path / "c"), str(counter))] * 2)
-    assert paths[0] == paths[1] and counter.read_text() == "built\n"
+    argv = [sys.executable, "-c", SLOW_BUILDER, str(DBGUEST), str(tmp_path / "c"), str(counter)]
+    builders = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    paths = [b.communicate(timeout=60)[0].strip() for b in builders]
+    assert [b.returncode for b in builders] == [0, 0]
+    assert paths[0] == paths[1] != "" and counter.read_text() == "built\n"

@@ -75,3 +75,9 @@ def test_cells_are_large_while_the_working_sets_fit_and_small_once_they_page(blo
         assert got == cell_vms, (vms, got)
     explicit = describe.describe_config("--block", block, "--vms", "16", "--cell-vms", "7")
     assert explicit["config"]["cell_vms"] == 7
+
+
+@pytest.mark.parametrize("vms", [1, 20, 64, 65, 4000])
+def test_the_swap_sizing_rule_is_densevms(vms):
+    sized_for = describe.describe_config("--vms", str(vms))["swap"]["vms_sized_for"]
+    assert describe.vms_swap_is_sized_for(vms) == sized_for

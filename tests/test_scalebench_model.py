@@ -172,6 +172,13 @@ def test_in_core_until_the_budget_is_full_then_disk_bound():
     assert below.cache_vms == cliff and cliff < below.cliff_vms < 1.2 * cliff
 
 
+def test_a_cliff_past_what_this_host_could_run_is_found():
+    """The cliff search asks about counts this host could not boot (40 GiB of budget: ~42,000
+    VMs fit); the model only needs the swap's size for them, not densevm's consent."""
+    far = predict(hdd_input(vms=100, budget_bytes=40 * GIB))
+    assert far.cliff_vms > 30_000
+
+
 def test_miss_cost_is_denalis_random_reads_plus_one_sequential_write():
     # Uniform popularity, VM regions filling the drive: the drive's average seek.
     p = predict(hdd_input(alpha=0.0, swap_bytes=4000 * 4 * MIB))

@@ -353,10 +353,16 @@ fn lay_out(args: &ServeArgs, bss_end: u64, rx_buffers: u64) -> Result<RamLayout,
     })
 }
 
+/// The swap is sized for `--vms` times this many VMs ...
+pub const SWAP_VMS_TIMES: u32 = 2;
+/// ... or `--vms` plus this many, whichever is more.
+pub const SWAP_VMS_PLUS: u32 = 64;
+
 /// The VMs the swap is sized for: room for VMs created later through the
 /// API, too.
 pub fn vms_with_headroom(vms: u32) -> u32 {
-    vms.saturating_mul(2).max(vms.saturating_add(64))
+    vms.saturating_mul(SWAP_VMS_TIMES)
+        .max(vms.saturating_add(SWAP_VMS_PLUS))
 }
 
 fn size(flag: &str, text: &str) -> Result<u64, ConfigError> {

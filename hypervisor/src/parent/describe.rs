@@ -50,7 +50,9 @@ pub fn describe(args: &ServeArgs) -> Result<Value, ConfigError> {
         },
         "swap": {
             "vms_sized_for": config::vms_with_headroom(args.vms),
-            "rule": "max(2 x vms, vms + 64) VMs, each ram_bytes x swap_bytes_per_ram_byte[layout]",
+            "vms_times": config::SWAP_VMS_TIMES,
+            "vms_plus": config::SWAP_VMS_PLUS,
+            "rule": "max(vms_times x vms, vms + vms_plus) VMs, each ram_bytes x swap_bytes_per_ram_byte[layout]",
         },
         "pager": paging_policy::describe::describe(),
     }))
