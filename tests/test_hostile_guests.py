@@ -263,9 +263,12 @@ def test_a_spinning_guest_leaves_neighbours_serving(tmp_path):
         with pytest.raises(OSError):
             HttpClient(m.addr(HOSTILE_VM), timeout=2).response()
         wait_for_background(m, HOSTILE_VM)
-        # Neighbours that served just now, with little CPU each, stay in the foreground.
-        totals = m.control({"cmd": "stats"})["totals"]
-        assert totals["vcpus_background"] == 1 and totals["vcpu_demotions"] == 1
+        # Neighbours that served just now, with little CPU each, stay in the foreground, and
+        # never left it (the spinner may go back and forth if a loaded host starves it).
+        stats = m.control({"cmd": "stats"})
+        assert stats["totals"]["vcpus_background"] == 1
+        demotions = {vm["id"]: vm["vcpu_demotions"] for vm in stats["vms"]}
+        assert demotions.pop(HOSTILE_VM) >= 1 and set(demotions.values()) == {0}, demotions
         assert vcpu_sched_policy(m, 1) == SCHED_BATCH
     finally:
         stop_quickly(m)

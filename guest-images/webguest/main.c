@@ -12,9 +12,12 @@ void guest_main(const struct dv_boot_info *bi)
     struct dv_ctrl *ctrl = ctrl_page();
     if (bi->magic != DV_BOOT_MAGIC || bi->version != DV_BOOT_VERSION)
         arch_crash(DV_CMD_CRASH);
+    /* A new vCPU needs its IDT and APIC set up again; a resumed guest's
+     * memory already holds everything else, its misbehaviour included. */
     arch_init(bi);
 #ifdef HOSTILE
-    hostile_start(bi);
+    if (!(bi->flags & DV_FLAG_RESUME))
+        hostile_start(bi);
 #endif
     ctrl->state = DV_STATE_READY;
     arch_doorbell();

@@ -120,6 +120,38 @@ pub struct ServeArgs {
     /// of the out-of-core path, only for checking regression detection.
     #[arg(long, default_value_t = 0)]
     pub inject_fault_us: u64,
+    /// Hibernate a VM with no open connection once it has been idle this
+    /// many seconds: its vCPU, KVM VM and thread are released and its
+    /// memory goes to swap; its next connection wakes it. Default: never.
+    #[arg(long)]
+    pub idle_after: Option<f64>,
+    /// Most VMs awake at once: past it, the least recently used idle VM is
+    /// hibernated (needs --idle-after). Default: no cap.
+    #[arg(long)]
+    pub max_live: Option<u32>,
+}
+
+/// Refuses hibernation flags that cannot work.
+fn check_hibernation(args: &ServeArgs) -> Result<(), ConfigError> {
+    if let Some(idle) = args.idle_after {
+        if !(idle.is_finite() && (0.1..=1e6).contains(&idle)) {
+            return Err(ConfigError(format!(
+                "--idle-after {idle}: give seconds from 0.1 to 1000000"
+            )));
+        }
+        if args.vcpu_stats {
+            return Err(ConfigError(
+                "--vcpu-stats cannot follow a VM through hibernation: drop one of it and --idle-after".into(),
+            ));
+        }
+    }
+    match args.max_live {
+        Some(_) if args.idle_after.is_none() => Err(ConfigError(
+            "--max-live needs --idle-after (VMs are hibernated only when idle)".into(),
+        )),
+        Some(0) => Err(ConfigError("--max-live must be at least 1".into())),
+        _ => Ok(()),
+    }
 }
 
 /// A configuration or set-up error: one line, exit code 2.
@@ -159,6 +191,31 @@ pub struct CellSettings {
     pub boot_timeout: Duration,
     /// Busy work per served request (`--inject-request-us`).
     pub inject_request: Duration,
+    /// Hibernation of idle VMs, if on.
+    pub hibernation: Option<Hibernation>,
+}
+
+/// When cells hibernate their VMs (`--idle-after`, `--max-live`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Hibernation {
+    /// A VM without a connection idle this long is hibernated.
+    pub idle_after: Duration,
+    /// Most VMs awake at once over all cells (`--max-live`).
+    pub max_live: Option<u32>,
+    /// Cells at boot, over which `max_live` is split.
+    pub cells: u32,
+}
+
+impl Hibernation {
+    /// Cell `cell`'s share of `--max-live`: an even split over the cells
+    /// at boot, the remainder to the first ones; a cell started later by
+    /// `create` gets an even share too. At least one VM awake per cell.
+    pub fn cell_max_live(&self, cell: u32) -> Option<u32> {
+        let total = self.max_live?;
+        let cells = self.cells.max(1);
+        let extra = u32::from(cell < total % cells);
+        Some((total / cells + extra).max(1))
+    }
 }
 
 impl CellSettings {
@@ -192,7 +249,17 @@ pub fn cell_settings(args: &ServeArgs, guest: PathBuf, layout: RamLayout) -> Cel
         vcpu_stats: args.vcpu_stats,
         boot_timeout: Duration::from_secs(args.boot_timeout),
         inject_request: Duration::from_micros(args.inject_request_us),
+        hibernation: None,
     }
+}
+
+/// Hibernation as the flags ask for it, for `cells` cells at boot.
+pub fn cell_hibernation(args: &ServeArgs, cells: u32) -> Option<Hibernation> {
+    Some(Hibernation {
+        idle_after: Duration::from_secs_f64(args.idle_after?),
+        max_live: args.max_live,
+        cells,
+    })
 }
 
 /// A process's descriptor limit cannot cover its VMs.
@@ -387,6 +454,7 @@ fn check_flags_against(args: &ServeArgs, available: Option<u64>) -> Result<(), C
     if args.ws_write_stride == 0 {
         return Err(ConfigError("--ws-write-stride must be at least 1".into()));
     }
+    check_hibernation(args)?;
     let ws = size("--ws", &args.ws)?;
     let guest_mem = size("--guest-mem", &args.guest_mem)?;
     if ws % 4096 != 0 || guest_mem % 4096 != 0 {

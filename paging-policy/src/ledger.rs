@@ -784,6 +784,87 @@ impl Ledger {
         self.evicting -= n;
     }
 
+    /// Plans the hibernation of `vm` (its vCPUs are gone; its memory stays
+    /// registered): tells the policy (`on_hibernated`), then hands out
+    /// every resident block of the VM as an eviction (busy, swap placed,
+    /// `on_evicted`), sorted by block; evict it and call
+    /// [`Ledger::finish_hibernation`], in parts if need be. Blocks in
+    /// flight (being faulted in, evicted or unprotected) are left out: a
+    /// later hibernation takes them. An unknown, dying or failed VM yields
+    /// an empty plan.
+    pub fn plan_hibernation(&mut self, vm: VmId) -> Result<Vec<PlanBlock>, PagerError> {
+        let Some(v) = self.vm_mut(vm).filter(|v| !v.dying) else {
+            return Ok(Vec::new());
+        };
+        v.stats.hibernations += 1;
+        self.totals.hibernations += 1;
+        self.policy.on_hibernated(vm);
+        self.policy_err()?;
+        let mut victims = std::mem::take(&mut self.victims);
+        victims.clear();
+        let v = self.vms[vm as usize].as_ref().expect("looked up above");
+        victims.extend(
+            (0..v.blocks.len() as BlockId)
+                .filter(|&b| v.blocks[b as usize].state == State::Resident)
+                .map(|b| (vm, b)),
+        );
+        let plan = self.start_eviction(&victims);
+        self.victims = victims;
+        plan
+    }
+
+    /// [`Ledger::finish_eviction`] for (part of) a plan of
+    /// [`Ledger::plan_hibernation`]: its blocks also count as taken out by
+    /// the VM's hibernation.
+    pub fn finish_hibernation(&mut self, plan: &[PlanBlock], io_seconds: f64, wakes: &mut Wakes) {
+        self.finish_eviction(plan, io_seconds, wakes);
+        let n = plan.len() as u64;
+        if let Some(v) = plan.first().and_then(|p| self.vm_mut(p.vm)) {
+            v.stats.hibernated_blocks_out += n;
+        }
+        self.totals.hibernated_blocks_out += n;
+    }
+
+    /// Drops a planned eviction of a dying (or failed) VM's blocks before
+    /// any of it was done: writing out memory about to be freed would only
+    /// delay the VM's unregistration. The blocks are resident again as they
+    /// were (untouched, still counted until the VM is unregistered; the
+    /// policy has forgotten the VM), the swap places planned for them are
+    /// released, and deferred faults on them are to be woken (`wakes`).
+    pub fn abandon_eviction(&mut self, plan: &[PlanBlock], wakes: &mut Wakes) {
+        let mut released = std::mem::take(&mut self.released);
+        released.clear();
+        for p in plan {
+            let v = self.vms[p.vm as usize]
+                .as_mut()
+                .expect("busy VM stays registered");
+            debug_assert!(v.dying, "only a dying VM's eviction is abandoned");
+            let e = &mut v.blocks[p.block as usize];
+            e.state = State::Resident;
+            if p.loc != NO_LOC && p.loc != p.old_loc {
+                released.push(p.loc);
+            }
+            if std::mem::take(&mut e.wake) {
+                wakes.push((p.vm, p.block));
+            }
+            v.busy -= 1;
+            v.evicting -= 1;
+        }
+        self.space.release(&mut released);
+        self.released = released;
+        self.evicting -= plan.len() as u64;
+    }
+
+    /// Reports that `vm` woke from hibernation. Ignored for an unknown or
+    /// dying VM: the policy has forgotten it.
+    pub fn note_woken(&mut self, vm: VmId) -> Result<(), PagerError> {
+        if self.vm(vm).is_none_or(|v| v.dying) {
+            return Ok(());
+        }
+        self.policy.on_woken(vm);
+        self.policy_err()
+    }
+
     /// A fault-in finished: the blocks are installed (dirty ones writable).
     /// Counts one fault for the VM with `latency_us`.
     pub fn finish_install(
@@ -832,6 +913,11 @@ impl VmLedger {
     /// Resident blocks of this VM.
     pub fn resident_blocks(&self) -> u32 {
         self.resident
+    }
+
+    /// Being unregistered, or failed: no longer served.
+    pub fn is_dying(&self) -> bool {
+        self.dying
     }
 }
 
@@ -1276,5 +1362,158 @@ mod tests {
         assert_eq!(l.begin_unregister(0).unwrap(), Some(0));
         l.unregister(0).unwrap();
         assert!(matches!(l.admit(p.len() as u64, 1), Ok(Admission::Go)));
+    }
+
+    /// Issue 40: a hibernation takes exactly the VM's resident blocks (not
+    /// those in flight, not another VM's); once finished the VM holds none,
+    /// its written blocks have swap copies and its clean zero blocks none.
+    #[test]
+    fn a_hibernation_takes_exactly_the_vms_resident_blocks() {
+        let mut l = ledger(None);
+        fault(&mut l, 1, 0);
+        fault(&mut l, 0, 0);
+        fault(&mut l, 0, 1);
+        swap_in(&mut l, 0, 2, true, 0);
+        swap_in(&mut l, 0, 5, true, 0);
+        // In flight: block 1 lifting its write protection, block 6 faulting in.
+        assert_eq!(
+            l.classify(0, 1, Access::WriteProtect),
+            Classified::Unprotect
+        );
+        assert_eq!(l.classify(0, 6, Access::Read), Classified::FaultIn);
+        let installing = plan(&mut l, 0, 6, false);
+        assert!(matches!(l.admit(1, 0).unwrap(), Admission::Go));
+
+        let first = l.plan_hibernation(0).unwrap();
+        let taken: Vec<_> = first.iter().map(|p| (p.vm, p.block)).collect();
+        assert_eq!(taken, vec![(0, 0), (0, 2), (0, 5)]);
+        let written: Vec<_> = first
+            .iter()
+            .map(|p| (p.block, p.dirty, p.loc != NO_LOC))
+            .collect();
+        assert_eq!(
+            written,
+            vec![(0, false, false), (2, true, true), (5, true, true)]
+        );
+        // The woken VM's fault on a block being hibernated waits for it.
+        assert_eq!(l.classify(0, 2, Access::Read), Classified::Defer);
+        let mut wakes = Vec::new();
+        l.finish_hibernation(&first, 0.0, &mut wakes);
+        assert_eq!(wakes, vec![(0, 2)]);
+        l.end_unprotect(0, 1, &mut wakes);
+        l.finish_install(&installing, 0.0, 0, &mut wakes);
+        assert_eq!(resident(&l, 0), 2, "the blocks in flight were left");
+
+        // A second hibernation takes what the first left.
+        let second = l.plan_hibernation(0).unwrap();
+        let taken: Vec<_> = second.iter().map(|p| p.block).collect();
+        assert_eq!(taken, vec![1, 6]);
+        l.finish_hibernation(&second, 0.0, &mut wakes);
+        assert_eq!(resident(&l, 0), 0);
+        assert_eq!(l.resident_blocks(), 1);
+        assert!(l.is_resident(1, 0), "another VM's block was taken");
+        let v = l.vm(0).unwrap();
+        assert_eq!(
+            (
+                v.stats.hibernations,
+                v.stats.hibernated_blocks_out,
+                v.stats.blocks_out
+            ),
+            (2, 5, 5)
+        );
+        assert_eq!(v.stats.swap_write_bytes, 3 * BLOCK, "blocks 1, 2 and 5");
+        assert_eq!(
+            (l.totals.hibernations, l.totals.hibernated_blocks_out),
+            (2, 5)
+        );
+        // They come back from where they were written, or as zeros.
+        assert_eq!(plan(&mut l, 0, 2, false)[0].loc, first[1].loc);
+        assert_eq!(plan(&mut l, 0, 0, false)[0].loc, NO_LOC);
+    }
+
+    #[test]
+    fn an_unknown_or_dying_vm_has_nothing_to_hibernate() {
+        let mut l = ledger(None);
+        fault(&mut l, 1, 0);
+        assert!(l.plan_hibernation(7).unwrap().is_empty());
+        assert_eq!(l.begin_unregister(1).unwrap(), Some(0));
+        assert!(l.plan_hibernation(1).unwrap().is_empty());
+        assert_eq!(l.totals.hibernations, 0);
+        assert_eq!(resident(&l, 1), 1);
+    }
+
+    /// Issue 40: a VM unregistered while its hibernation waits to be
+    /// written gives the plan up: nothing stays busy, no swap place leaks,
+    /// its blocks stay counted until it is unregistered.
+    #[test]
+    fn an_abandoned_hibernation_frees_its_swap_places_and_busy_blocks() {
+        let space = SwapSpace::new(SwapLayout::Log, 2 * 2 * 16 * BLOCK, BLOCK, 16 * BLOCK);
+        let mut l = Ledger::new(Box::new(Demand::new()), space, BLOCK, 8 * BLOCK);
+        l.register(0, VM_BLOCKS).unwrap();
+        for b in 0..4 {
+            swap_in(&mut l, 0, b, true, 0);
+        }
+        let used = l.swap_used_bytes();
+        let planned = l.plan_hibernation(0).unwrap();
+        assert_eq!(l.swap_used_bytes(), used + 4 * BLOCK);
+        assert_eq!(l.begin_unregister(0).unwrap(), Some(4));
+        let mut wakes = Vec::new();
+        l.abandon_eviction(&planned, &mut wakes);
+        assert_eq!(l.swap_used_bytes(), used);
+        assert_eq!(l.begin_unregister(0).unwrap(), Some(0));
+        assert_eq!((resident(&l, 0), l.resident_blocks()), (4, 4));
+        l.unregister(0).unwrap();
+        assert_eq!(l.resident_blocks(), 0);
+        assert_eq!(l.evicting, 0);
+    }
+
+    /// A policy that records the calls it gets.
+    struct Records(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+    impl Records {
+        fn log(&self, call: String) {
+            self.0.lock().unwrap().push(call);
+        }
+    }
+
+    impl Policy for Records {
+        fn name(&self) -> &str {
+            "records"
+        }
+        fn layout(&self) -> SwapLayout {
+            SwapLayout::PerVm
+        }
+        fn on_vm_registered(&mut self, _: VmId, _: u32) {}
+        fn on_vm_unregistered(&mut self, _: VmId) {}
+        fn on_fault(&mut self, _: VmId, _: BlockId, _: &mut Vec<BlockId>) {}
+        fn on_installed(&mut self, _: VmId, _: BlockId) {}
+        fn choose_victims(&mut self, _: u32, _: VmId, _: &mut Vec<(VmId, BlockId)>) {}
+        fn on_evicted(&mut self, vm: VmId, block: BlockId) {
+            self.log(format!("evicted {vm} {block}"));
+        }
+        fn on_hibernated(&mut self, vm: VmId) {
+            self.log(format!("hibernated {vm}"));
+        }
+        fn on_woken(&mut self, vm: VmId) {
+            self.log(format!("woken {vm}"));
+        }
+    }
+
+    #[test]
+    fn a_policy_hears_of_a_hibernation_before_its_blocks_and_of_the_wake() {
+        let calls = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let space = SwapSpace::new(SwapLayout::PerVm, 2 * 16 * BLOCK, BLOCK, 16 * BLOCK);
+        let mut l = Ledger::new(Box::new(Records(calls.clone())), space, BLOCK, 8 * BLOCK);
+        l.register(0, VM_BLOCKS).unwrap();
+        fault(&mut l, 0, 3);
+        fault(&mut l, 0, 4);
+        let planned = l.plan_hibernation(0).unwrap();
+        l.finish_hibernation(&planned, 0.0, &mut Vec::new());
+        l.note_woken(0).unwrap();
+        l.note_woken(9).unwrap();
+        assert_eq!(
+            *calls.lock().unwrap(),
+            vec!["hibernated 0", "evicted 0 3", "evicted 0 4", "woken 0"]
+        );
     }
 }

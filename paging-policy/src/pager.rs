@@ -47,7 +47,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -58,7 +58,7 @@ use crate::config::{default_swap_path, PagerConfig};
 use crate::error::PagerError;
 use crate::guest_memory::{check_handoff, SpaceHandoff, SpaceId};
 use crate::injected;
-use crate::ledger::{Access, Admission, Classified, Ledger, PlanBlock, Wakes, NO_LOC};
+use crate::ledger::{Access, Admission, Classified, Ledger, PlanBlock, VmLedger, Wakes, NO_LOC};
 use crate::policy::{build_policy, BlockId, SwapLayout, VmId};
 use crate::space::{swap_bytes_per_ram_byte, SwapSpace};
 use crate::stats::TotalLatency;
@@ -72,6 +72,11 @@ pub const SERVICE_THREADS: usize = 8;
 /// VM ids are below this: the ledger indexes VMs by id, so a cell's wild
 /// id must be refused, not allocated for.
 pub const MAX_VM_ID: u32 = 1 << 20;
+
+/// Most blocks a hibernation evicts between two visits to the ledger: the
+/// lock is taken once per part, and the write buffer holds one part (2 MiB
+/// at 32 KiB blocks), however large the VM.
+pub const HIBERNATE_CHUNK: usize = 64;
 
 /// How long a fault waiting for room re-checks for a fatal error.
 const WAIT_SLICE: Duration = Duration::from_millis(50);
@@ -174,6 +179,20 @@ struct Scratch {
     runs: Vec<(usize, usize)>,
 }
 
+impl Scratch {
+    fn new(block: usize) -> Scratch {
+        Scratch {
+            read: AlignedBuf::new(block),
+            write: AlignedBuf::new(block),
+            plan: Vec::new(),
+            wakes: Vec::new(),
+            addrs: Vec::new(),
+            order: Vec::new(),
+            runs: Vec::new(),
+        }
+    }
+}
+
 /// The pager of one densevm process.
 pub struct Pager {
     cfg: PagerConfig,
@@ -194,6 +213,8 @@ pub struct Pager {
     stop: AtomicBool,
     stop_fd: OwnedFd,
     threads: Mutex<Vec<JoinHandle<()>>>,
+    /// VMs to hibernate, for the hibernation thread; `None` once shut down.
+    hibernations: Mutex<Option<mpsc::Sender<VmId>>>,
     /// Key of the block-content hash (keyed BLAKE3, random per process): a
     /// guest cannot make a changed block hash like its swap copy, so no
     /// write is skipped that should not be.
@@ -242,6 +263,7 @@ impl Pager {
         let space = SwapSpace::new(layout, capacity, block, vm_ram_bytes);
         let content_key: [u8; 32] = rand::random();
         let zero_sum = content_sum(&content_key, &vec![0; block as usize]);
+        let (hibernations, requests) = mpsc::channel();
         let pager = Arc::new(Pager {
             block: block as usize,
             vm_ram: vm_ram_bytes,
@@ -268,11 +290,12 @@ impl Pager {
             stop: AtomicBool::new(false),
             stop_fd,
             threads: Mutex::new(Vec::new()),
+            hibernations: Mutex::new(Some(hibernations)),
             content_key,
             zero_sum,
             cfg,
         });
-        let mut threads = Vec::with_capacity(SERVICE_THREADS);
+        let mut threads = Vec::with_capacity(SERVICE_THREADS + 1);
         for i in 0..SERVICE_THREADS {
             let p = Arc::clone(&pager);
             let h = std::thread::Builder::new()
@@ -284,6 +307,15 @@ impl Pager {
                 })?;
             threads.push(h);
         }
+        let p = Arc::clone(&pager);
+        let h = std::thread::Builder::new()
+            .name("pager-hibernate".into())
+            .spawn(move || p.hibernation_loop(requests))
+            .map_err(|source| PagerError::Mm {
+                op: "spawning hibernation thread",
+                source,
+            })?;
+        threads.push(h);
         *pager.threads.lock().unwrap_or_else(|e| e.into_inner()) = threads;
         Ok(pager)
     }
@@ -570,6 +602,31 @@ impl Pager {
         }
     }
 
+    /// The monitor hibernated `vm` (destroyed its vCPUs and KVM VM; its
+    /// memory stays registered): every resident block of it leaves memory
+    /// as a victim's would (dirty ones written to swap, clean ones dropped).
+    /// Returns at once: the work is queued to the pager's hibernation
+    /// thread, which evicts one VM at a time, [`HIBERNATE_CHUNK`] blocks
+    /// per step. Blocks busy when it gets to the VM stay (a later call
+    /// takes them). The VM's later touches fault its blocks back in as
+    /// usual; tell the policy with [`Pager::note_woken`]. An unknown VM is
+    /// ignored; one unregistered meanwhile gives up what is left.
+    pub fn hibernate(&self, vm: u32) {
+        if let Some(queue) = &*self.hibernations.lock().unwrap_or_else(|e| e.into_inner()) {
+            // Fails only once the thread has ended: the pager is shut down.
+            let _ = queue.send(vm);
+        }
+    }
+
+    /// Tells the policy that a hibernated VM woke (a new KVM VM on the same
+    /// memory) and is about to run. Cheap; an unknown VM is ignored.
+    pub fn note_woken(&self, vm: u32) {
+        let r = self.lock().ledger.note_woken(vm);
+        if let Err(e) = r {
+            self.fail(e.to_string());
+        }
+    }
+
     /// Charges (true) or suspends (false) the disk model's service times;
     /// see [`SwapDevice::set_modeled`]. For set-up phases such as priming
     /// every VM's swap once, whose end state matters but not its duration.
@@ -577,14 +634,21 @@ impl Pager {
         self.swap.set_modeled(on);
     }
 
-    /// Stops the fault-service threads and removes the swap file unless it
-    /// is kept. Faults still pending stay unserved.
+    /// Stops the fault-service threads and the hibernation thread, and
+    /// removes the swap file unless it is kept. Faults still pending stay
+    /// unserved; a hibernation in progress finishes, queued ones are
+    /// dropped.
     pub fn shutdown(&self) {
         self.stop.store(true, Ordering::SeqCst);
         let one: u64 = 1;
         // SAFETY: 8-byte write to our eventfd.
         unsafe { libc::write(self.stop_fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
         self.room.notify_all();
+        // Closing the queue ends the hibernation thread's wait.
+        self.hibernations
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
         let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
         let me = std::thread::current().id();
         for t in threads {
@@ -675,15 +739,7 @@ impl Pager {
     }
 
     fn service_loop(self: Arc<Self>) {
-        let mut scratch = Scratch {
-            read: AlignedBuf::new(self.block),
-            write: AlignedBuf::new(self.block),
-            plan: Vec::new(),
-            wakes: Vec::new(),
-            addrs: Vec::new(),
-            order: Vec::new(),
-            runs: Vec::new(),
-        };
+        let mut scratch = Scratch::new(self.block);
         let mut ready = [libc::epoll_event { events: 0, u64: 0 }];
         while !self.stop.load(Ordering::SeqCst) {
             // SAFETY: one valid event slot.
@@ -722,6 +778,70 @@ impl Pager {
                 }
             }
         }
+    }
+
+    /// The hibernation thread: hibernates the queued VMs one at a time
+    /// until shutdown.
+    fn hibernation_loop(self: Arc<Self>, requests: mpsc::Receiver<VmId>) {
+        let mut scratch = Scratch::new(self.block);
+        while let Ok(vm) = requests.recv() {
+            if self.stop.load(Ordering::SeqCst) {
+                break;
+            }
+            if self.failed.load(Ordering::SeqCst) {
+                continue;
+            }
+            // A panic would leave the VM's blocks busy forever: it stops the
+            // run instead, like any fatal error.
+            let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.hibernate_now(vm, &mut scratch)
+            }));
+            match done {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => self.fail(e.to_string()),
+                Err(panic) => self.fail(format!(
+                    "hibernation thread panicked: {}",
+                    panic_message(panic.as_ref())
+                )),
+            }
+        }
+    }
+
+    /// Evicts every resident block of `vm` (see [`Pager::hibernate`]).
+    /// The whole VM is planned at once, so the log layout gives its set one
+    /// extent, and evicted [`HIBERNATE_CHUNK`] blocks at a time: faults
+    /// waiting on its blocks, or for room, resume after each part.
+    fn hibernate_now(&self, vm: VmId, s: &mut Scratch) -> Result<(), PagerError> {
+        let mut st = self.lock();
+        let Some(place) = st.places.get(&vm).cloned() else {
+            return Ok(());
+        };
+        let planned = st.ledger.plan_hibernation(vm);
+        self.report_failed_vms(&mut st);
+        let mut plan = planned?;
+        drop(st);
+        let places = vec![place; plan.len().min(HIBERNATE_CHUNK)];
+        let mut start = 0;
+        while start < plan.len() && !self.failed.load(Ordering::SeqCst) {
+            let end = (start + HIBERNATE_CHUNK).min(plan.len());
+            let io = self.evict(&mut plan[start..end], &places[..end - start], s)?;
+            let mut st = self.lock();
+            s.wakes.clear();
+            st.ledger
+                .finish_hibernation(&plan[start..end], io, &mut s.wakes);
+            start = end;
+            if start < plan.len() && st.ledger.vm(vm).is_none_or(VmLedger::is_dying) {
+                // Being unregistered (or failed): its memory is about to be
+                // freed, and its owner waits for these blocks.
+                st.ledger.abandon_eviction(&plan[start..], &mut s.wakes);
+                start = plan.len();
+            }
+            st.addrs(&s.wakes, self.block, &mut s.addrs);
+            drop(st);
+            self.room.notify_all();
+            self.wake(&s.addrs);
+        }
+        Ok(())
     }
 
     fn wake(&self, addrs: &[WakeAddr]) {

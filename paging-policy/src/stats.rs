@@ -93,6 +93,10 @@ pub struct VmCounters {
     pub blocks_in: u64,
     /// Blocks evicted.
     pub blocks_out: u64,
+    /// Times the VM was hibernated (`Pager::hibernate`).
+    pub hibernations: u64,
+    /// Blocks its hibernations evicted (also counted in `blocks_out`).
+    pub hibernated_blocks_out: u64,
     /// Bytes read from swap.
     pub swap_read_bytes: u64,
     /// Bytes written to swap.
@@ -122,6 +126,8 @@ impl VmCounters {
             "write_faults": self.write_faults,
             "blocks_in": self.blocks_in,
             "blocks_out": self.blocks_out,
+            "hibernations": self.hibernations,
+            "hibernated_blocks_out": self.hibernated_blocks_out,
             "swap_read_bytes": self.swap_read_bytes,
             "swap_write_bytes": self.swap_write_bytes,
             "io_seconds": self.io_seconds,

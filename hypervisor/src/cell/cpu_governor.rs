@@ -41,6 +41,8 @@ struct Sample {
     /// Runnable time at the last look, while in the background.
     runnable: Option<Duration>,
     background: bool,
+    /// Times this VM's vCPU was demoted.
+    demotions: u64,
 }
 
 /// Whether a vCPU should run in the background, from what it did in the
@@ -85,6 +87,22 @@ impl CpuGovernor {
     /// Whether VM `index` runs in the background now.
     pub fn is_background(&self, index: usize) -> bool {
         self.samples.get(index).is_some_and(|s| s.background)
+    }
+
+    /// Times VM `index`'s vCPU was moved to the background so far.
+    pub fn demotions_of(&self, index: usize) -> u64 {
+        self.samples.get(index).map_or(0, |s| s.demotions)
+    }
+
+    /// VM `index` has a new vCPU thread (woken) or none (hibernated): what
+    /// was seen of the old one no longer applies; its demotions stay counted.
+    pub fn new_thread(&mut self, index: usize) {
+        if let Some(sample) = self.samples.get_mut(index) {
+            *sample = Sample {
+                demotions: sample.demotions,
+                ..Sample::default()
+            };
+        }
     }
 
     /// Looks at every VM if a period has passed. `vm(index)` gives the live
@@ -135,6 +153,7 @@ impl CpuGovernor {
                 sample.runnable = live.vcpu.runnable_time().filter(|_| background);
                 if background {
                     self.demotions += 1;
+                    sample.demotions += 1;
                     crate::log!(
                         "densevm: VM {} used {:.0}% of a core serving {} requests; its vCPU now runs in the background",
                         live.id,

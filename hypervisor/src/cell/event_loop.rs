@@ -8,10 +8,12 @@
 //! notifies guests through their irqfds, only when a guest is idle.
 
 use crate::cell::cpu_governor::CpuGovernor;
-use crate::cell::microvm::{self, AdoptError, MicroVm};
+use crate::cell::hibernation::{self, Candidate, SleepStats};
+use crate::cell::microvm::{self, AdoptError, MicroVm, Sleep};
 use crate::cell::proxy::{self, Drained, Proxy, Readiness, MIN_REQUEST_BYTES};
 use crate::cell::stats;
 use crate::cell::vmtable::{DeadVm, VmEntry, VmState, VmTable};
+use crate::config::Hibernation;
 use crate::guest::abi;
 use crate::holder::builder::BuildContext;
 use crate::holder::{FromHolder, Holder};
@@ -115,6 +117,10 @@ pub struct CellLoopSetup {
     pub boot_timeout: Duration,
     /// Busy work per served request (`--inject-request-us`).
     pub inject_request: Duration,
+    /// When idle VMs are hibernated, if they are.
+    pub hibernation: Option<Hibernation>,
+    /// Index of this cell.
+    pub cell: u32,
 }
 
 /// The pager's view from a cell: served requests and stopped VMs, reported
@@ -185,6 +191,14 @@ pub struct CellLoop {
     governor: CpuGovernor,
     /// Per VM: its doorbell's storm state.
     bells: Vec<Bell>,
+    /// When idle VMs are hibernated, if they are.
+    hibernation: Option<Hibernation>,
+    /// Index of this cell (its share of `--max-live`).
+    cell: u32,
+    /// Hibernations and wakes so far.
+    sleep_stats: SleepStats,
+    /// The last look for VMs to hibernate.
+    last_sleep_sweep: Instant,
 }
 
 /// A VM's doorbell, as far as storms go.
@@ -260,6 +274,10 @@ impl CellLoop {
             last_sweep: Instant::now(),
             governor: CpuGovernor::new(),
             bells: Vec::new(),
+            hibernation: setup.hibernation,
+            cell: setup.cell,
+            sleep_stats: SleepStats::default(),
+            last_sleep_sweep: Instant::now(),
         })
     }
 
@@ -299,6 +317,7 @@ impl CellLoop {
                 .map(|(at, _)| *at)
                 .chain(self.bells.iter().filter_map(|b| b.deferred_until))
                 .chain([self.governor.due()])
+                .chain(self.next_sleep_sweep())
                 .map(|at| at.saturating_duration_since(Instant::now()))
                 .fold(timeout, Duration::min);
             crate::link::framing::nonblocking(|| self.poll.poll(&mut events, Some(timeout)))?;
@@ -315,7 +334,10 @@ impl CellLoop {
                         let registry = self.poll.registry();
                         match t >> KIND_SHIFT {
                             KIND_HOLDER => self.holder_ready(index),
-                            KIND_LISTENER => self.proxy.accept(&mut self.vms, index, registry),
+                            KIND_LISTENER => {
+                                self.proxy.accept(&mut self.vms, index, registry);
+                                self.connected(index);
+                            }
                             KIND_DOORBELL => self.doorbell(index),
                             KIND_CONN => self.proxy.ready(
                                 &mut self.vms,
@@ -347,6 +369,13 @@ impl CellLoop {
                 self.last_sweep = Instant::now();
                 self.proxy.expire_pinned(self.last_sweep);
                 self.proxy.expire_lingering(&mut self.vms, self.last_sweep);
+            }
+            if self
+                .next_sleep_sweep()
+                .is_some_and(|at| at <= Instant::now())
+            {
+                self.last_sleep_sweep = Instant::now();
+                self.hibernate_idle();
             }
             self.proxy
                 .resume_accepts(&mut self.vms, self.poll.registry());
@@ -502,6 +531,7 @@ impl CellLoop {
         let sent_room = (vm.rx_bytes - seen.rx_bytes) / MIN_REQUEST_BYTES;
         let new_requests = ctrl.requests.saturating_sub(seen.requests).min(sent_room);
         if new_requests > 0 {
+            vm.last_active = Instant::now();
             seen.requests = ctrl.requests;
             seen.rx_bytes += new_requests * MIN_REQUEST_BYTES;
             seen.accepted = seen.accepted.saturating_add(new_requests);
@@ -585,8 +615,157 @@ impl CellLoop {
                     self.parent.vm_stopped(vm);
                 }
             }
+            FromHolder::Hibernated { vm } => self.hibernated(vm),
+            FromHolder::Woken { vm, tid, error } => self.woken(vm, tid, error),
             FromHolder::Ready | FromHolder::Built { .. } => {}
         }
+    }
+
+    // ---- hibernation ----
+
+    /// When to look for VMs to hibernate next; None with hibernation off.
+    fn next_sleep_sweep(&self) -> Option<Instant> {
+        let hibernation = self.hibernation.as_ref()?;
+        Some(self.last_sleep_sweep + hibernation::sweep_interval(hibernation))
+    }
+
+    /// Hibernates the VMs idle too long, and past `--max-live` the least
+    /// recently used.
+    fn hibernate_idle(&mut self) {
+        let Some(hibernation) = self.hibernation else {
+            return;
+        };
+        let candidates: Vec<Candidate> = self
+            .vms
+            .entries()
+            .iter()
+            .enumerate()
+            .filter_map(|(index, entry)| match entry {
+                VmEntry::Live(vm) => Some(Candidate {
+                    index,
+                    awake: matches!(vm.sleep, Sleep::Awake | Sleep::Waking(_)),
+                    unused: vm.sleep == Sleep::Awake
+                        && entry.state() == VmState::Running
+                        && vm.unused(),
+                    last_active: vm.last_active,
+                }),
+                VmEntry::Dead(_) | VmEntry::Forgotten => None,
+            })
+            .collect();
+        let max_live = hibernation.cell_max_live(self.cell);
+        let chosen = hibernation::choose(
+            &candidates,
+            hibernation.idle_after,
+            max_live,
+            Instant::now(),
+        );
+        for index in chosen {
+            self.hibernate(index);
+        }
+    }
+
+    /// Asks VM `index`'s holder to release its vCPU.
+    fn hibernate(&mut self, index: usize) {
+        let Some(id) = self.vms.live(index).map(|vm| vm.id) else {
+            return;
+        };
+        match self.holder_of(index).map(|h| h.hibernate(id)) {
+            Some(Ok(())) => {
+                if let Some(vm) = self.vms.live(index) {
+                    vm.sleep = Sleep::Hibernating;
+                }
+            }
+            Some(Err(e)) => {
+                self.kill_vm(index, VmState::Crashed, format!("hibernate: {e}"));
+            }
+            None => {}
+        }
+    }
+
+    /// VM `id`'s vCPU is gone: its memory may go to swap. A connection that
+    /// came meanwhile wakes it at once.
+    fn hibernated(&mut self, id: u32) {
+        let Some(index) = self.vms.index_of(id) else {
+            return;
+        };
+        let Some(vm) = self.vms.live(index) else {
+            return;
+        };
+        if vm.sleep != Sleep::Hibernating {
+            return;
+        }
+        vm.sleep = Sleep::Asleep;
+        vm.vcpu.release();
+        self.governor.new_thread(index);
+        let in_use = !vm.unused();
+        self.sleep_stats.hibernations += 1;
+        self.parent.report_access(true);
+        self.parent.send(&FromCell::Hibernated { vm: id });
+        if in_use {
+            self.wake(index);
+        }
+    }
+
+    /// A connection came for VM `index`: it is in use, and woken if asleep.
+    fn connected(&mut self, index: usize) {
+        let Some(vm) = self.vms.live(index) else {
+            return;
+        };
+        vm.last_active = Instant::now();
+        if vm.sleep == Sleep::Asleep {
+            self.wake(index);
+        }
+    }
+
+    /// Asks VM `index`'s holder to start it again; its connections wait in
+    /// its rings meanwhile.
+    fn wake(&mut self, index: usize) {
+        let Some(id) = self.vms.live(index).map(|vm| vm.id) else {
+            return;
+        };
+        match self.holder_of(index).map(|h| h.wake(id)) {
+            Some(Ok(())) => {
+                if let Some(vm) = self.vms.live(index) {
+                    vm.sleep = Sleep::Waking(Instant::now());
+                }
+                // Room under --max-live for the one waking.
+                self.hibernate_idle();
+            }
+            Some(Err(e)) => self.wake_failed(index, format!("holder link: {e}")),
+            None => {}
+        }
+    }
+
+    /// VM `id` runs again on thread `tid`, or could not be woken (`error`).
+    fn woken(&mut self, id: u32, tid: Option<i32>, error: Option<String>) {
+        let Some(index) = self.vms.index_of(id) else {
+            return;
+        };
+        let Some(vm) = self.vms.live(index) else {
+            return;
+        };
+        let Sleep::Waking(since) = vm.sleep else {
+            return;
+        };
+        let Some(tid) = tid else {
+            let why = error.unwrap_or_else(|| "no reason given".into());
+            self.wake_failed(index, why);
+            return;
+        };
+        vm.vcpu.rebind(tid);
+        vm.sleep = Sleep::Awake;
+        self.governor.new_thread(index);
+        vm.last_active = Instant::now();
+        self.sleep_stats.record_wake(since.elapsed());
+        self.parent.send(&FromCell::Woken { vm: id });
+        self.service_vm(index);
+    }
+
+    /// VM `index` could not be woken: it stops as crashed, its connections
+    /// closed; the cell's other VMs go on.
+    fn wake_failed(&mut self, index: usize, why: String) {
+        self.sleep_stats.wake_failures += 1;
+        self.kill_vm(index, VmState::Crashed, format!("wake failed: {why}"));
     }
 
     /// Holder `h` is gone: its VMs crashed with it.
@@ -695,7 +874,15 @@ impl CellLoop {
         match request {
             ToCell::Go | ToCell::Shutdown => json!({ "error": "not expected now" }),
             ToCell::Stats { per_vm } => {
-                stats::collect(self.vms.entries(), self.proxy.len(), &self.governor, per_vm)
+                let mut reply =
+                    stats::collect(self.vms.entries(), self.proxy.len(), &self.governor, per_vm);
+                if let (Some(totals), Some(sleep)) = (
+                    reply["totals"].as_object_mut(),
+                    self.sleep_stats.totals().as_object(),
+                ) {
+                    totals.extend(sleep.clone());
+                }
+                reply
             }
             ToCell::List => {
                 json!({ "ok": true, "vms": self.vms.entries().iter().filter(|e| e.is_known()).map(stats::vm_summary).collect::<Vec<_>>() })

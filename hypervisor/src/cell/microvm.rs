@@ -130,9 +130,33 @@ pub struct MicroVm {
     pub ram: Mapping,
     /// KVM's counters for the vCPU, when requested.
     pub kvm_stats: Option<VcpuStats>,
+    /// Whether its vCPU exists (hibernation, `--idle-after`).
+    pub sleep: Sleep,
+    /// When a connection or a request last showed it in use.
+    pub last_active: Instant,
+}
+
+/// A VM's place in hibernation. Only an `Awake` VM has a vCPU, a thread and
+/// a KVM VM; the others are their memory and this record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sleep {
+    /// Running on its vCPU.
+    Awake,
+    /// Its holder is releasing its vCPU.
+    Hibernating,
+    /// Hibernated: no vCPU, its memory on its way to swap.
+    Asleep,
+    /// Its holder is starting it again on a new vCPU, since then.
+    Waking(Instant),
 }
 
 impl MicroVm {
+    /// Whether nothing of it is in use: no connection, none waiting or
+    /// lingering.
+    pub fn unused(&self) -> bool {
+        self.slots.iter().all(Option::is_none) && self.waiting.is_empty() && self.lingering == 0
+    }
+
     /// The guest's control page.
     pub fn ctrl(&self) -> abi::Ctrl {
         self.sys.read_volatile(abi::CTRL_GPA)
@@ -203,6 +227,8 @@ pub fn adopt(
         sys,
         ram,
         kvm_stats,
+        sleep: Sleep::Awake,
+        last_active: Instant::now(),
     })
 }
 

@@ -11,6 +11,7 @@
 
 pub mod cpu_governor;
 pub mod event_loop;
+pub mod hibernation;
 pub mod microvm;
 pub mod proxy;
 pub mod stats;
@@ -193,6 +194,8 @@ fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
         boot_started,
         boot_timeout: settings.boot_timeout,
         inject_request: settings.inject_request,
+        hibernation: settings.hibernation,
+        cell: config.cell,
     };
     let mut event_loop = CellLoop::new(setup).map_err(|e| report(&link, e.into()))?;
     let booted = event_loop.create(first_id, count);

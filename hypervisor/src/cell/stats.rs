@@ -30,6 +30,7 @@ pub fn collect(vms: &[VmEntry], connections: usize, governor: &CpuGovernor, per_
     let (mut requests, mut errors, mut tx_bytes, mut wakeups) = (0u64, 0u64, 0u64, 0u64);
     let (mut selfcheck_pages, mut selfcheck_errors) = (0u64, 0u64);
     let (mut running, mut stopped, mut crashed, mut booting) = (0, 0, 0, 0);
+    let mut hibernated = 0;
     let mut ram_resident = 0u64;
     let mut sys_resident = 0u64;
     let mut background = 0u64;
@@ -46,6 +47,7 @@ pub fn collect(vms: &[VmEntry], connections: usize, governor: &CpuGovernor, per_
             VmState::Booting => booting += 1,
             VmState::Crashed => crashed += 1,
             VmState::Stopped => stopped += 1,
+            VmState::Hibernated => hibernated += 1,
         }
         let ctrl = match entry {
             VmEntry::Live(vm) => vm.ctrl(),
@@ -95,6 +97,7 @@ pub fn collect(vms: &[VmEntry], connections: usize, governor: &CpuGovernor, per_
         value["wakeups"] = json!(ctrl.wakeups);
         value["selfcheck_errors"] = json!(ctrl.selfcheck_errors);
         value["vcpu_background"] = json!(in_background);
+        value["vcpu_demotions"] = json!(governor.demotions_of(index));
         value["lingering_connections"] = json!(vm_lingering);
         value["linger_resets"] = json!(vm_resets);
         value["doorbells_deferred"] = json!(vm_deferred);
@@ -108,6 +111,7 @@ pub fn collect(vms: &[VmEntry], connections: usize, governor: &CpuGovernor, per_
             "booting": booting,
             "crashed": crashed,
             "stopped": stopped,
+            "hibernated": hibernated,
             "connections": connections,
             "requests": requests,
             "errors_4xx": errors,

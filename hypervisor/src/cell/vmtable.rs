@@ -1,6 +1,6 @@
 //! A cell's VMs: live ones, and what is left of dead ones, by id.
 
-use crate::cell::microvm::MicroVm;
+use crate::cell::microvm::{MicroVm, Sleep};
 use crate::guest::abi;
 use crate::vstate::vcpu::RunState;
 use serde::Serialize;
@@ -18,6 +18,8 @@ pub enum VmState {
     Crashed,
     /// Destroyed through the control API, or stopped at shutdown.
     Stopped,
+    /// Hibernated (or being hibernated): no vCPU until its next connection.
+    Hibernated,
 }
 
 impl VmState {
@@ -28,6 +30,7 @@ impl VmState {
             VmState::Running => "running",
             VmState::Crashed => "crashed",
             VmState::Stopped => "stopped",
+            VmState::Hibernated => "hibernated",
         }
     }
 }
@@ -62,6 +65,9 @@ impl VmEntry {
     /// The VM's state.
     pub fn state(&self) -> VmState {
         match self {
+            VmEntry::Live(vm) if matches!(vm.sleep, Sleep::Hibernating | Sleep::Asleep) => {
+                VmState::Hibernated
+            }
             VmEntry::Live(vm) => match vm.vcpu.state() {
                 RunState::Running if vm.ready => VmState::Running,
                 RunState::Running => VmState::Booting,

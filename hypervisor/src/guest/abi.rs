@@ -60,6 +60,9 @@ pub const BOOT_VERSION: u32 = 1;
 pub const FLAG_PVM: u32 = 0x1;
 /// Stamp and verify every working-set page on every request.
 pub const FLAG_SELFCHECK: u32 = 0x2;
+/// The guest wakes from hibernation: its RAM and rings are as it left them,
+/// only its vCPU is new (set up again, nothing else initialised).
+pub const FLAG_RESUME: u32 = 0x4;
 
 /// Guest-to-host notification port (an ioeventfd).
 pub const DOORBELL_PORT: u16 = 0x510;
@@ -248,6 +251,7 @@ mod tests {
             ("BOOT_VERSION", BOOT_VERSION as u64),
             ("FLAG_PVM", FLAG_PVM as u64),
             ("FLAG_SELFCHECK", FLAG_SELFCHECK as u64),
+            ("FLAG_RESUME", FLAG_RESUME as u64),
             ("DOORBELL_PORT", DOORBELL_PORT as u64),
             ("PANIC_PORT", PANIC_PORT as u64),
             ("IRQ_VECTOR", IRQ_VECTOR as u64),

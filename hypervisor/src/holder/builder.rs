@@ -167,14 +167,24 @@ pub struct Prebuilt {
     pub kvm: VmFd,
 }
 
+/// How a VM's vCPU starts: from the image's entry on fresh memory, or on
+/// the memory a hibernated VM left ([`abi::FLAG_RESUME`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    /// A first boot.
+    Boot,
+    /// A wake from hibernation.
+    Resume,
+}
+
 /// Builds and starts VM `id` from its prebuilt parts (in its holder), its
 /// interrupt on `irq` and its doorbell wired to `doorbell`.
 pub fn build(
     ctx: &BuildContext,
     id: u32,
     parts: Prebuilt,
-    irq: &EventFd,
-    doorbell: &EventFd,
+    (irq, doorbell): (&EventFd, &EventFd),
+    start: Start,
 ) -> Result<HeldVm, BuildError> {
     let Prebuilt { mut vcpu, kvm } = parts;
     let layout = ctx.layout;
@@ -190,7 +200,12 @@ pub fn build(
         magic: abi::BOOT_MAGIC,
         version: abi::BOOT_VERSION,
         vm_id: id,
-        flags: ctx.platform.boot_flags() | ctx.extra_flags,
+        flags: ctx.platform.boot_flags()
+            | ctx.extra_flags
+            | match start {
+                Start::Boot => 0,
+                Start::Resume => abi::FLAG_RESUME,
+            },
         ws_write_stride: ctx.ws_write_stride,
         ram_gpa: abi::RAM_GPA,
         ram_bytes: layout.ram_bytes,
@@ -204,13 +219,15 @@ pub fn build(
     sys.protect_unused(&abi::SYS_USED)
         .map_err(|source| BuildError::Memory { vm: id, source })?;
     // Fault in, writable, the pages the guest reads before it writes them,
-    // so its first touches do not each visit the holder's MMU notifiers.
-    for page in [
+    // so its first touches do not each visit the holder's MMU notifiers. A
+    // resumed guest's pages are in, and hold its rings' live indices.
+    let first_touched = [
         abi::VIF_GPA,
         abi::CTRL_GPA,
         abi::RINGHDR_GPA,
         abi::CREDIT_GPA,
-    ] {
+    ];
+    for page in first_touched.into_iter().filter(|_| start == Start::Boot) {
         sys.write_obj(page, 0u64);
     }
     // Without read-only memory slots a guest could write the image every

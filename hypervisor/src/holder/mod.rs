@@ -24,7 +24,8 @@ use crate::link::fds::recv_with_fds;
 use crate::link::framing::nonblocking;
 use crate::link::protocol::deadline;
 use crate::vstate::vcpu::RunState;
-use builder::{BuildContext, BuildError, HeldVm};
+use builder::{BuildContext, BuildError, HeldVm, Start};
+use kvm_ioctls::VmFd;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -112,6 +113,10 @@ enum ToHolder {
     Build { first: u32, count: u32 },
     /// Stop a VM and destroy it.
     Stop { vm: u32 },
+    /// Release a VM's vCPU, thread and KVM VM, keeping its memory.
+    Hibernate { vm: u32 },
+    /// Start a hibernated VM again on a new vCPU.
+    Wake { vm: u32 },
     /// Stop every VM and exit.
     Shutdown,
 }
@@ -142,6 +147,21 @@ pub enum FromHolder {
     Stopped {
         /// Its id.
         vm: u32,
+    },
+    /// The answer to `Hibernate`: the VM's vCPU, thread and KVM VM are
+    /// released, so its memory may go.
+    Hibernated {
+        /// Its id.
+        vm: u32,
+    },
+    /// The answer to `Wake`: the new vCPU's thread id, or why there is none.
+    Woken {
+        /// Its id.
+        vm: u32,
+        /// The new vCPU thread.
+        tid: Option<i32>,
+        /// Why it could not be woken.
+        error: Option<String>,
     },
 }
 
@@ -185,7 +205,20 @@ impl RemoteVcpu {
         self.reason = Some(reason);
     }
 
+    /// The vCPU is gone (hibernated): no thread to read or reschedule.
+    pub fn release(&mut self) {
+        self.tid = 0;
+    }
+
+    /// The VM runs again on thread `tid` (woken).
+    pub fn rebind(&mut self, tid: i32) {
+        self.tid = tid;
+    }
+
     fn schedstat(&self) -> Option<(u64, u64)> {
+        if self.tid == 0 {
+            return None;
+        }
         let path = format!("/proc/{}/task/{}/schedstat", self.pid, self.tid);
         let text = std::fs::read_to_string(path).ok()?;
         let mut fields = text.split_ascii_whitespace().map(str::parse::<u64>);
@@ -217,6 +250,9 @@ impl RemoteVcpu {
         } else {
             crate::scheduling::CELL_POLICY
         };
+        if self.tid == 0 {
+            return Ok(());
+        }
         let param = libc::sched_param { sched_priority: 0 };
         // SAFETY: a plain syscall on a thread id; a stale id fails with ESRCH.
         match unsafe { libc::sched_setscheduler(self.tid, policy, &param) } {
@@ -265,6 +301,16 @@ impl Holder {
     /// Asks the holder to stop VM `vm` (answered by [`FromHolder::Stopped`]).
     pub fn stop(&self, vm: u32) -> std::io::Result<()> {
         self.send(&ToHolder::Stop { vm })
+    }
+
+    /// Asks for VM `vm` to be hibernated; `Hibernated` answers.
+    pub fn hibernate(&self, vm: u32) -> std::io::Result<()> {
+        self.send(&ToHolder::Hibernate { vm })
+    }
+
+    /// Asks for hibernated VM `vm` to be woken; `Woken` answers.
+    pub fn wake(&self, vm: u32) -> std::io::Result<()> {
+        self.send(&ToHolder::Wake { vm })
     }
 
     /// Asks the holder to stop everything and exit.
@@ -671,6 +717,9 @@ fn run(
         let _ = exits.send(&record);
     });
     let mut held: HashMap<u32, HeldVm> = HashMap::new();
+    // An empty KVM VM made ahead, once this holder has hibernated a VM, so
+    // that creating one (about a millisecond) is not on the wake path.
+    let mut pool: Option<VmFd> = None;
     loop {
         let request = match receive::<ToHolder>(&link) {
             Ok(Received::Record(request, _)) => request,
@@ -700,6 +749,30 @@ fn run(
                 let record = serde_json::to_vec(&FromHolder::Stopped { vm }).expect("serializes");
                 let _ = link.send(&record);
             }
+            ToHolder::Hibernate { vm } => {
+                if let Some(mut sleeping) = held.remove(&vm) {
+                    sleeping.release();
+                }
+                let record =
+                    serde_json::to_vec(&FromHolder::Hibernated { vm }).expect("serializes");
+                let _ = link.send(&record);
+                fill_pool(ctx, &mut pool, vm);
+            }
+            ToHolder::Wake { vm } => {
+                let woken = wake(ctx, vm, pool.take(), (irqs, doorbells), &own, &held);
+                let (tid, error) = match woken {
+                    Ok(vcpu) => {
+                        let tid = vcpu.vcpu.tid();
+                        held.insert(vm, vcpu);
+                        (Some(tid), None)
+                    }
+                    Err(e) => (None, Some(e)),
+                };
+                let record =
+                    serde_json::to_vec(&FromHolder::Woken { vm, tid, error }).expect("serializes");
+                let _ = link.send(&record);
+                fill_pool(ctx, &mut pool, vm);
+            }
             ToHolder::Shutdown => break,
         }
     }
@@ -710,6 +783,45 @@ fn run(
 /// Closes every descriptor of the process but those in `keep`
 /// (close_range(2) over the gaps). Only for a freshly forked holder: a Rust
 /// object still owning a descriptor closed here must never be dropped.
+/// Makes the pool's empty KVM VM if it has none (`vm` names it in errors).
+fn fill_pool(ctx: &BuildContext, pool: &mut Option<VmFd>, vm: u32) {
+    if pool.is_none() {
+        *pool = builder::create(ctx, vm).ok();
+    }
+}
+
+/// Starts hibernated VM `vm` again on `pooled` (or a KVM VM made now).
+fn wake(
+    ctx: &BuildContext,
+    vm: u32,
+    pooled: Option<VmFd>,
+    (irqs, doorbells): (&[EventFd], &[EventFd]),
+    own: &std::ops::Range<usize>,
+    held: &HashMap<u32, HeldVm>,
+) -> Result<HeldVm, String> {
+    let slot = ctx.slot_of(vm);
+    if !own.contains(&slot) || vm < ctx.first_id {
+        return Err(format!("VM {vm} is not this holder's"));
+    }
+    if held.contains_key(&vm) {
+        return Err(format!("VM {vm} is awake"));
+    }
+    let kvm = match pooled {
+        Some(kvm) => kvm,
+        None => builder::create(ctx, vm).map_err(|e| e.to_string())?,
+    };
+    let vcpu = builder::park_vcpu(ctx, vm).map_err(|e| e.to_string())?;
+    let parts = builder::Prebuilt { vcpu, kvm };
+    builder::build(
+        ctx,
+        vm,
+        parts,
+        (&irqs[slot], &doorbells[slot]),
+        Start::Resume,
+    )
+    .map_err(|e| e.to_string())
+}
+
 fn close_all_but(keep: &mut [RawFd]) -> std::io::Result<()> {
     keep.sort_unstable();
     let mut next: u32 = 0;
@@ -795,7 +907,8 @@ fn build_all(
                     .expect("each VM built once");
                 let id = first + index;
                 let slot = ctx.slot_of(id);
-                let result = builder::build(ctx, id, prebuilt, &irqs[slot], &doorbells[slot]);
+                let wiring = (&irqs[slot], &doorbells[slot]);
+                let result = builder::build(ctx, id, prebuilt, wiring, Start::Boot);
                 built.lock().expect("built")[index as usize] = Some(result);
             });
         }

@@ -168,6 +168,17 @@ pub enum FromCell {
         /// Its id.
         vm: u32,
     },
+    /// VM `vm` no longer has a vCPU (hibernated): the pager may move all
+    /// its memory to swap.
+    Hibernated {
+        /// Its id.
+        vm: u32,
+    },
+    /// Hibernated VM `vm` runs again.
+    Woken {
+        /// Its id.
+        vm: u32,
+    },
     /// The answer to the request in flight.
     Reply {
         /// The id of the [`Request`] it answers.

@@ -2,8 +2,9 @@
 //! cells that hold the VMs, supervise them until a signal, tear down.
 
 use crate::config::{
-    boot_layout, cell_settings, cell_vms, check_flags, check_max_vms, ensure_fd_budget, fds_per_vm,
-    load_guest, pager_config, vms_with_headroom, CellSettings, ConfigError, ServeArgs,
+    boot_layout, cell_hibernation, cell_settings, cell_vms, check_flags, check_max_vms,
+    ensure_fd_budget, fds_per_vm, load_guest, pager_config, vms_with_headroom, CellSettings,
+    ConfigError, ServeArgs,
 };
 use crate::guest::boot::RamLayout;
 use crate::parent::cell_handle::PendingCell;
@@ -109,7 +110,10 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
         pager,
         trace,
         layout,
-        settings: cell_settings(args, guest, layout),
+        settings: CellSettings {
+            hibernation: cell_hibernation(args, cell_sizes.len() as u32),
+            ..cell_settings(args, guest, layout)
+        },
         platform,
         cell_vms,
         cell_sizes,

@@ -21,6 +21,7 @@
 use crate::config::{self, CellSettings};
 use crate::link::framing::{FrameError, LineStream, More};
 use crate::link::protocol::{deadline, FromCell, ToCell};
+use crate::link::wake_latency;
 use crate::parent::api::{self, Request};
 use crate::parent::cell_handle::{quote, Cell, PendingCell};
 use mio::net::{UnixListener, UnixStream};
@@ -418,6 +419,13 @@ impl Supervisor {
             FromCell::Stopped { vm } => {
                 return Err(CellFault::Hostile(format!(
                     "reported VM {vm} stopped, which it does not hold"
+                )))
+            }
+            FromCell::Hibernated { vm } if cell.holds(vm) => self.pager.hibernate(vm),
+            FromCell::Woken { vm } if cell.holds(vm) => self.pager.note_woken(vm),
+            FromCell::Hibernated { vm } | FromCell::Woken { vm } => {
+                return Err(CellFault::Hostile(format!(
+                    "reported VM {vm} hibernated or woken, which it does not hold"
                 )))
             }
             FromCell::Reply { id, reply } => return Ok(Some((id, reply))),
@@ -874,6 +882,7 @@ impl Supervisor {
             totals.insert(key.into(), json!(value));
         }
         totals.insert("cells".into(), json!(self.live_cells().len()));
+        add_wake_quantiles(&mut totals);
         let mut reply = json!({ "ok": true, "totals": totals });
         if per_vm {
             vms.extend(self.dead_cells_vms(true));
@@ -1084,19 +1093,45 @@ fn sort_by_id(vms: &mut [Value]) {
     vms.sort_by_key(|vm| vm["id"].as_u64().unwrap_or(u64::MAX));
 }
 
-/// Adds a cell's totals to the sum: integers add up; anything else is kept
-/// from the first cell that has it.
+/// Adds a cell's totals to the sum: integers add up, and arrays of them
+/// (histograms) element by element; anything else is kept from the first
+/// cell that has it.
 fn add_totals(sum: &mut Map<String, Value>, theirs: &Map<String, Value>) {
     for (key, value) in theirs {
         match (sum.get(key).and_then(Value::as_u64), value.as_u64()) {
             (Some(a), Some(b)) => {
                 sum.insert(key.clone(), json!(a.saturating_add(b)));
             }
+            _ if value.is_array() && sum.get(key).is_some_and(Value::is_array) => {
+                let ours = sum.get_mut(key).and_then(Value::as_array_mut);
+                for (a, b) in ours
+                    .into_iter()
+                    .flatten()
+                    .zip(value.as_array().into_iter().flatten())
+                {
+                    if let (Some(x), Some(y)) = (a.as_u64(), b.as_u64()) {
+                        *a = json!(x.saturating_add(y));
+                    }
+                }
+            }
             (None, _) if !sum.contains_key(key) => {
                 sum.insert(key.clone(), value.clone());
             }
             _ => {}
         }
+    }
+}
+
+/// The wake latency's median and 99th percentile, from the cells' summed
+/// log2 histogram (each the upper bound of its bucket).
+fn add_wake_quantiles(totals: &mut Map<String, Value>) {
+    let buckets: Vec<u64> = totals
+        .get("wake_us_log2")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_u64).collect())
+        .unwrap_or_default();
+    for (key, q) in [("wake_us_p50", 0.5), ("wake_us_p99", 0.99)] {
+        totals.insert(key.into(), json!(wake_latency::quantile(&buckets, q)));
     }
 }
 

@@ -12,7 +12,9 @@
 //! (`choose_victims` → `on_evicted`)* in any interleaving → `on_vm_unregistered`.
 //! `on_access` reports that a VM served a request (densevm calls
 //! `Pager::note_access`; pagesim calls it for every trace record) and is
-//! implied by every fault.
+//! implied by every fault. A VM that hibernates (scale to zero) hears
+//! `on_hibernated` → `on_evicted`* for its resident blocks, and later
+//! `on_woken` before its blocks fault back in as usual.
 
 pub mod clock;
 pub mod demand;
@@ -96,6 +98,21 @@ pub trait Policy: Send {
     /// per-VM quota: the `on_evicted` calls that follow are the VM making
     /// room for itself, not a choice of `choose_victims`.
     fn on_quota_eviction(&mut self, vm: VmId) {
+        let _ = vm;
+    }
+
+    /// The pager starts hibernating `vm` (its monitor destroyed its vCPUs;
+    /// its memory stays registered): every resident block of it follows
+    /// with `on_evicted`, not chosen by `choose_victims`. Called before the
+    /// blocks are taken, once per hibernation.
+    fn on_hibernated(&mut self, vm: VmId) {
+        let _ = vm;
+    }
+
+    /// `vm` woke from hibernation (a new KVM VM on the same memory) and is
+    /// about to run: its blocks come back through `on_fault` as usual. It
+    /// may arrive while the hibernation's evictions are still in flight.
+    fn on_woken(&mut self, vm: VmId) {
         let _ = vm;
     }
 

@@ -12,6 +12,10 @@
 //! whole working set back in and push an active VM out; a request touches
 //! far more blocks, so by its third fault the VM is really running.
 //! `wsswap,after=1` swaps in at the very first fault.
+//!
+//! A VM woken from hibernation is different: it was woken for work and runs
+//! at once, so its first fault after the wake brings in the whole set
+//! recorded when it hibernated, with one read (REAP's restore).
 
 use super::clock::VmClock;
 use super::{BlockId, Policy, SwapLayout, VmId};
@@ -25,6 +29,9 @@ struct VmSet {
     recorded: Vec<BlockId>,
     /// Faults since the VM was last evicted.
     faults: u32,
+    /// Woken from hibernation and not faulted since: the next fault
+    /// prefetches the recorded set, whatever `after` says.
+    armed: bool,
 }
 
 /// Working-set swap.
@@ -90,7 +97,8 @@ impl Policy for WsSwap {
         let after = self.after;
         let set = self.set(vm);
         set.faults = set.faults.saturating_add(1);
-        if set.faults >= after {
+        let armed = std::mem::take(&mut set.armed);
+        if armed || set.faults >= after {
             prefetch.append(&mut set.recorded);
         }
     }
@@ -106,6 +114,16 @@ impl Policy for WsSwap {
 
     fn on_quota_eviction(&mut self, vm: VmId) {
         self.making_room_for = Some(vm);
+    }
+
+    fn on_hibernated(&mut self, _vm: VmId) {
+        // The VM leaves whole with its working set, even if its last
+        // eviction was it making room for itself: record every block.
+        self.making_room_for = None;
+    }
+
+    fn on_woken(&mut self, vm: VmId) {
+        self.set(vm).armed = true;
     }
 
     fn on_evicted(&mut self, vm: VmId, block: BlockId) {
@@ -201,6 +219,36 @@ mod tests {
         w.on_quota_eviction(0);
         w.on_evicted(0, 2);
         assert!(fault(&mut w, 0, 2).is_empty());
+    }
+
+    #[test]
+    fn a_woken_vm_brings_its_hibernated_set_back_at_its_first_fault() {
+        let mut w = wsswap(3);
+        // VM 0's last eviction was it making room for itself (not recorded);
+        // the hibernation that follows is recorded all the same.
+        assert_eq!(evict_for(&mut w, 0, 1), vec![(0, 0)]);
+        w.on_installed(0, 0);
+        w.on_hibernated(0);
+        for b in 0..3 {
+            w.on_evicted(0, b);
+        }
+        w.on_woken(0);
+        let mut back = fault(&mut w, 0, 7);
+        back.sort_unstable();
+        assert_eq!(back, vec![0, 1, 2]);
+        assert!(fault(&mut w, 0, 6).is_empty(), "armed once per wake");
+    }
+
+    #[test]
+    fn a_hibernated_vm_not_woken_waits_for_the_after_th_fault() {
+        let mut w = wsswap(3);
+        w.on_hibernated(0);
+        for b in 0..3 {
+            w.on_evicted(0, b);
+        }
+        assert!(fault(&mut w, 0, 5).is_empty());
+        assert!(fault(&mut w, 0, 6).is_empty());
+        assert_eq!(fault(&mut w, 0, 7).len(), 3);
     }
 
     #[test]

@@ -1,0 +1,203 @@
+"""Scale to zero: an idle VM is hibernated (its vCPU, thread and KVM VM released, its
+memory moved to swap) and its next connection wakes it on a new vCPU, with its memory
+intact. Real densevm, real KVM guests, real TCP."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+from conftest import release_binary
+from scalebench.scaling import children
+from scalebench.webobject import SMALL
+from support.densevm import get, kvm_available, start, wait_for
+
+pytestmark = pytest.mark.skipif(
+    not kvm_available(), reason="/dev/kvm is absent or not accessible on this host"
+)
+
+
+def totals(m) -> dict:
+    return m.control({"cmd": "stats"})["totals"]
+
+
+def states(m) -> dict[int, str]:
+    return {vm["id"]: vm["state"] for vm in m.control({"cmd": "list"})["vms"]}
+
+
+def threads(pids: list[int]) -> int:
+    return sum(len(os.listdir(f"/proc/{pid}/task")) for pid in pids)
+
+
+def kvm_objects(pids: list[int]) -> dict[str, int]:
+    """The KVM VMs and vCPUs the processes hold descriptors of."""
+    counts = {"kvm-vm": 0, "kvm-vcpu": 0}
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except FileNotFoundError:
+                continue
+            for kind in counts:
+                counts[kind] += target.startswith(f"anon_inode:{kind}")
+    return counts
+
+
+def descendants(pid: int) -> list[int]:
+    out = []
+    for child in children(pid):
+        out += [child, *descendants(child)]
+    return out
+
+
+def serve_every_vm(m, vms: range) -> None:
+    for vm in vms:
+        r = get(m.addr(vm))
+        assert (r.status, r.body) == (200, SMALL), vm
+
+
+def test_idle_vms_hibernate_release_their_threads_and_wake_intact(tmp_path):
+    m = start(tmp_path, 12, "127.150.0.0", "--mem", "64M", "--idle-after", "0.3", "--selfcheck")
+    try:
+        serve_every_vm(m, range(12))
+        assert wait_for(lambda: totals(m)["hibernated"] == 12, timeout=20), totals(m)
+        assert set(states(m).values()) == {"hibernated"}
+        assert totals(m)["running"] == 0
+        # The pager moves a hibernated VM's memory out: nothing of theirs stays resident.
+        assert wait_for(lambda: totals(m)["resident_bytes"] == 0, timeout=20), totals(m)
+        # No VM holds a thread or a KVM object: the cell and its holders are one thread each,
+        # and a holder keeps at most one empty KVM VM ready for the next wake.
+        procs = descendants(m.proc.pid)
+        assert threads(procs) == len(procs), [os.listdir(f"/proc/{p}/task") for p in procs]
+        kvm = kvm_objects(procs)
+        assert kvm["kvm-vcpu"] == 0 and kvm["kvm-vm"] <= len(procs) - 1, kvm
+        # Every VM wakes on its next request, its working set read back from swap intact.
+        for _ in range(3):
+            serve_every_vm(m, range(12))
+            assert wait_for(lambda: totals(m)["hibernated"] == 12, timeout=20), totals(m)
+        assert wait_for(lambda: totals(m)["hibernations"] == 48, timeout=10), totals(m)
+        t = totals(m)
+        assert t["wakes"] == 36 and t["wake_failures"] == 0, t
+        assert t["selfcheck_errors"] == 0 and t["selfcheck_pages"] > 0, t
+        assert t["wake_us_p50"] is not None and t["wake_us_p99"] >= t["wake_us_p50"], t
+        assert t["swap_write_bytes"] > 0 and t["swap_read_bytes"] > 0, t
+    finally:
+        assert m.stop() == 0, m.stderr()
+
+
+def test_vms_hibernate_and_wake_under_load_without_a_lost_request(tmp_path):
+    vms = 40
+    m = start(tmp_path, vms, "127.151.0.0", "--mem", "16M", "--idle-after", "0.1", "--selfcheck")
+    failures: list[str] = []
+    served = [0]
+
+    def client(seed: int) -> None:
+        rng = random.Random(seed)
+        end = time.monotonic() + 6
+        while time.monotonic() < end:
+            vm = rng.randrange(vms)
+            try:
+                r = get(m.addr(vm))
+            except OSError as e:
+                failures.append(f"VM {vm}: {e}")
+                continue
+            if (r.status, r.body) != (200, SMALL):
+                failures.append(f"VM {vm}: {r.status}")
+            served[0] += 1
+            time.sleep(rng.random() * 0.05)
+
+    try:
+        clients = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join()
+        t = totals(m)
+        assert failures == [], failures[:5]
+        assert served[0] > 200 and t["wakes"] > 50, (served, t)
+        assert t["selfcheck_errors"] == 0 and t["wake_failures"] == 0, t
+        assert t["crashed"] == 0, states(m)
+    finally:
+        assert m.stop() == 0, m.stderr()
+
+
+def test_max_live_caps_the_vms_awake(tmp_path):
+    # One cell: the cap is its own, and the least recently used VMs sleep first.
+    flags = ("--idle-after", "600", "--max-live", "3", "--cell-placement", "floating")
+    m = start(tmp_path, 10, "127.152.0.0", *flags)
+    try:
+        serve_every_vm(m, range(10))
+        assert wait_for(lambda: totals(m)["running"] == 3, timeout=10), totals(m)
+        s = states(m)
+        assert [vm for vm in range(10) if s[vm] == "running"] == [7, 8, 9], s
+        serve_every_vm(m, range(10))
+        assert totals(m)["wake_failures"] == 0
+    finally:
+        assert m.stop() == 0, m.stderr()
+
+
+def test_max_live_is_shared_by_the_cells(tmp_path):
+    m = start(tmp_path, 10, "127.155.0.0", "--idle-after", "600", "--max-live", "3")
+    try:
+        assert m.ready["cells"] == 2, m.ready
+        serve_every_vm(m, range(10))
+        assert wait_for(lambda: totals(m)["running"] == 3, timeout=10), totals(m)
+    finally:
+        assert m.stop() == 0, m.stderr()
+
+
+def test_a_vm_destroyed_while_asleep_is_gone_and_its_neighbours_wake(tmp_path):
+    m = start(tmp_path, 6, "127.153.0.0", "--idle-after", "0.3")
+    try:
+        serve_every_vm(m, range(6))
+        assert wait_for(lambda: totals(m)["hibernated"] == 6, timeout=20)
+        assert m.control({"cmd": "destroy", "vm": 2}) == {"ok": True, "vm": 2}
+        assert wait_for(lambda: states(m)[2] == "stopped", timeout=10), states(m)
+        with pytest.raises(OSError):
+            get(m.addr(2))
+        serve_every_vm(m, [0, 1, 3, 4, 5])
+        assert totals(m)["vms"] == 6 and totals(m)["stopped"] == 1
+    finally:
+        assert m.stop() == 0, m.stderr()
+
+
+def test_a_cell_killed_while_its_vms_sleep_takes_only_them(tmp_path):
+    m = start(tmp_path, 8, "127.154.0.0", "--cell-vms", "4", "--idle-after", "0.3", "--selfcheck")
+    try:
+        serve_every_vm(m, range(8))
+        assert wait_for(lambda: totals(m)["hibernated"] == 8, timeout=20)
+        victim = children(m.proc.pid)[0]  # VMs 0-3
+        os.kill(victim, signal.SIGKILL)
+        assert wait_for(lambda: totals(m)["crashed"] == 4, timeout=20), totals(m)
+        s = states(m)
+        assert [s[vm] for vm in range(4)] == ["crashed"] * 4, s
+        serve_every_vm(m, range(4, 8))
+        t = totals(m)
+        assert t["selfcheck_errors"] == 0 and t["wakes"] >= 4, t
+    finally:
+        assert m.stop() == 0, m.stderr()
+
+
+@pytest.mark.parametrize(
+    "flags, why",
+    [
+        (["--idle-after", "0"], "--idle-after 0"),
+        (["--idle-after", "nan"], "--idle-after NaN"),
+        (["--max-live", "4"], "--max-live needs --idle-after"),
+        (["--idle-after", "1", "--max-live", "0"], "--max-live must be at least 1"),
+        (["--idle-after", "1", "--vcpu-stats"], "--vcpu-stats cannot follow"),
+    ],
+)
+def test_bad_hibernation_flags_are_refused(tmp_path, flags, why):
+    done = subprocess.run(
+        [str(release_binary("densevm")), "describe", "--vms", "2", *flags],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 2 and why in done.stderr, done.stderr
