@@ -215,6 +215,8 @@ pub struct Pager {
     threads: Mutex<Vec<JoinHandle<()>>>,
     /// VMs to hibernate, for the hibernation thread; `None` once shut down.
     hibernations: Mutex<Option<mpsc::Sender<VmId>>>,
+    /// VMs waking, for the prefetch thread; `None` once shut down.
+    prefetches: Mutex<Option<mpsc::Sender<VmId>>>,
     /// Key of the block-content hash (keyed BLAKE3, random per process): a
     /// guest cannot make a changed block hash like its swap copy, so no
     /// write is skipped that should not be.
@@ -264,6 +266,7 @@ impl Pager {
         let content_key: [u8; 32] = rand::random();
         let zero_sum = content_sum(&content_key, &vec![0; block as usize]);
         let (hibernations, requests) = mpsc::channel();
+        let (prefetches, wakes) = mpsc::channel();
         let pager = Arc::new(Pager {
             block: block as usize,
             vm_ram: vm_ram_bytes,
@@ -291,6 +294,7 @@ impl Pager {
             stop_fd,
             threads: Mutex::new(Vec::new()),
             hibernations: Mutex::new(Some(hibernations)),
+            prefetches: Mutex::new(Some(prefetches)),
             content_key,
             zero_sum,
             cfg,
@@ -310,9 +314,18 @@ impl Pager {
         let p = Arc::clone(&pager);
         let h = std::thread::Builder::new()
             .name("pager-hibernate".into())
-            .spawn(move || p.hibernation_loop(requests))
+            .spawn(move || p.queue_loop(requests, "hibernation", Pager::hibernate_now))
             .map_err(|source| PagerError::Mm {
                 op: "spawning hibernation thread",
+                source,
+            })?;
+        threads.push(h);
+        let p = Arc::clone(&pager);
+        let h = std::thread::Builder::new()
+            .name("pager-prefetch".into())
+            .spawn(move || p.queue_loop(wakes, "prefetch", Pager::prefetch_now))
+            .map_err(|source| PagerError::Mm {
+                op: "spawning prefetch thread",
                 source,
             })?;
         threads.push(h);
@@ -618,12 +631,15 @@ impl Pager {
         }
     }
 
-    /// Tells the policy that a hibernated VM woke (a new KVM VM on the same
-    /// memory) and is about to run. Cheap; an unknown VM is ignored.
+    /// A hibernated VM wakes (its new KVM VM is being made on the same
+    /// memory): the policy is told, and what it had resident when it was
+    /// hibernated is read back in one batch, REAP-style, on the pager's
+    /// prefetch thread while the VM starts (`Policy::on_woken` may change
+    /// or drop the list). Returns at once; an unknown VM is ignored.
     pub fn note_woken(&self, vm: u32) {
-        let r = self.lock().ledger.note_woken(vm);
-        if let Err(e) = r {
-            self.fail(e.to_string());
+        if let Some(queue) = &*self.prefetches.lock().unwrap_or_else(|e| e.into_inner()) {
+            // Fails only once the thread has ended: the pager is shut down.
+            let _ = queue.send(vm);
         }
     }
 
@@ -644,11 +660,10 @@ impl Pager {
         // SAFETY: 8-byte write to our eventfd.
         unsafe { libc::write(self.stop_fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
         self.room.notify_all();
-        // Closing the queue ends the hibernation thread's wait.
-        self.hibernations
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+        // Closing the queues ends their threads' waits.
+        for queue in [&self.hibernations, &self.prefetches] {
+            queue.lock().unwrap_or_else(|e| e.into_inner()).take();
+        }
         let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
         let me = std::thread::current().id();
         for t in threads {
@@ -780,9 +795,14 @@ impl Pager {
         }
     }
 
-    /// The hibernation thread: hibernates the queued VMs one at a time
-    /// until shutdown.
-    fn hibernation_loop(self: Arc<Self>, requests: mpsc::Receiver<VmId>) {
+    /// A queue's thread (hibernations, wake prefetches): runs `job` on the
+    /// queued VMs one at a time until shutdown.
+    fn queue_loop(
+        self: Arc<Self>,
+        requests: mpsc::Receiver<VmId>,
+        what: &str,
+        job: fn(&Pager, VmId, &mut Scratch) -> Result<(), PagerError>,
+    ) {
         let mut scratch = Scratch::new(self.block);
         while let Ok(vm) = requests.recv() {
             if self.stop.load(Ordering::SeqCst) {
@@ -794,17 +814,34 @@ impl Pager {
             // A panic would leave the VM's blocks busy forever: it stops the
             // run instead, like any fatal error.
             let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                self.hibernate_now(vm, &mut scratch)
+                job(&self, vm, &mut scratch)
             }));
             match done {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => self.fail(e.to_string()),
                 Err(panic) => self.fail(format!(
-                    "hibernation thread panicked: {}",
+                    "{what} thread panicked: {}",
                     panic_message(panic.as_ref())
                 )),
             }
         }
+    }
+
+    /// Reads back what `vm` had resident when hibernated (see
+    /// [`Pager::note_woken`]), as one fault of all those blocks.
+    fn prefetch_now(&self, vm: VmId, s: &mut Scratch) -> Result<(), PagerError> {
+        let t0 = Instant::now();
+        let mut st = self.lock();
+        let Some(place) = st.places.get(&vm).cloned() else {
+            return Ok(());
+        };
+        let mut plan = std::mem::take(&mut s.plan);
+        st.ledger.plan_wake(vm, &mut plan)?;
+        if plan.is_empty() {
+            s.plan = plan;
+            return Ok(());
+        }
+        self.bring_in(st, vm, &place, plan, t0, s)
     }
 
     /// Evicts every resident block of `vm` (see [`Pager::hibernate`]).
@@ -908,6 +945,20 @@ impl Pager {
     ) -> Result<(), PagerError> {
         let mut plan = std::mem::take(&mut s.plan);
         st.ledger.plan_fault(vm, block, write, &mut plan)?;
+        self.bring_in(st, vm, &place, plan, t0, s)
+    }
+
+    /// Brings a planned fault-in (or wake prefetch) in: room first (waiting
+    /// or evicting as the ledger says), then one read and the installs.
+    fn bring_in<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        vm: VmId,
+        place: &Place,
+        plan: Vec<PlanBlock>,
+        t0: Instant,
+        s: &mut Scratch,
+    ) -> Result<(), PagerError> {
         let n = plan.len() as u64;
         loop {
             if self.failed.load(Ordering::SeqCst) {
@@ -954,7 +1005,7 @@ impl Pager {
         }
         drop(st);
         let io = self.read_plan(&plan, s)?;
-        self.install(&plan, &place, s)?;
+        self.install(&plan, place, s)?;
         let latency = t0.elapsed().as_micros() as u64;
         let mut st = self.lock();
         s.wakes.clear();

@@ -728,6 +728,8 @@ impl CellLoop {
                 if let Some(vm) = self.vms.live(index) {
                     vm.sleep = Sleep::Waking(Instant::now());
                 }
+                // Its memory comes back while the holder makes its vCPU.
+                self.parent.send(&FromCell::Waking { vm: id });
                 // Room under --max-live for the one waking.
                 self.hibernate_idle();
             }
@@ -757,7 +759,6 @@ impl CellLoop {
         self.governor.new_thread(index);
         vm.last_active = Instant::now();
         self.sleep_stats.record_wake(since.elapsed());
-        self.parent.send(&FromCell::Woken { vm: id });
         self.service_vm(index);
     }
 

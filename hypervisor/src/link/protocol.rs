@@ -174,8 +174,9 @@ pub enum FromCell {
         /// Its id.
         vm: u32,
     },
-    /// Hibernated VM `vm` runs again.
-    Woken {
+    /// Hibernated VM `vm` is being woken: the pager may bring back what
+    /// it had resident while its holder makes its vCPU.
+    Waking {
         /// Its id.
         vm: u32,
     },

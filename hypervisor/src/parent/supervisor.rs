@@ -422,8 +422,8 @@ impl Supervisor {
                 )))
             }
             FromCell::Hibernated { vm } if cell.holds(vm) => self.pager.hibernate(vm),
-            FromCell::Woken { vm } if cell.holds(vm) => self.pager.note_woken(vm),
-            FromCell::Hibernated { vm } | FromCell::Woken { vm } => {
+            FromCell::Waking { vm } if cell.holds(vm) => self.pager.note_woken(vm),
+            FromCell::Hibernated { vm } | FromCell::Waking { vm } => {
                 return Err(CellFault::Hostile(format!(
                     "reported VM {vm} hibernated or woken, which it does not hold"
                 )))

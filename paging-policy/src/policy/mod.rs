@@ -110,10 +110,13 @@ pub trait Policy: Send {
     }
 
     /// `vm` woke from hibernation (a new KVM VM on the same memory) and is
-    /// about to run: its blocks come back through `on_fault` as usual. It
+    /// about to run. `prefetch` holds the blocks it had resident when it
+    /// was hibernated, which the pager then reads back in one batch while
+    /// the VM starts (REAP-style); the policy may change the list or clear
+    /// it. Blocks not prefetched come back through `on_fault` as usual. It
     /// may arrive while the hibernation's evictions are still in flight.
-    fn on_woken(&mut self, vm: VmId) {
-        let _ = vm;
+    fn on_woken(&mut self, vm: VmId, prefetch: &mut Vec<BlockId>) {
+        let _ = (vm, prefetch);
     }
 
     /// A failure the policy wants to report (plugins: a panic or a broken

@@ -122,7 +122,9 @@ impl Policy for WsSwap {
         self.making_room_for = None;
     }
 
-    fn on_woken(&mut self, vm: VmId) {
+    fn on_woken(&mut self, vm: VmId, _prefetch: &mut Vec<BlockId>) {
+        // The pager's batch brings the set back; a block it could not (busy
+        // then, or past its cap) comes with the set at the first fault.
         self.set(vm).armed = true;
     }
 
@@ -232,7 +234,7 @@ mod tests {
         for b in 0..3 {
             w.on_evicted(0, b);
         }
-        w.on_woken(0);
+        w.on_woken(0, &mut Vec::new());
         let mut back = fault(&mut w, 0, 7);
         back.sort_unstable();
         assert_eq!(back, vec![0, 1, 2]);
