@@ -6,10 +6,10 @@ serves N VMs with --idle-after; every VM is sent one GET (its working set is tou
 written), then all hibernate. Printed per N:
   - host memory per VM, awake (after the first GET, before any hibernates: measured in a
     run without --idle-after) and hibernated: MemAvailable's drop from before densevm
-    started, over N (slab, page tables and vmalloc included; nothing is resident for
-    the pager's budget once all sleep);
+    started, less what the pager holds resident for the guests, over N (slab, page
+    tables and vmalloc included; the page cache is dropped before each reading);
   - threads, descriptors and mappings of densevm's processes, awake and hibernated;
-  - swap on disk per VM (the swap file's allocated blocks);
+  - swap per VM: what the pager uses, and the swap file's allocated blocks;
   - wake latency at the client, connect to last byte, one hibernated VM per request at
     --wake-rate requests/s: p50, p99, max;
   - a wake storm: --storm VMs (all hibernated) requested at once: answered, refused, p99.
@@ -46,6 +46,10 @@ SMALL_BYTES = 2258  # the body of GET / (guest-images/webguest: object.h)
 
 
 def mem_available() -> int:
+    """MemAvailable once the page cache is dropped (the swap file's writes go through it)."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    time.sleep(1)
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
@@ -170,7 +174,9 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict:
     proc, api = serve(n, args.mem, [], workdir)
     errors = [e for _, e in asyncio.run(get_all(vms, 64)) if e]
     time.sleep(2)
-    awake_mem = (before - mem_available()) / n
+    # Less what the pager holds resident for the guests (within its budget).
+    resident = totals(api)["resident_bytes"]
+    awake_mem = (before - mem_available() - resident) / n
     awake_objects = Objects.of(proc.pid)
     stop(proc)
     time.sleep(2)
@@ -183,9 +189,10 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict:
     wait(lambda: totals(api)["resident_bytes"] == 0, 120, "the pager to empty")
     asleep_s = time.monotonic() - t0
     time.sleep(2)
-    asleep_mem = (before - mem_available()) / n
+    asleep_mem = (before - mem_available() - totals(api)["resident_bytes"]) / n
     asleep_objects = Objects.of(proc.pid)
     swap = swap_allocated(proc.pid)
+    swap_used = totals(api)["swap_used_bytes"]
     # Wakes, one VM a request, at a steady rate; each then sleeps again.
     sample = vms[: min(args.wakes, n)]
     paced_results = asyncio.run(paced(sample, args.wake_rate))
@@ -209,6 +216,7 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict:
         "awake": awake_objects,
         "asleep": asleep_objects,
         "swap_kib_per_vm": swap / n / 1024,
+        "swap_used_kib_per_vm": swap_used / n / 1024,
         "asleep_after_s": asleep_s,
         "wake_ms": [1000 * pct(wake_s, q) for q in (0.5, 0.99)] + [1000 * max(wake_s)],
         "wakes": len(wake_s),
@@ -228,7 +236,8 @@ def report(r: dict, rate: float) -> None:
         f" hibernated {r['asleep_kib_per_vm']:.1f} KiB",
         f"  threads/fds/maps: awake {a.threads}/{a.fds}/{a.maps},"
         f" hibernated {s.threads}/{s.fds}/{s.maps}",
-        f"  swap on disk per VM: {r['swap_kib_per_vm']:.1f} KiB",
+        f"  swap per VM: {r['swap_used_kib_per_vm']:.1f} KiB used by the pager,"
+        f" {r['swap_kib_per_vm']:.1f} KiB allocated on disk (the file is sized up front)",
         f"  wake at {rate:.0f}/s ({r['wakes']} wakes): p50 {p50:.2f} ms, p99 {p99:.2f} ms,"
         f" max {worst:.2f} ms",
         f"  wake storm of {n}: {ok} answered, {bad} failed, p99 {p99s:.1f} ms, all in {took:.2f} s",

@@ -68,11 +68,13 @@
 #define DV_STATE_BOOTING    0
 #define DV_STATE_READY      1
 #define DV_STATE_PANICKED   2
+#define DV_STATE_PARKED     3 /* halted at a safe point, for hibernation */
 
 /* Host commands in the control page (for fault-containment tests). */
 #define DV_CMD_NONE         0
 #define DV_CMD_CRASH        1 /* execute an invalid instruction */
 #define DV_CMD_TRIPLE       2 /* load an empty IDT, then fault: triple fault */
+#define DV_CMD_PARK         3 /* park for hibernation; resumed from entry (DV_FLAG_RESUME) */
 
 #ifndef __ASSEMBLER__
 #include <stdint.h>

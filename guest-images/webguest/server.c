@@ -342,10 +342,25 @@ static void idle(void)
     r->guest_idle = 0;
 }
 
+/* Hibernation: parks at the top of the loop, where nothing is half done, so
+ * a guest resumed from its entry on a new vCPU finds its memory consistent. */
+static void park(void) __attribute__((noreturn));
+static void park(void)
+{
+    struct dv_ctrl *ctrl = ctrl_page();
+    ctrl->host_cmd = DV_CMD_NONE;
+    ctrl->state = DV_STATE_PARKED;
+    arch_doorbell();
+    for (;;)
+        idle_wait();
+}
+
 void server_run(const struct dv_boot_info *bi)
 {
     struct dv_ctrl *ctrl = ctrl_page();
     for (;;) {
+        if (ctrl->host_cmd == DV_CMD_PARK)
+            park();
         if (ctrl->host_cmd)
             arch_crash(ctrl->host_cmd);
         int progress = drain_rx();

@@ -439,7 +439,7 @@ impl CellLoop {
         let (mut ready, mut failed) = (0, 0);
         for entry in self.vms.entries() {
             match entry.state() {
-                VmState::Running => ready += 1,
+                VmState::Running | VmState::Hibernated => ready += 1,
                 VmState::Booting => {}
                 _ => failed += 1,
             }
@@ -524,6 +524,7 @@ impl CellLoop {
         if ctrl.state == abi::STATE_READY {
             vm.ready = true;
         }
+        let parked = ctrl.state == abi::STATE_PARKED && matches!(vm.sleep, Sleep::Parking(_));
         let id = vm.id;
         let seen = &mut self.seen[index];
         // The counter is the guest's word: believe no more requests than the
@@ -558,6 +559,9 @@ impl CellLoop {
         self.proxy
             .retry_waiting(&mut self.vms, index, self.poll.registry());
         proxy::kick(&mut self.vms, index);
+        if parked {
+            self.parked(index);
+        }
     }
 
     /// `--inject-request-us`: a known slowdown of the in-core path, for
@@ -643,7 +647,10 @@ impl CellLoop {
             .filter_map(|(index, entry)| match entry {
                 VmEntry::Live(vm) => Some(Candidate {
                     index,
-                    awake: matches!(vm.sleep, Sleep::Awake | Sleep::Waking(_)),
+                    awake: matches!(
+                        vm.sleep,
+                        Sleep::Awake | Sleep::Parking(_) | Sleep::Waking(_)
+                    ),
                     unused: vm.sleep == Sleep::Awake
                         && entry.state() == VmState::Running
                         && vm.unused(),
@@ -664,8 +671,19 @@ impl CellLoop {
         }
     }
 
-    /// Asks VM `index`'s holder to release its vCPU.
+    /// Asks VM `index`'s guest to park at a safe point; [`Self::parked`]
+    /// releases its vCPU once it has. A guest that never parks stays awake.
     fn hibernate(&mut self, index: usize) {
+        let Some(vm) = self.vms.live(index) else {
+            return;
+        };
+        vm.command(abi::CMD_PARK);
+        let _ = vm.irq.write(1);
+        vm.sleep = Sleep::Parking(Instant::now());
+    }
+
+    /// VM `index`'s guest parked: its holder releases its vCPU.
+    fn parked(&mut self, index: usize) {
         let Some(id) = self.vms.live(index).map(|vm| vm.id) else {
             return;
         };
@@ -712,7 +730,7 @@ impl CellLoop {
             return;
         };
         vm.last_active = Instant::now();
-        if vm.sleep == Sleep::Asleep {
+        if matches!(vm.sleep, Sleep::Asleep | Sleep::Unbooted) {
             self.wake(index);
         }
     }
@@ -720,10 +738,14 @@ impl CellLoop {
     /// Asks VM `index`'s holder to start it again; its connections wait in
     /// its rings meanwhile.
     fn wake(&mut self, index: usize) {
-        let Some(id) = self.vms.live(index).map(|vm| vm.id) else {
+        let Some((id, boot)) = self
+            .vms
+            .live(index)
+            .map(|vm| (vm.id, vm.sleep == Sleep::Unbooted))
+        else {
             return;
         };
-        match self.holder_of(index).map(|h| h.wake(id)) {
+        match self.holder_of(index).map(|h| h.wake(id, boot)) {
             Some(Ok(())) => {
                 if let Some(vm) = self.vms.live(index) {
                     vm.sleep = Sleep::Waking(Instant::now());
@@ -926,6 +948,9 @@ impl CellLoop {
         if first != self.ctx.first_id + self.vms.len() as u32 {
             return json!({ "error": format!("create: VM {first} does not follow this cell's last VM") });
         }
+        if self.hibernation.is_some() {
+            return self.create_asleep(first, count);
+        }
         let per_holder = self.ctx.ram_slots_per_holder as u32;
         let mut asked = Vec::new();
         let mut error = None;
@@ -955,6 +980,38 @@ impl CellLoop {
             Some(error) => json!({ "error": error, "created": reply["created"] }),
             None => reply,
         }
+    }
+
+    /// With hibernation on, VMs are created asleep: their listener, rings
+    /// and memory, and no vCPU, thread or KVM VM until their first
+    /// connection boots them (creating N costs no boot of N).
+    fn create_asleep(&mut self, first: u32, count: u32) -> Value {
+        for id in first..first + count {
+            let index = self.ctx.slot_of(id);
+            let Some(h) = self
+                .holder_of(index)
+                .map(|_| index / self.ctx.ram_slots_per_holder)
+            else {
+                let error = format!("create: VM {id}: no live holder for it");
+                return json!({ "error": error, "created": self.create_reply(first)["created"] });
+            };
+            let adopted = self.irqs[index]
+                .take()
+                .ok_or(AdoptFailure::NoIrq(id))
+                .and_then(|irq| {
+                    let mut vcpu = self.holders[h].vcpu(0);
+                    vcpu.release();
+                    let mut vm = microvm::adopt(&self.ctx, id, vcpu, irq, None)?;
+                    vm.sleep = Sleep::Unbooted;
+                    self.adopt(vm)
+                        .map_err(|source| AdoptFailure::Register { vm: id, source })
+                });
+            if let Err(e) = adopted {
+                let error = format!("create: {e}");
+                return json!({ "error": error, "created": self.create_reply(first)["created"] });
+            }
+        }
+        self.create_reply(first)
     }
 
     fn create_reply(&self, first: u32) -> Value {

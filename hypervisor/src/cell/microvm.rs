@@ -140,9 +140,14 @@ pub struct MicroVm {
 /// a KVM VM; the others are their memory and this record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Sleep {
+    /// Created asleep (`--idle-after`): it boots on its first connection.
+    Unbooted,
     /// Running on its vCPU.
     Awake,
-    /// Its holder is releasing its vCPU.
+    /// Asked to park at a safe point ([`abi::CMD_PARK`]), since then; its
+    /// vCPU goes once it has.
+    Parking(Instant),
+    /// Parked; its holder is releasing its vCPU.
     Hibernating,
     /// Hibernated: no vCPU, its memory on its way to swap.
     Asleep,

@@ -65,7 +65,12 @@ impl VmEntry {
     /// The VM's state.
     pub fn state(&self) -> VmState {
         match self {
-            VmEntry::Live(vm) if matches!(vm.sleep, Sleep::Hibernating | Sleep::Asleep) => {
+            VmEntry::Live(vm)
+                if matches!(
+                    vm.sleep,
+                    Sleep::Unbooted | Sleep::Hibernating | Sleep::Asleep
+                ) =>
+            {
                 VmState::Hibernated
             }
             VmEntry::Live(vm) => match vm.vcpu.state() {

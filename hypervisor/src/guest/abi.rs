@@ -110,11 +110,16 @@ pub const STATE_BOOTING: u32 = 0;
 pub const STATE_READY: u32 = 1;
 /// Guest state: took an exception.
 pub const STATE_PANICKED: u32 = 2;
+/// Parked at a safe point for hibernation ([`CMD_PARK`]).
+pub const STATE_PARKED: u32 = 3;
 
 /// Host command: execute an invalid instruction.
 pub const CMD_CRASH: u32 = 1;
 /// Host command: triple fault.
 pub const CMD_TRIPLE: u32 = 2;
+/// Park for hibernation: the guest stops at the top of its loop, where
+/// nothing is half done, and says so ([`STATE_PARKED`]).
+pub const CMD_PARK: u32 = 3;
 
 /// `struct dv_boot_info`.
 #[repr(C)]
@@ -272,6 +277,8 @@ mod tests {
             ("STATE_PANICKED", STATE_PANICKED as u64),
             ("CMD_CRASH", CMD_CRASH as u64),
             ("CMD_TRIPLE", CMD_TRIPLE as u64),
+            ("CMD_PARK", CMD_PARK as u64),
+            ("STATE_PARKED", STATE_PARKED as u64),
         ];
         for (name, value) in ours {
             assert_eq!(

@@ -219,16 +219,18 @@ pub fn build(
     sys.protect_unused(&abi::SYS_USED)
         .map_err(|source| BuildError::Memory { vm: id, source })?;
     // Fault in, writable, the pages the guest reads before it writes them,
-    // so its first touches do not each visit the holder's MMU notifiers. A
-    // resumed guest's pages are in, and hold its rings' live indices.
-    let first_touched = [
+    // so its first touches do not each visit the holder's MMU notifiers. An
+    // atomic add of 0 writes without changing anything: a resumed guest's
+    // pages hold its rings' live indices, and the front may be producing
+    // into them already (a connection that woke the VM).
+    for page in [
         abi::VIF_GPA,
         abi::CTRL_GPA,
         abi::RINGHDR_GPA,
         abi::CREDIT_GPA,
-    ];
-    for page in first_touched.into_iter().filter(|_| start == Start::Boot) {
-        sys.write_obj(page, 0u64);
+    ] {
+        sys.atomic_u32(page)
+            .fetch_add(0, std::sync::atomic::Ordering::Relaxed);
     }
     // Without read-only memory slots a guest could write the image every
     // VM runs: each VM then gets a copy-on-write mapping of its own.

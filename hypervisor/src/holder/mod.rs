@@ -115,8 +115,9 @@ enum ToHolder {
     Stop { vm: u32 },
     /// Release a VM's vCPU, thread and KVM VM, keeping its memory.
     Hibernate { vm: u32 },
-    /// Start a hibernated VM again on a new vCPU.
-    Wake { vm: u32 },
+    /// Start a hibernated VM again on a new vCPU, or (`boot`) a VM created
+    /// asleep for the first time.
+    Wake { vm: u32, boot: bool },
     /// Stop every VM and exit.
     Shutdown,
 }
@@ -308,9 +309,10 @@ impl Holder {
         self.send(&ToHolder::Hibernate { vm })
     }
 
-    /// Asks for hibernated VM `vm` to be woken; `Woken` answers.
-    pub fn wake(&self, vm: u32) -> std::io::Result<()> {
-        self.send(&ToHolder::Wake { vm })
+    /// Asks for hibernated VM `vm` to be woken (`boot`: booted, it never
+    /// ran); `Woken` answers.
+    pub fn wake(&self, vm: u32, boot: bool) -> std::io::Result<()> {
+        self.send(&ToHolder::Wake { vm, boot })
     }
 
     /// Asks the holder to stop everything and exit.
@@ -758,8 +760,9 @@ fn run(
                 let _ = link.send(&record);
                 fill_pool(ctx, &mut pool, vm);
             }
-            ToHolder::Wake { vm } => {
-                let woken = wake(ctx, vm, pool.take(), (irqs, doorbells), &own, &held);
+            ToHolder::Wake { vm, boot } => {
+                let start = if boot { Start::Boot } else { Start::Resume };
+                let woken = wake(ctx, vm, start, pool.take(), (irqs, doorbells), &own, &held);
                 let (tid, error) = match woken {
                     Ok(vcpu) => {
                         let tid = vcpu.vcpu.tid();
@@ -790,19 +793,21 @@ fn fill_pool(ctx: &BuildContext, pool: &mut Option<VmFd>, vm: u32) {
     }
 }
 
-/// Starts hibernated VM `vm` again on `pooled` (or a KVM VM made now).
+/// Starts hibernated VM `vm` again (or boots it) on `pooled` (or a KVM VM
+/// made now).
 fn wake(
     ctx: &BuildContext,
     vm: u32,
+    start: Start,
     pooled: Option<VmFd>,
     (irqs, doorbells): (&[EventFd], &[EventFd]),
     own: &std::ops::Range<usize>,
     held: &HashMap<u32, HeldVm>,
 ) -> Result<HeldVm, String> {
-    let slot = ctx.slot_of(vm);
-    if !own.contains(&slot) || vm < ctx.first_id {
+    if vm < ctx.first_id || !own.contains(&ctx.slot_of(vm)) {
         return Err(format!("VM {vm} is not this holder's"));
     }
+    let slot = ctx.slot_of(vm);
     if held.contains_key(&vm) {
         return Err(format!("VM {vm} is awake"));
     }
@@ -812,14 +817,8 @@ fn wake(
     };
     let vcpu = builder::park_vcpu(ctx, vm).map_err(|e| e.to_string())?;
     let parts = builder::Prebuilt { vcpu, kvm };
-    builder::build(
-        ctx,
-        vm,
-        parts,
-        (&irqs[slot], &doorbells[slot]),
-        Start::Resume,
-    )
-    .map_err(|e| e.to_string())
+    builder::build(ctx, vm, parts, (&irqs[slot], &doorbells[slot]), start)
+        .map_err(|e| e.to_string())
 }
 
 fn close_all_but(keep: &mut [RawFd]) -> std::io::Result<()> {
