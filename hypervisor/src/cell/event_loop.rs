@@ -715,7 +715,13 @@ impl CellLoop {
         vm.sleep = Sleep::Asleep;
         vm.vcpu.release();
         self.governor.new_thread(index);
-        let in_use = !vm.unused();
+        let in_use = !vm.unused() || !vm.stream.drained(&vm.sys);
+        // Requests that came meanwhile wait in the rings: those stay.
+        if !in_use {
+            if let Err(e) = vm.sys.discard_except(&abi::SYS_KEPT_ASLEEP) {
+                crate::log!("densevm: VM {id}: free its system pages: {e}");
+            }
+        }
         self.sleep_stats.hibernations += 1;
         self.parent.report_access(true);
         self.parent.send(&FromCell::Hibernated { vm: id });

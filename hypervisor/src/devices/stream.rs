@@ -253,6 +253,16 @@ impl StreamDevice {
         (self.tx_cons, Self::rx_cons(sys))
     }
 
+    /// Whether both rings are empty: the guest took every request byte and
+    /// the host every response byte, so the rings' bytes hold nothing
+    /// anyone will read.
+    pub fn drained(&self, sys: &Mapping) -> bool {
+        let tx_prod = sys
+            .atomic_u32(abi::RINGHDR_GPA + ring_hdr::TX_PROD)
+            .load(Ordering::Acquire);
+        self.rx_prod == Self::rx_cons(sys) && self.tx_cons == tx_prod
+    }
+
     /// Acknowledges every response byte of `slot` except `still_buffered`.
     pub fn ack(&mut self, sys: &Mapping, slot: usize, still_buffered: usize) {
         let acked = self.tx_received[slot].wrapping_sub(still_buffered as u32);

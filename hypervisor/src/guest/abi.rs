@@ -47,6 +47,11 @@ pub const SYS_USED: [(u64, u64); 3] = [
     (RX_RING_GPA, RX_RING_BYTES),
     (TX_RING_GPA, TX_RING_BYTES),
 ];
+/// The system pages a hibernated VM keeps: its counters and state, its
+/// rings' indices and its connections' credits. The others are written
+/// again when it wakes (boot info, GDT, page tables) or hold nothing then
+/// (the rings' bytes: every connection ended before it slept).
+pub const SYS_KEPT_ASLEEP: [(u64, u64); 2] = [(CTRL_GPA, 0x1000), (RINGHDR_GPA, 0x2000)];
 /// Bytes of the system region given to the guest (its end: the tx ring's).
 pub const SYS_MAPPED_BYTES: u64 = TX_RING_GPA + TX_RING_BYTES;
 /// Guest RAM: bss, connection buffers, working set, stack.

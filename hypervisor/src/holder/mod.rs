@@ -719,8 +719,8 @@ fn run(
         let _ = exits.send(&record);
     });
     let mut held: HashMap<u32, HeldVm> = HashMap::new();
-    // An empty KVM VM made ahead, once this holder has hibernated a VM, so
-    // that creating one (about a millisecond) is not on the wake path.
+    // An empty KVM VM made ahead while this holder has a VM awake, so that
+    // creating one (about a millisecond) is not on the wake path.
     let mut pool: Option<VmFd> = None;
     loop {
         let request = match receive::<ToHolder>(&link) {
@@ -758,7 +758,12 @@ fn run(
                 let record =
                     serde_json::to_vec(&FromHolder::Hibernated { vm }).expect("serializes");
                 let _ = link.send(&record);
-                fill_pool(ctx, &mut pool, vm);
+                // A holder whose VMs all sleep holds no KVM object: its next
+                // wake makes its KVM VM (about a millisecond) and the pool.
+                match held.is_empty() {
+                    true => pool = None,
+                    false => fill_pool(ctx, &mut pool, vm),
+                }
             }
             ToHolder::Wake { vm, boot } => {
                 let start = if boot { Start::Boot } else { Start::Resume };
