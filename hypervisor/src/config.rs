@@ -23,6 +23,9 @@ const FD_HEADROOM: u64 = 1024;
 /// Kernel memory a 1-vCPU KVM VM holds (docs/host-facts.md, "Costs of KVM operations"):
 /// a VM count the host cannot hold is refused up front.
 const KERNEL_BYTES_PER_VM: u64 = 600 << 10;
+/// Host memory a hibernated VM keeps (its system pages, records, listener,
+/// its share of its holder; experiments/bench/hibernation.py, rounded up).
+const ASLEEP_BYTES_PER_VM: u64 = 256 << 10;
 /// A request writes one word in every 4th working-set page by default.
 pub const DEFAULT_WS_WRITE_STRIDE: u32 = 4;
 
@@ -330,13 +333,14 @@ const VMS_PER_HOLDER: u64 = 8;
 const PARENT_FDS_PER_CELL: u64 = 2;
 const PARENT_FDS_PER_HOLDER: u64 = 2;
 
-/// The most VMs one densevm may hold at once with cells of `cell_vms`:
-/// each takes a vCPU thread, and its cell and holder their share of tasks,
+/// The most VMs one densevm may hold at once with cells of `cell_vms` and
+/// at most `live` of them live (`--max-live`; else all): each live one
+/// takes a vCPU thread, and every VM's cell and holder their share of tasks,
 /// within the lowest of `kernel.pid_max`, `kernel.threads-max` and
 /// RLIMIT_NPROC (less [`TASK_HEADROOM`]); the parent holds two descriptors
 /// per holder and two per cell within RLIMIT_NOFILE; and ids stay below
 /// [`MAX_VM_ID`]. Returns the maximum and what bounds it, in words.
-pub fn max_vms(cell_vms: u32) -> (u32, String) {
+pub fn max_vms(cell_vms: u32, live: Option<u32>) -> (u32, String) {
     let read = |path: &str| {
         std::fs::read_to_string(path)
             .ok()
@@ -363,8 +367,11 @@ pub fn max_vms(cell_vms: u32) -> (u32, String) {
     }
     let per_cell = cell_vms.max(1) as u64;
     let holders = per_cell.div_ceil(VMS_PER_HOLDER);
-    let cell_tasks = per_cell + holders * TASKS_PER_HOLDER + TASKS_PER_CELL;
-    let by_tasks = tasks.0.saturating_sub(TASK_HEADROOM) / cell_tasks * per_cell;
+    let cell_tasks = holders * TASKS_PER_HOLDER + TASKS_PER_CELL;
+    let by_tasks = match live {
+        Some(live) => tasks.0.saturating_sub(TASK_HEADROOM + live as u64) / cell_tasks * per_cell,
+        None => tasks.0.saturating_sub(TASK_HEADROOM) / (cell_tasks + per_cell) * per_cell,
+    };
     // ensure_fd_budget raises the soft limit to the hard one.
     let mut nofile = libc::rlimit {
         rlim_cur: 0,
@@ -384,9 +391,10 @@ pub fn max_vms(cell_vms: u32) -> (u32, String) {
     (max.0 as u32, max.1)
 }
 
-/// Refuses `--vms` past [`max_vms`] for cells of `cell_vms`.
-pub fn check_max_vms(vms: u32, cell_vms: u32) -> Result<u32, ConfigError> {
-    let (max, bound) = max_vms(cell_vms);
+/// Refuses `--vms` past [`max_vms`] for cells of `cell_vms` and `live`
+/// VMs live at most.
+pub fn check_max_vms(vms: u32, cell_vms: u32, live: Option<u32>) -> Result<u32, ConfigError> {
+    let (max, bound) = max_vms(cell_vms, live);
     if vms > max {
         return Err(ConfigError(format!(
             "--vms {vms} is more than this host allows with --cell-vms {cell_vms}: at most {max} ({bound})"
@@ -475,13 +483,16 @@ fn check_flags_against(args: &ServeArgs, available: Option<u64>) -> Result<(), C
             )))
         }
     }
-    let needed = args.vms as u64 * KERNEL_BYTES_PER_VM;
+    // Under --max-live only that many VMs are ever live at once.
+    let live = args.max_live.unwrap_or(args.vms).min(args.vms) as u64;
+    let needed = live * KERNEL_BYTES_PER_VM + (args.vms as u64 - live) * ASLEEP_BYTES_PER_VM;
     match available {
         Some(available) if needed > available => Err(ConfigError(format!(
-            "--vms {} needs about {:.1} GiB of kernel memory ({} KiB a VM) but {:.1} GiB is available",
+            "--vms {} needs about {:.1} GiB of kernel memory ({} KiB a live VM, {} KiB a hibernated one) but {:.1} GiB is available",
             args.vms,
             needed as f64 / GIB,
             KERNEL_BYTES_PER_VM >> 10,
+            ASLEEP_BYTES_PER_VM >> 10,
             available as f64 / GIB
         ))),
         _ => Ok(()),
@@ -610,13 +621,15 @@ mod tests {
 
     #[test]
     fn vms_past_the_hosts_maximum_are_refused_with_what_bounds_them() {
-        let (max, bound) = max_vms(100);
+        let (max, bound) = max_vms(100, None);
         assert!((1..=MAX_VM_ID).contains(&max), "{max} ({bound})");
-        assert!(check_max_vms(max, 100).is_ok());
-        let refused = check_max_vms(u32::MAX, 100).unwrap_err().0;
+        assert!(check_max_vms(max, 100, None).is_ok());
+        let refused = check_max_vms(u32::MAX, 100, None).unwrap_err().0;
         assert!(refused.contains(&format!("at most {max}")), "{refused}");
         // Smaller cells take more tasks a VM: never a larger maximum.
-        assert!(max_vms(1).0 <= max);
+        assert!(max_vms(1, None).0 <= max);
+        // With few VMs live at once, vCPU threads no longer bound the count.
+        assert!(max_vms(100, Some(1000)).0 > max);
     }
 
     #[test]
@@ -694,10 +707,15 @@ mod tests {
         let ConfigError(message) = check_flags_against(&args, Some(needed - 1)).unwrap_err();
         assert_eq!(
             message,
-            "--vms 1024 needs about 0.6 GiB of kernel memory (600 KiB a VM) but 0.6 GiB is available"
+            format!("--vms 1024 needs about 0.6 GiB of kernel memory (600 KiB a live VM, {} KiB a hibernated one) but 0.6 GiB is available", ASLEEP_BYTES_PER_VM >> 10)
         );
         assert!(check_flags_against(&args, Some(needed)).is_ok());
         assert!(check_flags_against(&args, None).is_ok());
+        // At most 24 of them live: the others cost what a hibernated VM does.
+        let capped = parse(&["--vms", "1024", "--idle-after", "1", "--max-live", "24"]);
+        let needed = 24 * KERNEL_BYTES_PER_VM + 1000 * ASLEEP_BYTES_PER_VM;
+        assert!(check_flags_against(&capped, Some(needed - 1)).is_err());
+        assert!(check_flags_against(&capped, Some(needed)).is_ok());
     }
 
     #[test]

@@ -722,6 +722,11 @@ fn run(
     // An empty KVM VM made ahead while this holder has a VM awake, so that
     // creating one (about a millisecond) is not on the wake path.
     let mut pool: Option<VmFd> = None;
+    // KVM VMs of hibernated VMs are destroyed here, off the loop: each
+    // destruction waits for a grace period, and wakes queued behind a few
+    // of them took hundreds of milliseconds.
+    let (reaper, doomed) = std::sync::mpsc::channel::<VmFd>();
+    let reaping = std::thread::spawn(move || doomed.into_iter().for_each(drop));
     loop {
         let request = match receive::<ToHolder>(&link) {
             Ok(Received::Record(request, _)) => request,
@@ -752,8 +757,8 @@ fn run(
                 let _ = link.send(&record);
             }
             ToHolder::Hibernate { vm } => {
-                if let Some(mut sleeping) = held.remove(&vm) {
-                    sleeping.release();
+                if let Some(kvm) = held.remove(&vm).and_then(HeldVm::stop_for_good) {
+                    let _ = reaper.send(kvm);
                 }
                 let record =
                     serde_json::to_vec(&FromHolder::Hibernated { vm }).expect("serializes");
@@ -761,7 +766,11 @@ fn run(
                 // A holder whose VMs all sleep holds no KVM object: its next
                 // wake makes its KVM VM (about a millisecond) and the pool.
                 match held.is_empty() {
-                    true => pool = None,
+                    true => {
+                        if let Some(kvm) = pool.take() {
+                            let _ = reaper.send(kvm);
+                        }
+                    }
                     false => fill_pool(ctx, &mut pool, vm),
                 }
             }
@@ -785,6 +794,8 @@ fn run(
         }
     }
     teardown(held.into_values().collect());
+    drop((pool, reaper));
+    let _ = reaping.join();
     0
 }
 

@@ -26,8 +26,8 @@ pub fn describe(args: &ServeArgs) -> Result<Value, ConfigError> {
     let (_, layout) = config::load_guest(args)?;
     let pager = config::pager_config(args, &layout)?;
     let cell_vms = config::cell_vms(args, &layout, &pager);
-    let (max_vms, bound) = config::max_vms(cell_vms);
-    config::check_max_vms(args.vms, cell_vms)?;
+    let (max_vms, bound) = config::max_vms(cell_vms, args.max_live);
+    config::check_max_vms(args.vms, cell_vms, args.max_live)?;
     Ok(json!({
         "schema": "densevm-describe/1",
         "version": env!("CARGO_PKG_VERSION"),

@@ -54,7 +54,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
     let (guest, layout) = load_guest(args)?;
     let pager_config = pager_config(args, &layout)?;
     let cell_vms = cell_vms(args, &layout, &pager_config);
-    let max_vms = check_max_vms(args.vms, cell_vms)?;
+    let max_vms = check_max_vms(args.vms, cell_vms, args.max_live)?;
     let cell_sizes = boot_layout(args.vms, cell_vms, pinned_cpus);
     // The parent holds a few descriptors per cell; each cell checks its own VMs.
     ensure_fd_budget(cell_sizes.len() as u32, FDS_PER_CELL)
