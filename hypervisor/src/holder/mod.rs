@@ -722,11 +722,13 @@ fn run(
     // An empty KVM VM made ahead while this holder has a VM awake, so that
     // creating one (about a millisecond) is not on the wake path.
     let mut pool: Option<VmFd> = None;
-    // KVM VMs of hibernated VMs are destroyed here, off the loop: each
-    // destruction waits for a grace period, and wakes queued behind a few
-    // of them took hundreds of milliseconds.
-    let (reaper, doomed) = std::sync::mpsc::channel::<VmFd>();
-    let reaping = std::thread::spawn(move || doomed.into_iter().for_each(drop));
+    // KVM VMs of hibernated VMs are destroyed off the loop, each on a
+    // thread of its own that ends with it: a destruction waits for a grace
+    // period (about 22 ms here), and wakes queued behind a few of them took
+    // hundreds of milliseconds. A VM woken before its old KVM VM is gone
+    // waits for it: until then its eventfds are that VM's.
+    let mut reaping: HashMap<u32, std::thread::JoinHandle<()>> = HashMap::new();
+    let mut reaped_pools: Vec<std::thread::JoinHandle<()>> = Vec::new();
     loop {
         let request = match receive::<ToHolder>(&link) {
             Ok(Received::Record(request, _)) => request,
@@ -757,8 +759,9 @@ fn run(
                 let _ = link.send(&record);
             }
             ToHolder::Hibernate { vm } => {
+                reaping.retain(|_, t| !t.is_finished());
                 if let Some(kvm) = held.remove(&vm).and_then(HeldVm::stop_for_good) {
-                    let _ = reaper.send(kvm);
+                    reaping.insert(vm, std::thread::spawn(move || drop(kvm)));
                 }
                 let record =
                     serde_json::to_vec(&FromHolder::Hibernated { vm }).expect("serializes");
@@ -767,14 +770,18 @@ fn run(
                 // wake makes its KVM VM (about a millisecond) and the pool.
                 match held.is_empty() {
                     true => {
+                        reaped_pools.retain(|t| !t.is_finished());
                         if let Some(kvm) = pool.take() {
-                            let _ = reaper.send(kvm);
+                            reaped_pools.push(std::thread::spawn(move || drop(kvm)));
                         }
                     }
                     false => fill_pool(ctx, &mut pool, vm),
                 }
             }
             ToHolder::Wake { vm, boot } => {
+                if let Some(old) = reaping.remove(&vm) {
+                    let _ = old.join();
+                }
                 let start = if boot { Start::Boot } else { Start::Resume };
                 let woken = wake(ctx, vm, start, pool.take(), (irqs, doorbells), &own, &held);
                 let (tid, error) = match woken {
@@ -794,8 +801,10 @@ fn run(
         }
     }
     teardown(held.into_values().collect());
-    drop((pool, reaper));
-    let _ = reaping.join();
+    drop(pool);
+    for reaper in reaping.into_values().chain(reaped_pools) {
+        let _ = reaper.join();
+    }
     0
 }
 
