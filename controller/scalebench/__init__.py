@@ -15,8 +15,8 @@ Every module, one line each:
 - cgroup.py: the memory-limited cgroup densevm runs in, and its pressure counters
 - procs.py: child processes in their own process groups, always torn down
 - progress.py: progress of long phases on stderr
-- model.py: Denali's performance model (Che's approximation of LRU under Zipf) and
-  model_input, the one builder of its input from a configuration
+- model.py: Denali's performance model (Che's approximation of LRU under Zipf), with
+  hibernation's wake term, and model_input, the one builder of its input from a configuration
 - calibration.py: the stored per-host CPU costs, and the one fallback that chooses the
   cost the model uses (flag, measurement, stored, default)
 - disks.py: the disk models' parameters as the model charges them
@@ -35,7 +35,8 @@ Every module, one line each:
 - cluster_worker.py: one sweep point on a cluster worker
 - compare.py: regression check between two results or sweeps
 - nightly.py: `scalebench nightly`, scaling regressions in a noisy history (docs/nightly.md)
-- scaling.py: densevm sessions and load windows, shared by the nightly and the benches
+- scaling.py: densevm sessions, load windows and hibernated VMs' density, shared by the
+  nightly and the benches
 - nginx.py: a throw-away nginx, the host's reference server
 - history.py: the nightly history (SQLite)
 - changepoint.py: bootstrap medians and E-Divisive change points for the nightly

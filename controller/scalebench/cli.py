@@ -109,6 +109,22 @@ def _workload_flags(p: argparse.ArgumentParser) -> None:
         help="the model's host microseconds per pager fault (default: calibrated by the run's "
         f"settle phase, else the host's stored calibration, else {DEFAULT_FAULT_US:g})",
     )
+    p.add_argument(
+        "--idle-after",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="hibernate a VM idle this long, its next request waking it (densevm --idle-after; "
+        "default: never)",
+    )
+    p.add_argument(
+        "--max-live",
+        type=int,
+        default=None,
+        metavar="N",
+        help="at most N VMs awake, the least recently used idle ones hibernated past it "
+        "(needs --idle-after; default: no cap)",
+    )
 
 
 def run_parser() -> Parser:
@@ -269,6 +285,12 @@ def cmd_model(argv: list[str]) -> int:
         f"-> CPU bound {pred.cpu_rps:,.0f} requests/s, swap I/O bound {pred.disk_rps:,.0f} "
         "requests/s"
     )
+    if cfg.idle_after is not None:
+        print(
+            f"  wakes {pred.wake_fraction:.4f} of requests (hibernated after {cfg.idle_after:g} s"
+            + (f", at most {cfg.max_live} awake" if cfg.max_live is not None else "")
+            + f"), each {pred.wake_ms:g} ms of latency and {pred.wake_cpu_us:g} us of CPU"
+        )
     print(f"  predicted {pred.model_rps:,.1f} requests/s, {pred.regime}")
     return 0
 

@@ -7,6 +7,7 @@ whose message is one line (the CLI prints it as `scalebench: error: ...`, exit 2
 from __future__ import annotations
 
 import ipaddress
+import math
 import socket
 from dataclasses import asdict, dataclass, field, fields, replace
 
@@ -51,6 +52,8 @@ class RunConfig:
     port: int = 8080
     out: str | None = None  # run directory; default runs/<run-id>
     json: str | None = None  # extra copy of the result JSON
+    idle_after: float | None = None  # densevm --idle-after: hibernate VMs idle this long (s)
+    max_live: int | None = None  # densevm --max-live: most VMs awake (needs idle_after)
     db_guests: int = 0
     db_workload: str | None = None
     db_mix: str | None = None
@@ -153,7 +156,34 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"--vms {cfg.vms} from {cfg.addr_base} does not fit in 127.0.0.0/8")
     if cfg.db_guests < 0 or (cfg.db_guests > 0 and not cfg.db_workload):
         raise ConfigError("--db-guests K needs K >= 0 and --db-workload NAME")
+    _check_hibernation(cfg)
     return cfg
+
+
+def hibernation_flags(cfg: RunConfig) -> tuple[str, ...]:
+    """densevm serve's flags for the run's hibernation (none when it is off)."""
+    flags: tuple[str, ...] = ()
+    if cfg.idle_after is not None:
+        flags += ("--idle-after", str(cfg.idle_after))
+    if cfg.max_live is not None:
+        flags += ("--max-live", str(cfg.max_live))
+    return flags
+
+
+def _check_hibernation(cfg: RunConfig) -> None:
+    """The hibernation flags' shape here, their ranges by densevm itself (`densevm describe`
+    checks them as `serve` does), so the limits are not copied."""
+    if cfg.max_live is not None and cfg.idle_after is None:
+        raise ConfigError("--max-live needs --idle-after (only idle VMs are hibernated)")
+    if cfg.max_live is not None and cfg.max_live < 1:
+        raise ConfigError(f"--max-live must be at least 1 (got {cfg.max_live})")
+    if cfg.idle_after is None:
+        return
+    if not math.isfinite(cfg.idle_after) or cfg.idle_after <= 0:
+        raise ConfigError(
+            f"--idle-after must be a positive number of seconds (got {cfg.idle_after:g})"
+        )
+    describe_config(*hibernation_flags(cfg))  # densevm's own one-line reason, naming the flag
 
 
 def check_addresses_free(cfg: RunConfig) -> None:

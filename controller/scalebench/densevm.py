@@ -7,7 +7,9 @@ errors on stderr, and a Unix-socket control API with newline-delimited JSON.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
+import math
 import queue
 import socket
 import subprocess
@@ -62,6 +64,19 @@ class DenseVMArgs:
 def boot_timeout_s(vms: int) -> float:
     """How long densevm may take to report ready with `vms` VMs."""
     return 120 + 0.1 * vms
+
+
+def log2_quantile_us(buckets: list[int], q: float) -> int | None:
+    """The `q` quantile (0..1) of a stats log2 histogram (`wake_us_log2`: bucket i holds
+    [2^i, 2^(i+1)) us) as its bucket's upper bound, as densevm reads its own (`wake_us_p99`);
+    None when it is empty."""
+    total = sum(buckets)
+    if total == 0:
+        return None
+    rank = min(max(math.ceil(q * total), 1), total)
+    return next(
+        1 << (i + 1) for i, seen in enumerate(itertools.accumulate(buckets)) if seen >= rank
+    )
 
 
 def control(api: Path, request: dict, timeout_s: float = 30.0) -> dict:
@@ -159,9 +174,11 @@ class DenseVM:
             if why:
                 raise DenseVMError(why)
             if on_progress is not None and self.args.api.exists():
-                # The API may not answer until the monitor is set up.
+                # The API may not answer until the monitor is set up. With --idle-after a
+                # booted VM may already be asleep: it counts as booted all the same.
                 with contextlib.suppress(DenseVMError):
-                    on_progress(self.totals().get("running", 0))
+                    totals = self.totals()
+                    on_progress(totals.get("running", 0) + totals.get("hibernated", 0))
         raise DenseVMError(f"densevm did not report ready within {timeout_s:.0f} s")
 
     def request(self, request: dict, timeout_s: float = 30.0) -> dict:

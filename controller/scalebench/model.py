@@ -51,6 +51,28 @@ the set comes in one read), so the occupancy counts f m p_i u / (1 + m p_i u)
 more for it. Near the cliff this is worth up to 2x: Fig 8's wsswap at 1,100
 VMs measured 2,407 requests/s where Che alone (u = 0) gave 977, and the
 measured misses per request by popularity band matched the formula at W = 2 s.
+
+With hibernation (densevm --idle-after T, --max-live L) a request can find its
+VM asleep and wake it. VM i's requests arrive at l_i = p_i X (Poisson), so it
+has been idle longer than T when one arrives with probability exp(-p_i X T);
+the cap keeps the L most recently used VMs awake, an LRU cache of L whose
+characteristic time t_L (in requests) Che's approximation gives as above. Both
+keep a VM awake for a while after its last request, the idle timer X T
+requests and the cap about t_L, and whichever is shorter decides (when X T <
+t_L the timer alone leaves fewer than L awake and the cap does not act):
+
+    wake fraction  w = sum_i p_i exp(-p_i min(X T, t_L))
+
+(w = 1 - h of an LRU of L when T is long). Each wake costs the request the wake
+time in latency and the host the wake's CPU, charged in the CPU bound:
+
+    cpu bound  1 / (cpu_s + (1 - h) * faults_per_miss * fault_s + w * wake_cpu_s)
+
+X is the throughput the model predicts, so X and w are solved together. The
+hit ratio stays the budget's: the wake's costs include bringing the woken VM's
+working set back from swap (the client's wake time measures it), so a request
+that both wakes a VM and misses the budget's LRU is charged twice, which is
+rare while the budget holds the awake VMs.
 """
 
 from __future__ import annotations
@@ -90,6 +112,12 @@ IN_CORE_LOSS = 0.05
 # model` uses the stored value. A fault resolved with one 32 KiB UFFDIO_COPY
 # takes 84-131 us here (docs/host-facts.md). Overridable with --fault-us.
 DEFAULT_FAULT_US = 100.0
+# What a wake of a hibernated VM costs the model: 5 ms of latency, from connect to last byte at
+# the client (a new vCPU and KVM VM, the working set back from swap), as
+# experiments/bench/hibernation.py measured it on this host; and 1 ms of host CPU, charged in the
+# CPU bound (a round figure, not yet calibrated).
+DEFAULT_WAKE_MS = 5.0
+DEFAULT_WAKE_CPU_US = 1000.0
 
 
 def densevm_swap_bytes(vms: int, policy: str, ram_bytes: int | None = None) -> int:
@@ -148,6 +176,39 @@ def che_time(p: np.ndarray, k: float, u: float = 0.0, paging_in: float = 0.0) ->
         if hi / lo < 1 + 1e-10:
             break
     return math.sqrt(lo * hi)
+
+
+def awake_window(rps: float, idle_after_s: float, cap: float) -> float:
+    """How long, in requests, a VM stays awake after its last request: the idle timer's
+    rps x idle_after_s requests, or `cap` (awake_cap) when that is shorter."""
+    return min(rps * idle_after_s, cap)
+
+
+def awake_cap(p: np.ndarray, max_live: int | None) -> float:
+    """The characteristic time (in requests) of an LRU cache of `max_live` VMs under
+    popularities p: how long --max-live keeps a VM awake; infinite without a cap or with room
+    for every VM."""
+    if max_live is None or max_live >= len(p):
+        return math.inf
+    return che_time(p, max_live)
+
+
+def wakes_per_request(p: np.ndarray, window: float) -> float:
+    """The share of requests that find their VM asleep when each VM stays awake `window`
+    requests after its last one: sum_i p_i exp(-p_i window)."""
+    return float(np.sum(p * np.exp(-p * window)))
+
+
+def wake_fraction(
+    n: int, alpha: float, rps: float, idle_after_s: float | None, max_live: int | None = None
+) -> float:
+    """The share of Zipf(alpha) requests over n VMs, `rps` of them a second, that meet a
+    hibernated VM under densevm --idle-after idle_after_s (None: never) --max-live max_live
+    (the module docstring's wake term)."""
+    if idle_after_s is None:
+        return 0.0
+    p = zipf_popularity(n, alpha)
+    return wakes_per_request(p, awake_window(rps, idle_after_s, awake_cap(p, max_live)))
 
 
 def closed_loop_misses(n: int, k: float, alpha: float, in_flight: int, paging_in: float) -> float:
@@ -270,6 +331,10 @@ class ModelInput:
         None  # the swap device the drives' seeks span (None: as densevm sizes it)
     )
     in_flight: int = 64  # the client's requests in flight (zipfperf --concurrency)
+    idle_after_s: float | None = None  # densevm --idle-after: hibernation of idle VMs (None: off)
+    max_live: int | None = None  # densevm --max-live: most VMs awake (None: no cap)
+    wake_s: float = DEFAULT_WAKE_MS * 1e-3  # a wake's latency at the client
+    wake_cpu_s: float = DEFAULT_WAKE_CPU_US * 1e-6  # a wake's host CPU (aggregate)
 
     def used_fraction(self, used_bytes: int) -> float:
         """The share of the swap device's span that `used_bytes` from its start fill."""
@@ -329,6 +394,8 @@ def model_input(
         written_bytes=estimate_written(cfg.ws_bytes, cfg.block_bytes),
         swap_bytes=swap_bytes,
         in_flight=cfg.concurrency,
+        idle_after_s=cfg.idle_after,
+        max_live=cfg.max_live,
     )
 
 
@@ -351,6 +418,9 @@ class Prediction:
     fault_us: float
     disk: str
     policy: str
+    wake_fraction: float  # requests that wake a hibernated VM (0 without hibernation)
+    wake_ms: float  # the latency each wake adds
+    wake_cpu_us: float  # the host CPU each wake takes, in the CPU bound
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -399,10 +469,39 @@ class _Bounds:
     write_s: float
     cpu_rps: float  # CPU: requests and, for misses, the pager's work per fault
     disk_rps: float  # swap I/O over the drives the pager's threads keep busy (inf: no misses)
+    wake: float = 0.0  # requests that wake a hibernated VM
 
     @property
     def rps(self) -> float:
         return min(self.cpu_rps, self.disk_rps)
+
+
+def _cpu_with_wakes(inp: ModelInput, cpu_s: float, other_rps: float) -> tuple[float, float]:
+    """(CPU bound, wake fraction) for `cpu_s` of CPU per request before wakes, the throughput
+    being min(CPU bound, other_rps). The wakes depend on that throughput (the busier, the
+    shorter a VM's idle gaps) and the CPU bound on the wakes, so it is their fixed point
+    X = min(1 / (cpu_s + w(X) wake_cpu_s), other_rps): the right side grows with X, so bisect
+    between its values at X = 0 (every request wakes) and X = infinity."""
+    if inp.idle_after_s is None:
+        return 1.0 / cpu_s, 0.0
+    idle_after_s = inp.idle_after_s
+    p = zipf_popularity(inp.vms, inp.alpha)
+    cap = awake_cap(p, inp.max_live)
+
+    def wake(x: float) -> float:
+        return wakes_per_request(p, awake_window(x, idle_after_s, cap))
+
+    def throughput(x: float) -> float:
+        return min(1.0 / (cpu_s + wake(x) * inp.wake_cpu_s), other_rps)
+
+    lo, hi = throughput(0.0), throughput(math.inf)
+    for _ in range(100):
+        if hi / lo < 1 + 1e-10:
+            break
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if throughput(mid) > mid else (lo, mid)
+    w = wake(math.sqrt(lo * hi))
+    return 1.0 / (cpu_s + w * inp.wake_cpu_s), w
 
 
 def _bounds(inp: ModelInput) -> _Bounds:
@@ -414,18 +513,29 @@ def _bounds(inp: ModelInput) -> _Bounds:
     faults_per_miss = (
         inp.single_faults + 1 if inp.policy == "wsswap" else inp.footprint_bytes // inp.block_bytes
     )
-    cpu_rps = 1.0 / (inp.cpu_s + misses * faults_per_miss * inp.fault_s)
+    cpu_s = inp.cpu_s + misses * faults_per_miss * inp.fault_s
     # The pager's service threads bound the swap I/Os in flight, whatever the drives.
     parallel = min(inp.disk.parallelism, fact("pager.service_threads"))
 
     def disk_rps(misses: float) -> float:
-        return parallel / (misses * (read + write)) if misses > 0 else math.inf
+        # No misses, or misses that cost no I/O (no disk model and no device benchmark).
+        return parallel / (misses * (read + write)) if misses * (read + write) > 0 else math.inf
 
+    cpu_rps, wake = _cpu_with_wakes(inp, cpu_s, disk_rps(misses))
     if disk_rps(misses) >= cpu_rps:
         # The CPU binds: misses are served as they come, without the closed loop's waits.
-        return _Bounds(k, hit, read, write, cpu_rps, disk_rps(misses))
+        return _Bounds(k, hit, read, write, cpu_rps, disk_rps(misses), wake)
     misses = closed_loop_misses(inp.vms, k, inp.alpha, inp.in_flight, inp.paging_in)
-    return _Bounds(k, 1.0 - misses, read, write, cpu_rps, disk_rps(misses))
+    cpu_rps, wake = _cpu_with_wakes(inp, cpu_s, disk_rps(misses))
+    return _Bounds(k, 1.0 - misses, read, write, cpu_rps, disk_rps(misses), wake)
+
+
+def in_core_cpu_s(inp: ModelInput) -> float:
+    """CPU per request with every working set resident: the request's, and with hibernation
+    its share of the wakes at the throughput that leaves (the in-core level the regime and the
+    cliff compare with, so that wakes alone are neither paging nor a cliff)."""
+    _, wake = _cpu_with_wakes(inp, inp.cpu_s, math.inf)
+    return inp.cpu_s + wake * inp.wake_cpu_s
 
 
 def cliff_vms(inp: ModelInput) -> int:
@@ -436,7 +546,8 @@ def cliff_vms(inp: ModelInput) -> int:
     """
 
     def past(n: int) -> bool:
-        return _bounds(replace(inp, vms=n)).rps < CLIFF_FRACTION / inp.cpu_s
+        at = replace(inp, vms=n)
+        return _bounds(at).rps < CLIFF_FRACTION / in_core_cpu_s(at)
 
     lo = max(1, inp.budget_bytes // inp.footprint_bytes)  # not past: everything fits
     hi = 2 * lo
@@ -457,7 +568,7 @@ def predict(inp: ModelInput) -> Prediction:
         raise ValueError(error)
     b = _bounds(inp)
     # In core while paging costs under IN_CORE_LOSS of the in-core throughput.
-    in_core = b.rps >= (1.0 - IN_CORE_LOSS) / inp.cpu_s
+    in_core = b.rps >= (1.0 - IN_CORE_LOSS) / in_core_cpu_s(inp)
     return Prediction(
         footprint_bytes=inp.footprint_bytes,
         cache_vms=int(b.k),
@@ -474,4 +585,7 @@ def predict(inp: ModelInput) -> Prediction:
         fault_us=inp.fault_s * 1e6,
         disk=inp.disk.name,
         policy=inp.policy,
+        wake_fraction=b.wake,
+        wake_ms=inp.wake_s * 1e3,
+        wake_cpu_us=inp.wake_cpu_s * 1e6,
     )

@@ -37,7 +37,7 @@ from .config import REPO_ROOT, ConfigError
 from .diskbench import ScratchFile, random_io_rate
 from .history import NOISY, History, Run, default_path
 from .progress import Reporter
-from .scaling import TICKS, Build, LoadTarget, NginxReference, Session
+from .scaling import TICKS, Build, LoadTarget, NginxReference, Session, hibernated_density
 from .units import parse_size
 
 METRICS = REPO_ROOT / "experiments" / "nightly" / "metrics.toml"
@@ -54,7 +54,14 @@ WINDOW_FIELDS = (
 BOOT_FIELDS = ("boot_seconds", "host_bytes_per_vm")
 NGINX_FIELDS = ("replies_per_s", "cpu_us_per_reply")
 DISK_FIELDS = ("ios_per_s",)
-SERVERS = {"densevm": WINDOW_FIELDS + BOOT_FIELDS, "nginx": NGINX_FIELDS, "disk": DISK_FIELDS}
+HIBERNATION_FIELDS = ("hibernated_bytes_per_vm", "wake_p99_ms")
+SERVERS = {
+    "densevm": WINDOW_FIELDS + BOOT_FIELDS,
+    "nginx": NGINX_FIELDS,
+    "disk": DISK_FIELDS,
+    "hibernation": HIBERNATION_FIELDS,
+}
+ONCE_FIELDS = BOOT_FIELDS + HIBERNATION_FIELDS  # measured once per boot: no load windows
 STEAL_LIMIT = 0.10  # steal time above this share of CPU time: the host is too busy
 OTHERS_LIMIT = 0.5  # other tenants using more than this share of the host's CPU time: too busy
 EXIT_CLEAN, EXIT_REGRESSION, EXIT_NOISY = 0, 1, 3
@@ -79,7 +86,12 @@ class Probe:
     disk: str = "none"
     block: str = "32k"
     cell_vms: int | None = None
-    server: str = "densevm"  # or a host reference with no densevm in it: "nginx" or "disk"
+    # "densevm"; a host reference with no densevm in it, "nginx" or "disk"; or "hibernation",
+    # densevm with --idle-after (scaling.hibernated_density)
+    server: str = "densevm"
+    idle_after: float = 0.5  # hibernation: densevm --idle-after
+    wakes: int = 100  # hibernation: hibernated VMs woken, one GET each
+    wake_rate: float = 100.0  # hibernation: wakes per second
 
     def serve_args(self) -> tuple[str, ...]:
         args = ("--block", self.block, "--disk", self.disk) + (
@@ -150,6 +162,12 @@ def load_spec(path: Path) -> Spec:
             )
         if probe.server != "disk" and probe.vms < 1:
             raise ConfigError(f"{path}: probe {probe.name} needs vms >= 1")
+        if probe.server == "hibernation" and not (
+            probe.idle_after > 0 and probe.wakes >= 1 and probe.wake_rate > 0
+        ):
+            raise ConfigError(
+                f"{path}: probe {probe.name} needs idle_after > 0, wakes >= 1 and wake_rate > 0"
+            )
     names: set[str] = set()
     by_name: dict[str, Metric] = {}
     for m in metrics:
@@ -166,7 +184,7 @@ def load_spec(path: Path) -> Spec:
         elif m.field not in SERVERS[probes[m.probe].server]:
             fields = ", ".join(SERVERS[probes[m.probe].server])
             raise ConfigError(f"{where}: probe {m.probe} measures only {fields}, not {m.field!r}")
-        elif m.field not in BOOT_FIELDS and probes[m.probe].windows < 1:
+        elif m.field not in ONCE_FIELDS and probes[m.probe].windows < 1:
             raise ConfigError(f"{where}: probe {m.probe} has no load windows")
         if m.host_ref is not None and not (m.host_ref in names and by_name[m.host_ref].host):
             raise ConfigError(f"{where}: host_ref must name a host metric defined above it")
@@ -193,12 +211,40 @@ def run_probe(build: Build, probe: Probe, workdir: Path, addr_base: str) -> dict
     if probe.server == "nginx":
         with NginxReference(build, probe.vms, addr_base) as reference:
             return load_windows(reference, probe, {})
+    if probe.server == "hibernation":
+        return hibernation_values(build, probe, workdir, addr_base)
     with Session(build, workdir, probe.vms, addr_base, *probe.serve_args()) as session:
         boot = {
             "boot_seconds": [session.boot.boot_seconds],
             "host_bytes_per_vm": [session.boot.host_bytes_per_vm],
         }
         return load_windows(session, probe, boot)
+
+
+def hibernation_values(
+    build: Build, probe: Probe, workdir: Path, addr_base: str
+) -> dict[str, list[float]]:
+    """One boot of a hibernation probe: host memory per hibernated VM and the client's wake
+    p99; RuntimeError if a VM did not answer, since a failed wake is a regression of its own."""
+    d = hibernated_density(
+        build,
+        workdir,
+        probe.vms,
+        addr_base,
+        probe.idle_after,
+        probe.wakes,
+        probe.wake_rate,
+        *probe.serve_args(),
+    )
+    if d.failed:
+        raise RuntimeError(
+            f"{len(d.failed)} VM(s) did not answer a GET, first or wake "
+            f"(first: {', '.join(map(str, d.failed[:5]))})"
+        )
+    return {
+        "hibernated_bytes_per_vm": [d.hibernated_bytes_per_vm],
+        "wake_p99_ms": [d.wake_p99_ms],
+    }
 
 
 def load_windows(

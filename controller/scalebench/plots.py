@@ -35,6 +35,7 @@ _PHASE_COLOURS = {
     "load": "#ffffff",
 }
 MEASUREMENT_LABEL = "measurement window"
+LIVE_LABEL = "VMs awake (live)"
 
 
 def phase_spans(result) -> list[tuple[str, float, float]]:
@@ -71,11 +72,15 @@ def measurement_window(result) -> tuple[float, float] | None:
 
 
 def run_plot(result, path: Path) -> list[str]:
-    """Requests/s and faults/s over the run, and resident memory against the budget, with the
-    run's phases (boot, calibrate, touch, settle, load) labelled on the time axis and the
-    measurement window named. Returns the labels drawn."""
+    """Requests/s and faults/s over the run, resident memory against the budget and, with
+    hibernation, the VMs awake and asleep, with the run's phases (boot, calibrate, touch,
+    settle, load) labelled on the time axis and the measurement window named. Returns the
+    labels drawn."""
     samples = result.timeseries
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
+    hibernation = any("running" in s for s in samples)  # only runs with --idle-after sample it
+    rows = 3 if hibernation else 2
+    fig, axes = plt.subplots(rows, 1, figsize=(9, 3.25 * rows), sharex=True)
+    top, memory = axes[0], axes[1]
     t, req = _rates(samples, "requests")
     _, faults = _rates(samples, "faults")
     top.plot(t, req, label="requests/s (densevm)")
@@ -85,17 +90,21 @@ def run_plot(result, path: Path) -> list[str]:
     if result.model_rps:
         top.axhline(result.model_rps, color="k", linestyle="--", linewidth=1, label="model")
     top.legend(loc="lower right", fontsize=8)
-    bottom.plot(
+    memory.plot(
         [s["t"] for s in samples], [s["resident_bytes"] / MIB for s in samples], label="resident"
     )
     if result.budget_bytes:
-        bottom.axhline(
+        memory.axhline(
             result.budget_bytes / MIB, color="r", linestyle="--", linewidth=1, label="budget"
         )
-    bottom.set_ylabel("MiB")
-    bottom.set_xlabel("seconds since densevm was ready (boot before 0)")
-    bottom.legend(loc="center left", fontsize=8)
-    labels = _draw_phases(fig, (top, bottom), phase_spans(result), measurement_window(result))
+    memory.set_ylabel("MiB")
+    memory.legend(loc="center left", fontsize=8)
+    if hibernation:
+        _plot_awake(axes[2], samples)
+    axes[-1].set_xlabel("seconds since densevm was ready (boot before 0)")
+    labels = _draw_phases(fig, axes, phase_spans(result), measurement_window(result))
+    if hibernation:
+        labels.append(LIVE_LABEL)
     c = result.config
     fig.suptitle(
         f"{c['vms']} VMs, alpha {c['alpha']}, block {c['block']}, {c['policy']}, disk {c['disk']}: "
@@ -107,12 +116,22 @@ def run_plot(result, path: Path) -> list[str]:
     return labels
 
 
+def _plot_awake(ax, samples: list[dict]) -> None:
+    """The VMs awake (densevm's `running`) and hibernated at each sample."""
+    rows = [s for s in samples if "running" in s]
+    t = [s["t"] for s in rows]
+    ax.plot(t, [s["running"] for s in rows], label=LIVE_LABEL)
+    ax.plot(t, [s["hibernated"] for s in rows], linestyle="--", label="hibernated")
+    ax.set_ylabel("VMs")
+    ax.legend(loc="center left", fontsize=8)
+
+
 def _draw_phases(fig, axes, spans, window) -> list[str]:
     """Each phase a band of its own colour, named above the top axes; the measurement window
     hatched and named below the bottom one."""
     from matplotlib.transforms import blended_transform_factory
 
-    top, bottom = axes
+    top, bottom = axes[0], axes[-1]
     labels = []
     if spans:
         lo, hi = min(a for _, a, _ in spans), max(b for _, _, b in spans)

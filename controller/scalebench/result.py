@@ -103,6 +103,16 @@ class RunResult:
         None  # 1 - (swap-in bytes / footprint) / requests: against model.hit_ratio
     )
     resident_mass: float | None = None  # Zipf request share of the VMs wholly resident at the end
+    # hibernation (--idle-after; null without it): VMs asleep and awake at the end of the
+    # measurement, its counters over it, wakes per request and the wakes' latency (µs)
+    hibernated: int | None = None
+    live: int | None = None
+    wakes: int | None = None
+    hibernations: int | None = None
+    wake_failures: int | None = None
+    wake_fraction: float | None = None
+    wake_us_p50: int | None = None
+    wake_us_p99: int | None = None
     # model
     model_rps: float | None = None
     measured_over_model: float | None = None

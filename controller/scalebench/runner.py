@@ -1,15 +1,16 @@
 """One run, end to end: densevm contained and booted, warmed up, measured, modeled.
 
 Phases: disk microbenchmark -> cgroup -> densevm boot -> calibration (runs out
-of core by construction) -> touch (one request per VM) -> settle (the pager's
-policy brought to its steady state) -> warm-up and measurement (one zipfperf
-run). Whatever happens, densevm and zipfperf are stopped, the cgroup is removed
-and the result is written: status "ok", or "failed" with the error and
-everything measured until then.
+of core by construction, or hibernating idle VMs) -> touch (one request per VM)
+-> settle (the pager's policy brought to its steady state) -> warm-up and
+measurement (one zipfperf run). Whatever happens, densevm and zipfperf are
+stopped, the cgroup is removed and the result is written: status "ok", or
+"failed" with the error and everything measured until then.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import resource
@@ -19,14 +20,14 @@ import traceback
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
 from . import calibration, diskbench
 from .cgroup import Containment, memory_limit
-from .config import RunConfig, binary
-from .densevm import DenseVM, DenseVMArgs, DenseVMError, boot_timeout_s
+from .config import RunConfig, binary, hibernation_flags
+from .densevm import DenseVM, DenseVMArgs, DenseVMError, boot_timeout_s, log2_quantile_us
 from .disks import differences, disk_model
 from .model import (
     DEFAULT_FAULT_US,
@@ -138,7 +139,8 @@ def resident_mass(vms: list[dict], footprint: int, alpha: float) -> float:
 
 
 class Sampler:
-    """densevm totals about once a second, tagged by phase: the run's time series."""
+    """densevm totals about once a second, tagged by phase: the run's time series (with
+    hibernation, also the VMs asleep and awake, its counters and the wake-latency histogram)."""
 
     KEYS = (
         "requests",
@@ -150,9 +152,12 @@ class Sampler:
     )
     # The modeled drives' counters (totals.disk_usage), sampled as disk_<name>.
     DISK_KEYS = ("busy_seconds", "requests", "positioned", "positioning_seconds")
+    # Hibernation's (--idle-after): VMs asleep and awake ("running") now, and its counters.
+    HIBERNATION_KEYS = ("hibernated", "running", "hibernations", "wakes", "wake_failures")
 
-    def __init__(self, dvm: DenseVM, samples: list) -> None:
+    def __init__(self, dvm: DenseVM, samples: list, hibernation: bool = False) -> None:
         self.dvm, self.samples, self.t0, self.last = dvm, samples, time.monotonic(), -1e9
+        self.hibernation = hibernation
 
     def sample(self, phase: str) -> dict:
         asked = time.monotonic()
@@ -167,6 +172,9 @@ class Sampler:
             **{k: totals.get(k, 0) for k in self.KEYS},
             **{f"disk_{k}": usage.get(k, 0) for k in self.DISK_KEYS},
         }
+        if self.hibernation:
+            row.update({k: totals.get(k, 0) for k in self.HIBERNATION_KEYS})
+            row["wake_us_log2"] = totals.get("wake_us_log2") or []
         self.samples.append(row)
         self.last = now
         return row
@@ -210,6 +218,42 @@ class Window:
         """Its throughput measured the in-core CPU cost: nothing came back from swap (on a
         modeled disk even a few misses per thousand requests bound it) and few faults."""
         return self.swap_read_bytes == 0 and self.faults_per_request < FAULTS_PER_REQUEST_IN_CORE
+
+
+@dataclass(frozen=True)
+class HibernationWindow:
+    """Hibernation over the measurement window (--idle-after; RESULTS.md)."""
+
+    hibernated: int  # VMs asleep at its end
+    live: int  # VMs awake at its end
+    wakes: int
+    hibernations: int
+    wake_failures: int
+    wake_fraction: float | None  # wakes per request served: the model's wake_fraction
+    wake_us_p50: int | None  # of the window's wakes, densevm's log2 buckets' upper bounds
+    wake_us_p99: int | None
+
+
+def hibernation_window(before: dict, after: dict, requests: int) -> HibernationWindow:
+    """Hibernation between two Sampler rows: counts at `after`, counters and wake latencies
+    over the window (the difference of densevm's cumulative histograms)."""
+    wakes = after["wakes"] - before["wakes"]
+    histogram = [
+        b - a
+        for a, b in itertools.zip_longest(
+            before["wake_us_log2"], after["wake_us_log2"], fillvalue=0
+        )
+    ]
+    return HibernationWindow(
+        hibernated=after["hibernated"],
+        live=after["running"],
+        wakes=wakes,
+        hibernations=after["hibernations"] - before["hibernations"],
+        wake_failures=after["wake_failures"] - before["wake_failures"],
+        wake_fraction=wakes / requests if requests > 0 else None,
+        wake_us_p50=log2_quantile_us(histogram, 0.5),
+        wake_us_p99=log2_quantile_us(histogram, 0.99),
+    )
 
 
 def drive_usage(delta: dict, wall: float) -> dict:
@@ -322,9 +366,11 @@ class Run:
             stack.callback(lambda: setattr(r, "db", list(getattr(guests, "results", []) or [])))
             stack.enter_context(guests)
 
-        if (
-            cfg.cpu_us is None
-            and cfg.vms * estimate_footprint(cfg.ws_bytes, cfg.block_bytes) > cfg.mem_bytes
+        # Out of core the warm-up pages; with hibernation it wakes VMs, whose working sets come
+        # back from swap: either way it cannot measure the in-core cost.
+        if cfg.cpu_us is None and (
+            cfg.vms * estimate_footprint(cfg.ws_bytes, cfg.block_bytes) > cfg.mem_bytes
+            or cfg.idle_after is not None
         ):
             with self._timed("calibrate"):
                 self._calibrate_before_touch()
@@ -389,6 +435,7 @@ class Run:
             disk=cfg.disk,
             swap=swap,
             api=api,
+            extra=hibernation_flags(cfg),
         )
         self._boot_started = time.monotonic()
         self.dvm = DenseVM(
@@ -400,7 +447,7 @@ class Run:
         r.boot_seconds = ready.get("boot_seconds")
         r.phases["boot"] = ready
         self._check_pager()
-        self.sampler = Sampler(self.dvm, r.timeseries)
+        self.sampler = Sampler(self.dvm, r.timeseries, hibernation=cfg.idle_after is not None)
         r.timeline.append(
             {"phase": "boot", "from_s": round(self._boot_started - self.sampler.t0, 3), "to_s": 0.0}
         )
@@ -557,8 +604,9 @@ class Run:
             )
 
     def _calibrate_before_touch(self) -> None:
-        """The calibration phase of a run that is out of core by construction: the
-        in-core CPU cost per request, measured while memory still has room.
+        """The calibration phase of a run that is out of core by construction, or whose
+        warm-up wakes hibernated VMs: the in-core CPU cost per request, measured while memory
+        still has room, on no more VMs than --max-live keeps awake.
 
         Right after boot every VM holds only what booting touched, so a window of
         VMs whose working sets fit in a quarter of the budget serves in core, with
@@ -575,6 +623,7 @@ class Run:
                 cfg.vms,
                 CALIBRATION_MAX_VMS,
                 cfg.mem_bytes // estimate_footprint(cfg.ws_bytes, cfg.block_bytes) // 4,
+                self._awake_in_first_cell(),
             ),
         )
         # The window's VMs make their working sets first (zero-fill faults, no eviction), so
@@ -607,6 +656,18 @@ class Run:
                 f"{window.swap_read_bytes} bytes from swap): "
                 "its CPU cost is an overestimate and was not stored"
             )
+
+    def _awake_in_first_cell(self) -> int:
+        """The VMs --max-live keeps awake in the cell that holds VM 0 (all VMs without a cap).
+
+        densevm splits the cap evenly over its cells, which hold consecutive VMs: the
+        calibration window's VMs share the first cell, and more of them than its share would
+        wake one another all phase long."""
+        cfg = self.cfg
+        if cfg.max_live is None:
+            return cfg.vms
+        cells = int(self.result.phases.get("boot", {}).get("cells", 1))
+        return max(1, cfg.max_live // max(cells, 1))
 
     def _cpu_us(self) -> tuple[float | None, str]:
         """In-core CPU microseconds per request: --cpu-us, an in-core warm-up, this run's
@@ -709,6 +770,9 @@ class Run:
                 "VMs were drawn per connection, not per request"
             )
         r.phases["measure"] = {"from_s": before["t"], "to_s": after["t"], "requests": d["requests"]}
+        if self.cfg.idle_after is not None:
+            for name, value in asdict(hibernation_window(before, after, d["requests"])).items():
+                setattr(r, name, value)
 
     def _record_model(self, cpu_us: float, bench: diskbench.DiskBench) -> None:
         apply_model(self.result, self.cfg, cpu_us, bench)

@@ -6,22 +6,31 @@ over them for a while and reads, over exactly that window, the replies per secon
 the pager served and the CPU time of densevm's whole process tree (parent, cells, holders). `boot`
 records boot time and the host memory each idle VM costs (kernel + monitor, the guests' own
 resident RAM excluded). `NginxReference` is the same load on nginx: the host's own speed.
+`hibernated_density` boots densevm with --idle-after, lets every VM hibernate and reads what a
+hibernated VM costs the host and how fast one wakes.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
 import socket
+import statistics
 import subprocess
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+import numpy as np
+
 from .densevm import DenseVM, DenseVMArgs, DenseVMError, boot_timeout_s
 from .nginx import NginxServer
+from .touch import touch_all, touch_one
 
 TICKS = os.sysconf("SC_CLK_TCK")
 WS_BYTES = 896 << 10  # the webguest's default per-request working set
@@ -337,6 +346,119 @@ class Session(LoadTarget):
 
     def faults(self) -> int:
         return int(self.totals()["faults"])
+
+
+def dropped_mem_available(readings: int = 3, gap_s: float = 0.2) -> int:
+    """MemAvailable once dirty pages are written back and the page cache, dentries and inodes
+    dropped (`sync; echo 3 > /proc/sys/vm/drop_caches`, root only): what happens to be cached,
+    densevm's swap file above all, then moves the reading no more. The median of `readings`
+    such readings `gap_s` apart: on a shared host other tenants' processes moved single
+    readings a second apart by up to 177 MiB, and back."""
+    values = []
+    for i in range(readings):
+        if i:
+            time.sleep(gap_s)
+        os.sync()
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        except PermissionError:
+            raise RuntimeError(
+                "dropping the page cache (/proc/sys/vm/drop_caches) needs root"
+            ) from None
+        values.append(mem_available())
+    return int(statistics.median(values))
+
+
+# A GET to a VM, the first or a wake, that takes longer than this failed.
+GET_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Density:
+    """What hibernated VMs cost the host and how fast they wake (hibernated_density)."""
+
+    vms: int
+    memavailable_drop_bytes: int  # from before densevm started to every VM hibernated
+    wake_s: tuple[float, ...]  # each answered wake, connect to last byte at the client
+    failed: tuple[int, ...]  # VMs that did not answer a GET (their first or their wake)
+
+    @property
+    def hibernated_bytes_per_vm(self) -> float:
+        """Host memory per hibernated VM: kernel and monitor, nothing resident for the guest."""
+        return self.memavailable_drop_bytes / self.vms
+
+    @property
+    def wake_p99_ms(self) -> float:
+        return float(np.percentile(self.wake_s, 99)) * 1e3
+
+
+def hibernated_density(
+    build: Build,
+    workdir: Path,
+    vms: int,
+    addr_base: str,
+    idle_after_s: float,
+    wakes: int,
+    wake_rate: float,
+    *args: str,
+) -> Density:
+    """densevm serving `vms` VMs with --idle-after `idle_after_s` (and serve flags `args`):
+    every VM is sent one GET and left to hibernate; then the host memory they cost (MemAvailable's
+    drop since before densevm started, page cache dropped before each reading) and the wake
+    latency at the client of `wakes` hibernated VMs, one GET each at `wake_rate` a second."""
+    time.sleep(1.0)  # as Session waits: a densevm stopped just before may still be freeing
+    before = dropped_mem_available()
+    with Session(
+        build, workdir, vms, addr_base, "--idle-after", str(idle_after_s), *args
+    ) as session:
+        failed = touch_all(addr_base, session.port, range(vms), 64, GET_TIMEOUT_S)
+        wait_until_hibernated(session, vms, timeout_s=30 + idle_after_s + vms / 50)
+        drop = before - dropped_mem_available()
+        woken = paced_gets(addr_base, session.port, range(min(wakes, vms)), wake_rate)
+    return Density(
+        vms,
+        drop,
+        tuple(t for t in woken.values() if t is not None),
+        tuple(sorted({*failed, *(vm for vm, t in woken.items() if t is None)})),
+    )
+
+
+def wait_until_hibernated(session: Session, vms: int, timeout_s: float) -> None:
+    """Until every VM is hibernated and the pager holds nothing of them; RuntimeError after
+    `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        totals = session.totals()
+        if totals.get("hibernated") == vms and totals.get("resident_bytes") == 0:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"{totals.get('hibernated')} of {vms} VMs hibernated within {timeout_s:.0f} s "
+                f"({totals.get('resident_bytes')} bytes still resident)"
+            )
+        time.sleep(0.1)
+
+
+def paced_gets(
+    addr_base: str, port: int, vms: Sequence[int], rate: float
+) -> dict[int, float | None]:
+    """One GET to each of `vms`, started `rate` a second however long the answers take: per
+    VM, the seconds from connect to the last byte, None when it failed."""
+    base = ipaddress.IPv4Address(addr_base)
+
+    def timed(vm: int) -> float | None:
+        started = time.perf_counter()
+        ok = touch_one(str(base + vm), port, GET_TIMEOUT_S)
+        return time.perf_counter() - started if ok else None
+
+    # Enough threads that slow wakes never delay the next one's start.
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        start = time.monotonic()
+        futures = {}
+        for i, vm in enumerate(vms):
+            time.sleep(max(0.0, start + i / rate - time.monotonic()))
+            futures[vm] = pool.submit(timed, vm)
+        return {vm: f.result() for vm, f in futures.items()}
 
 
 class NginxReference(LoadTarget):

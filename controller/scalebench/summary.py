@@ -10,6 +10,26 @@ def _num(x: float | None, fmt: str = "{:,.0f}") -> str:
     return "n/a" if x is None else fmt.format(x)
 
 
+def _ms(us: int | None) -> str:
+    return _num(us and us / 1e3, "{:.2f}")
+
+
+def hibernation_lines(r: RunResult) -> list[str]:
+    """What hibernation did: the VMs awake and asleep at the end of the measurement, and its
+    wakes over it beside the model's share of them."""
+    c, m = r.config, r.model or {}
+    cap = f", at most {c['max_live']} awake" if c.get("max_live") is not None else ""
+    model = m.get("wake_fraction")
+    return [
+        f"  hibernation: idle after {c['idle_after']:g} s{cap}   at the end {_num(r.live)} awake, "
+        f"{_num(r.hibernated)} hibernated",
+        f"  wakes:       {_num(r.wakes)} ({_num(r.wake_fraction, '{:.3f}')} of requests"
+        + (f", model {model:.3f}" if model is not None else "")
+        + f")   latency p50 {_ms(r.wake_us_p50)} ms, p99 {_ms(r.wake_us_p99)} ms   "
+        f"failures {_num(r.wake_failures)}, hibernations {_num(r.hibernations)}",
+    ]
+
+
 def summary(r: RunResult) -> str:
     c = r.config
     lines = [
@@ -43,6 +63,8 @@ def summary(r: RunResult) -> str:
         ),
     ]
     m = r.model or {}
+    if c.get("idle_after") is not None:
+        lines += hibernation_lines(r)
     if m.get("model_rps") is not None:
         lines.append(
             f"  model:       {_num(m['model_rps'])} requests/s ({m['regime']}; hit ratio "

@@ -45,15 +45,21 @@ REQUEST = b"GET / HTTP/1.1\r\nHost: b\r\n\r\n"
 SMALL_BYTES = 2258  # the body of GET / (guest-images/webguest: object.h)
 
 
-def mem_available() -> int:
-    """MemAvailable once the page cache is dropped (the swap file's writes go through it)."""
+# /proc/meminfo fields whose growth per VM is reported, besides MemAvailable's drop.
+BREAKDOWN = ("Slab", "SUnreclaim", "PageTables", "KernelStack", "Shmem", "AnonPages", "VmallocUsed")
+
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes, once the page cache is dropped (the swap file's writes go
+    through it)."""
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
     time.sleep(1)
+    fields = {}
     for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemAvailable in /proc/meminfo")
+        key, value = line.split(":", 1)
+        fields[key] = int(value.split()[0]) * 1024
+    return fields
 
 
 def tree(pid: int) -> list[int]:
@@ -170,18 +176,18 @@ def totals(api: Path) -> dict:
 def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict:
     vms = list(range(n))
     # Awake: every VM served once, none hibernates.
-    before = mem_available()
+    before = meminfo()["MemAvailable"]
     proc, api = serve(n, args.mem, [], workdir)
     errors = [e for _, e in asyncio.run(get_all(vms, 64)) if e]
     time.sleep(2)
     # Less what the pager holds resident for the guests (within its budget).
     resident = totals(api)["resident_bytes"]
-    awake_mem = (before - mem_available() - resident) / n
+    awake_mem = (before - meminfo()["MemAvailable"] - resident) / n
     awake_objects = Objects.of(proc.pid)
     stop(proc)
     time.sleep(2)
     # Hibernated: the same, then all sleep.
-    before = mem_available()
+    before_info = meminfo()
     proc, api = serve(n, args.mem, ["--idle-after", str(args.idle_after)], workdir)
     t0 = time.monotonic()
     errors += [e for _, e in asyncio.run(get_all(vms, 64)) if e]
@@ -189,7 +195,10 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict:
     wait(lambda: totals(api)["resident_bytes"] == 0, 120, "the pager to empty")
     asleep_s = time.monotonic() - t0
     time.sleep(2)
-    asleep_mem = (before - mem_available() - totals(api)["resident_bytes"]) / n
+    after_info = meminfo()
+    resident = totals(api)["resident_bytes"]
+    asleep_mem = (before_info["MemAvailable"] - after_info["MemAvailable"] - resident) / n
+    breakdown = {k: (after_info[k] - before_info[k]) / n / 1024 for k in BREAKDOWN}
     asleep_objects = Objects.of(proc.pid)
     swap = swap_allocated(proc.pid)
     swap_used = totals(api)["swap_used_bytes"]
@@ -215,6 +224,7 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict:
         "asleep_kib_per_vm": asleep_mem / 1024,
         "awake": awake_objects,
         "asleep": asleep_objects,
+        "breakdown": breakdown,
         "swap_kib_per_vm": swap / n / 1024,
         "swap_used_kib_per_vm": swap_used / n / 1024,
         "asleep_after_s": asleep_s,
@@ -234,6 +244,8 @@ def report(r: dict, rate: float) -> None:
         f"--vms {r['vms']}: all hibernated {r['asleep_after_s']:.1f} s after the first GETs",
         f"  host memory per VM: awake {r['awake_kib_per_vm']:.1f} KiB,"
         f" hibernated {r['asleep_kib_per_vm']:.1f} KiB",
+        "  of which, hibernated (KiB a VM): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in r["breakdown"].items()),
         f"  threads/fds/maps: awake {a.threads}/{a.fds}/{a.maps},"
         f" hibernated {s.threads}/{s.fds}/{s.maps}",
         f"  swap per VM: {r['swap_used_kib_per_vm']:.1f} KiB used by the pager,"
