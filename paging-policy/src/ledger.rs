@@ -482,23 +482,7 @@ impl Ledger {
             prefetch.truncate(cap);
             prefetch.sort_unstable();
         }
-        for &b in &prefetch {
-            let e = &mut v.blocks[b as usize];
-            if e.state != State::Absent {
-                continue;
-            }
-            e.state = State::FaultIn;
-            v.busy += 1;
-            plan.push(PlanBlock {
-                vm,
-                block: b,
-                loc: e.loc,
-                dirty: write,
-                old_loc: NO_LOC,
-                sum: 0,
-                hash: false,
-            });
-        }
+        v.start_fault_in(vm, &prefetch, write, plan);
         self.prefetch = prefetch;
         Ok(())
     }
@@ -890,25 +874,12 @@ impl Ledger {
         prefetch.dedup();
         prefetch.retain(|&b| v.blocks[b as usize].state == State::Absent);
         prefetch.truncate(cap);
-        for &b in &prefetch {
-            let e = &mut v.blocks[b as usize];
-            e.state = State::FaultIn;
-            v.busy += 1;
-            // Writable: a write-protected block costs a write-protect fault
-            // through KVM at the guest's first write, which made a wake 50
-            // times slower here (experiments/bench/hibernation.py: p50
-            // 185 ms against 3.7 ms). Its next eviction hashes it and skips
-            // the write if it did not change.
-            plan.push(PlanBlock {
-                vm,
-                block: b,
-                loc: e.loc,
-                dirty: true,
-                old_loc: NO_LOC,
-                sum: 0,
-                hash: false,
-            });
-        }
+        // Writable: a write-protected block costs a write-protect fault
+        // through KVM at the guest's first write, which made a wake 50 times
+        // slower here (experiments/bench/hibernation.py: p50 185 ms against
+        // 3.7 ms). Its next eviction hashes it and skips the write if it did
+        // not change.
+        v.start_fault_in(vm, &prefetch, true, plan);
         Ok(())
     }
 
@@ -957,6 +928,34 @@ impl Ledger {
 }
 
 impl VmLedger {
+    /// Marks the absent ones of `blocks` busy being faulted in and plans
+    /// them, installed writable (`dirty`) or write-protected.
+    fn start_fault_in(
+        &mut self,
+        vm: VmId,
+        blocks: &[BlockId],
+        dirty: bool,
+        plan: &mut Vec<PlanBlock>,
+    ) {
+        for &b in blocks {
+            let e = &mut self.blocks[b as usize];
+            if e.state != State::Absent {
+                continue;
+            }
+            e.state = State::FaultIn;
+            self.busy += 1;
+            plan.push(PlanBlock {
+                vm,
+                block: b,
+                loc: e.loc,
+                dirty,
+                old_loc: NO_LOC,
+                sum: 0,
+                hash: false,
+            });
+        }
+    }
+
     /// Resident blocks of this VM.
     pub fn resident_blocks(&self) -> u32 {
         self.resident

@@ -103,56 +103,46 @@ impl Mapping {
         self.len
     }
 
-    /// The ranges (start, end) of this mapping outside `kept` ((offset,
+    /// Applies `op` (a system call on an address and a length, 0 on
+    /// success) to every range of this mapping outside `kept` ((offset,
     /// len) ranges, sorted).
-    fn outside<'a>(&self, kept: &'a [(u64, u64)]) -> impl Iterator<Item = (u64, u64)> + 'a {
+    fn outside(
+        &self,
+        kept: &[(u64, u64)],
+        op: impl Fn(*mut libc::c_void, usize) -> libc::c_int,
+    ) -> io::Result<()> {
         let ends = std::iter::once(0).chain(kept.iter().map(|&(start, len)| start + len));
         let starts = kept
             .iter()
             .map(|&(start, _)| start)
             .chain([self.len as u64]);
-        ends.zip(starts).filter(|(start, end)| start < end)
+        for (start, end) in ends.zip(starts).filter(|(start, end)| start < end) {
+            if op(self.at(start).cast(), (end - start) as usize) < 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        Ok(())
     }
 
     /// Makes every byte outside `used` ((offset, len) ranges, sorted)
     /// inaccessible: a guest touching it gets a fault, not fresh memory.
     pub fn protect_unused(&self, used: &[(u64, u64)]) -> io::Result<()> {
-        for (start, end) in self.outside(used) {
-            // SAFETY: a page-aligned range inside this mapping, which no
-            // one reads or writes (the guest may not, the monitor does not).
-            let r = unsafe {
-                libc::mprotect(
-                    self.at(start).cast(),
-                    (end - start) as usize,
-                    libc::PROT_NONE,
-                )
-            };
-            if r < 0 {
-                return Err(io::Error::last_os_error());
-            }
-        }
-        Ok(())
+        // SAFETY: page-aligned ranges inside this mapping, which no one
+        // reads or writes (the guest may not, the monitor does not).
+        self.outside(used, |at, len| unsafe {
+            libc::mprotect(at, len, libc::PROT_NONE)
+        })
     }
 
     /// Frees the shared memory behind every byte outside `kept` ((offset,
     /// len) ranges, sorted): it reads as zeros again, in every process that
     /// maps it. For memory no one uses meanwhile (a hibernated VM's).
     pub fn discard_except(&self, kept: &[(u64, u64)]) -> io::Result<()> {
-        for (start, end) in self.outside(kept) {
-            // SAFETY: a page-aligned range inside this shared mapping, which
-            // no vCPU and no host thread touches meanwhile.
-            let r = unsafe {
-                libc::madvise(
-                    self.at(start).cast(),
-                    (end - start) as usize,
-                    libc::MADV_REMOVE,
-                )
-            };
-            if r < 0 {
-                return Err(io::Error::last_os_error());
-            }
-        }
-        Ok(())
+        // SAFETY: page-aligned ranges inside this shared mapping, which no
+        // vCPU and no host thread touches meanwhile.
+        self.outside(kept, |at, len| unsafe {
+            libc::madvise(at, len, libc::MADV_REMOVE)
+        })
     }
 
     /// Host address of byte `offset`; panics outside the mapping.
