@@ -15,7 +15,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-import re
 import socket
 import statistics
 import subprocess
@@ -38,11 +37,7 @@ WS_BYTES = 896 << 10  # the webguest's default per-request working set
 
 def mem_available() -> int:
     """MemAvailable of /proc/meminfo, bytes."""
-    text = Path("/proc/meminfo").read_text()
-    m = re.search(r"MemAvailable:\s+(\d+) kB", text)
-    if m is None:
-        raise RuntimeError("/proc/meminfo has no MemAvailable")
-    return int(m.group(1)) * 1024
+    return meminfo()["MemAvailable"]
 
 
 VCPU_THREAD = "vcpu"  # densevm names each vCPU thread vcpuN (hypervisor/src/vstate/vcpu.rs)
@@ -348,13 +343,22 @@ class Session(LoadTarget):
         return int(self.totals()["faults"])
 
 
-def dropped_mem_available(readings: int = 3, gap_s: float = 0.2) -> int:
-    """MemAvailable once dirty pages are written back and the page cache, dentries and inodes
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo, bytes per field."""
+    fields = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, value = line.split(":", 1)
+        fields[key] = int(value.split()[0]) * 1024
+    return fields
+
+
+def dropped_meminfo(readings: int = 3, gap_s: float = 0.2) -> dict[str, int]:
+    """/proc/meminfo once dirty pages are written back and the page cache, dentries and inodes
     dropped (`sync; echo 3 > /proc/sys/vm/drop_caches`, root only): what happens to be cached,
-    densevm's swap file above all, then moves the reading no more. The median of `readings`
-    such readings `gap_s` apart: on a shared host other tenants' processes moved single
-    readings a second apart by up to 177 MiB, and back."""
-    values = []
+    densevm's swap file above all, then moves the reading no more. Per field, the median of
+    `readings` such readings `gap_s` apart: on a shared host other tenants' processes moved
+    single readings a second apart by up to 177 MiB, and back."""
+    values: list[dict[str, int]] = []
     for i in range(readings):
         if i:
             time.sleep(gap_s)
@@ -365,8 +369,13 @@ def dropped_mem_available(readings: int = 3, gap_s: float = 0.2) -> int:
             raise RuntimeError(
                 "dropping the page cache (/proc/sys/vm/drop_caches) needs root"
             ) from None
-        values.append(mem_available())
-    return int(statistics.median(values))
+        values.append(meminfo())
+    return {key: int(statistics.median(v[key] for v in values)) for key in values[0]}
+
+
+def dropped_mem_available() -> int:
+    """MemAvailable as dropped_meminfo reads it."""
+    return dropped_meminfo()["MemAvailable"]
 
 
 # A GET to a VM, the first or a wake, that takes longer than this failed.

@@ -23,10 +23,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,38 +33,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "controller"))
-from scalebench.densevm import control  # noqa: E402
-from scalebench.scaling import children  # noqa: E402
+from scalebench.scaling import (  # noqa: E402
+    Build,
+    Session,
+    descendants,
+    dropped_meminfo,
+    paced_gets,
+    wait_until_hibernated,
+)
+from scalebench.touch import touch_all  # noqa: E402
 
-RELEASE = ROOT / "target" / "release"
-ADDR_BASE = ipaddress.IPv4Address("127.160.0.0")
-PORT = 8080
+ADDR_BASE = "127.160.0.0"
 REQUEST = b"GET / HTTP/1.1\r\nHost: b\r\n\r\n"
 SMALL_BYTES = 2258  # the body of GET / (guest-images/webguest: object.h)
-
-
+GET_TIMEOUT_S = 30.0
 # /proc/meminfo fields whose growth per VM is reported, besides MemAvailable's drop.
 BREAKDOWN = ("Slab", "SUnreclaim", "PageTables", "KernelStack", "Shmem", "AnonPages", "VmallocUsed")
-
-
-def meminfo() -> dict[str, int]:
-    """/proc/meminfo in bytes, once the page cache is dropped (the swap file's writes go
-    through it)."""
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    time.sleep(1)
-    fields = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        key, value = line.split(":", 1)
-        fields[key] = int(value.split()[0]) * 1024
-    return fields
-
-
-def tree(pid: int) -> list[int]:
-    out = [pid]
-    for child in children(pid):
-        out += tree(child)
-    return out
 
 
 @dataclass
@@ -78,7 +60,7 @@ class Objects:
     @staticmethod
     def of(pid: int) -> Objects:
         t = f = m = 0
-        for p in tree(pid):
+        for p in descendants(pid):
             try:
                 t += len(os.listdir(f"/proc/{p}/task"))
                 f += len(os.listdir(f"/proc/{p}/fd"))
@@ -88,151 +70,92 @@ class Objects:
         return Objects(t, f, m)
 
 
-def swap_allocated(pid: int) -> int:
-    """Allocated bytes of the parent's swap file (nameless: found through its fd)."""
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        if "densevm-swap" in target or target.endswith("(deleted)"):
-            st = os.stat(f"/proc/{pid}/fd/{fd}")
-            if st.st_size > 0 and (st.st_mode & 0o170000) == 0o100000:
-                return st.st_blocks * 512
-    return 0
-
-
-def addr(vm: int) -> str:
-    return str(ADDR_BASE + vm)
-
-
-async def get(vm: int, timeout: float = 30) -> tuple[float, str | None]:
-    """One GET to VM `vm`: (seconds from connect to last byte, error or None)."""
+async def get(vm: int) -> float | None:
+    """One GET to VM `vm`: seconds from connect to last byte, None if it failed."""
     t0 = time.perf_counter()
+    addr = str(ipaddress.IPv4Address(ADDR_BASE) + vm)
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(addr(vm), PORT), timeout)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(addr, 8080), GET_TIMEOUT_S)
         writer.write(REQUEST)
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), GET_TIMEOUT_S)
         length = int(head.split(b"Content-Length:")[1].split(b"\r\n")[0])
-        body = await asyncio.wait_for(reader.readexactly(length), timeout)
+        await asyncio.wait_for(reader.readexactly(length), GET_TIMEOUT_S)
         writer.close()
-        if length != SMALL_BYTES or not head.startswith(b"HTTP/1.1 200"):
-            return time.perf_counter() - t0, f"VM {vm}: {head[:20]!r} {len(body)} bytes"
-        return time.perf_counter() - t0, None
-    except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as e:
-        return time.perf_counter() - t0, f"VM {vm}: {type(e).__name__}: {e}"
+    except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError, IndexError):
+        return None
+    ok = length == SMALL_BYTES and head.startswith(b"HTTP/1.1 200")
+    return time.perf_counter() - t0 if ok else None
 
 
-async def get_all(vms: list[int], concurrency: int) -> list[tuple[float, str | None]]:
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(vm: int) -> tuple[float, str | None]:
-        async with gate:
-            return await get(vm)
-
-    return await asyncio.gather(*(one(vm) for vm in vms))
-
-
-async def paced(vms: list[int], rate: float) -> list[tuple[float, str | None]]:
-    tasks = []
-    start = time.perf_counter()
-    for i, vm in enumerate(vms):
-        await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
-        tasks.append(asyncio.create_task(get(vm)))
-    return await asyncio.gather(*tasks)
+async def storm(vms: list[int]) -> list[float | None]:
+    """Every VM of `vms` asked at once."""
+    return await asyncio.gather(*(get(vm) for vm in vms))
 
 
 def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=1000)[int(q * 1000) - 1] if len(values) > 1 else values[0]
 
 
-def wait(predicate, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return
-        time.sleep(0.5)
-    raise SystemExit(f"hibernation.py: timed out waiting for {what}")
-
-
-def serve(n: int, mem: str, extra: list[str], workdir: Path) -> tuple[subprocess.Popen, Path]:
-    api = workdir / f"densevm-{n}.sock"
-    argv = [str(RELEASE / "densevm"), "serve", "--vms", str(n), "--mem", mem]
-    argv += ["--addr-base", str(ADDR_BASE), "--port", str(PORT), "--api", str(api), *extra]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=sys.stderr, cwd=workdir)
-    line = proc.stdout.readline()
-    if not line:
-        raise SystemExit(f"hibernation.py: densevm --vms {n} did not start")
-    json.loads(line)
-    return proc, api
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    proc.wait(120)
-
-
-def totals(api: Path) -> dict:
-    return control(api, {"cmd": "stats"})["totals"]
-
-
 def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict:
+    build = Build.in_dir(ROOT / "target" / "release")
     vms = list(range(n))
     # Awake: every VM served once, none hibernates.
-    before = meminfo()["MemAvailable"]
-    proc, api = serve(n, args.mem, [], workdir)
-    errors = [e for _, e in asyncio.run(get_all(vms, 64)) if e]
-    time.sleep(2)
-    # Less what the pager holds resident for the guests (within its budget).
-    resident = totals(api)["resident_bytes"]
-    awake_mem = (before - meminfo()["MemAvailable"] - resident) / n
-    awake_objects = Objects.of(proc.pid)
-    stop(proc)
-    time.sleep(2)
+    before = dropped_meminfo()
+    with Session(build, workdir, n, ADDR_BASE, "--mem", args.mem) as session:
+        failed = touch_all(ADDR_BASE, session.port, vms, 64, GET_TIMEOUT_S)
+        # Less what the pager holds resident for the guests (within its budget).
+        resident = session.totals()["resident_bytes"]
+        awake_mem = (before["MemAvailable"] - dropped_meminfo()["MemAvailable"] - resident) / n
+        awake = Objects.of(session.proc.pid)
     # Hibernated: the same, then all sleep.
-    before_info = meminfo()
-    proc, api = serve(n, args.mem, ["--idle-after", str(args.idle_after)], workdir)
-    t0 = time.monotonic()
-    errors += [e for _, e in asyncio.run(get_all(vms, 64)) if e]
-    wait(lambda: totals(api)["hibernated"] == n, 120 + n / 50, "every VM to hibernate")
-    wait(lambda: totals(api)["resident_bytes"] == 0, 120, "the pager to empty")
-    asleep_s = time.monotonic() - t0
-    time.sleep(2)
-    after_info = meminfo()
-    resident = totals(api)["resident_bytes"]
-    asleep_mem = (before_info["MemAvailable"] - after_info["MemAvailable"] - resident) / n
-    breakdown = {k: (after_info[k] - before_info[k]) / n / 1024 for k in BREAKDOWN}
-    asleep_objects = Objects.of(proc.pid)
-    swap = swap_allocated(proc.pid)
-    swap_used = totals(api)["swap_used_bytes"]
-    # Wakes, one VM a request, at a steady rate; each then sleeps again.
-    sample = vms[: min(args.wakes, n)]
-    paced_results = asyncio.run(paced(sample, args.wake_rate))
-    wake_s = [t for t, e in paced_results if e is None]
-    errors += [e for _, e in paced_results if e]
-    wait(lambda: totals(api)["hibernated"] == n, 120, "the woken VMs to sleep again")
-    storm_vms = vms[: min(args.storm, n)]
-    t_storm = time.perf_counter()
-    storm = asyncio.run(get_all(storm_vms, len(storm_vms)))
-    storm_s = time.perf_counter() - t_storm
-    storm_ok = [t for t, e in storm if e is None]
-    storm_errors = [e for _, e in storm if e]
-    t = totals(api)
-    stop(proc)
-    p99_storm = 1000 * pct(storm_ok, 0.99) if storm_ok else float("nan")
-    monitor_keys = ("wakes", "wake_failures", "wake_us_p50", "wake_us_p99", "hibernations")
+    before = dropped_meminfo()
+    flags = ("--mem", args.mem, "--idle-after", str(args.idle_after))
+    with Session(build, workdir, n, ADDR_BASE, *flags) as session:
+        t0 = time.monotonic()
+        failed += touch_all(ADDR_BASE, session.port, vms, 64, GET_TIMEOUT_S)
+        wait_until_hibernated(session, n, timeout_s=120 + n / 20)
+        asleep_s = time.monotonic() - t0
+        after = dropped_meminfo()
+        totals = session.totals()
+        asleep_mem = (before["MemAvailable"] - after["MemAvailable"] - totals["resident_bytes"]) / n
+        breakdown = {k: (after[k] - before[k]) / n / 1024 for k in BREAKDOWN}
+        asleep = Objects.of(session.proc.pid)
+        swap_file = workdir / f"densevm-swap-{ADDR_BASE}.img"
+        swap_allocated = swap_file.stat().st_blocks * 512
+        # Wakes, one VM a request, at a steady rate; each then sleeps again.
+        woken = paced_gets(ADDR_BASE, session.port, vms[: min(args.wakes, n)], args.wake_rate)
+        wake_s = [t for t in woken.values() if t is not None]
+        failed += [vm for vm, t in woken.items() if t is None]
+        wait_until_hibernated(session, n, timeout_s=120)
+        t_storm = time.perf_counter()
+        stormed = asyncio.run(storm(vms[: min(args.storm, n)]))
+        storm_s = time.perf_counter() - t_storm
+        monitor = session.totals()
+    storm_ok = [t for t in stormed if t is not None]
     return {
         "vms": n,
         "awake_kib_per_vm": awake_mem / 1024,
         "asleep_kib_per_vm": asleep_mem / 1024,
-        "awake": awake_objects,
-        "asleep": asleep_objects,
+        "awake": awake,
+        "asleep": asleep,
         "breakdown": breakdown,
-        "swap_kib_per_vm": swap / n / 1024,
-        "swap_used_kib_per_vm": swap_used / n / 1024,
+        "swap_kib_per_vm": swap_allocated / n / 1024,
+        "swap_used_kib_per_vm": totals["swap_used_bytes"] / n / 1024,
         "asleep_after_s": asleep_s,
         "wake_ms": [1000 * pct(wake_s, q) for q in (0.5, 0.99)] + [1000 * max(wake_s)],
         "wakes": len(wake_s),
-        "storm": (len(storm_vms), len(storm_ok), len(storm_errors), p99_storm, storm_s),
-        "errors": errors + storm_errors,
-        "monitor": {k: t.get(k) for k in monitor_keys},
+        "storm": (
+            len(stormed),
+            len(storm_ok),
+            len(stormed) - len(storm_ok),
+            1000 * pct(storm_ok, 0.99) if storm_ok else float("nan"),
+            storm_s,
+        ),
+        "failed": failed,
+        "monitor": {
+            k: monitor.get(k)
+            for k in ("wakes", "wake_failures", "wake_us_p50", "wake_us_p99", "hibernations")
+        },
     }
 
 
@@ -254,7 +177,7 @@ def report(r: dict, rate: float) -> None:
         f" max {worst:.2f} ms",
         f"  wake storm of {n}: {ok} answered, {bad} failed, p99 {p99s:.1f} ms, all in {took:.2f} s",
         f"  monitor: {r['monitor']}",
-        f"  errors: {len(r['errors'])} {r['errors'][:3]}",
+        f"  failed GETs: {len(r['failed'])} (VMs {r['failed'][:5]})",
     ]
     print("\n".join(lines), flush=True)
 
@@ -273,7 +196,7 @@ def main() -> int:
         for n in args.vms.split(","):
             rows.append(measure(int(n), args, Path(tmp)))
             report(rows[-1], args.wake_rate)
-    return 0 if all(not r["errors"] for r in rows) else 1
+    return 0 if all(not r["failed"] and not r["storm"][2] for r in rows) else 1
 
 
 if __name__ == "__main__":

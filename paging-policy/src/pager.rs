@@ -299,36 +299,31 @@ impl Pager {
             zero_sum,
             cfg,
         });
-        let mut threads = Vec::with_capacity(SERVICE_THREADS + 1);
-        for i in 0..SERVICE_THREADS {
+        let spawn = |name: String, op: &'static str, run: Box<dyn FnOnce(Arc<Pager>) + Send>| {
             let p = Arc::clone(&pager);
-            let h = std::thread::Builder::new()
-                .name(format!("pager-{i}"))
-                .spawn(move || p.service_loop())
-                .map_err(|source| PagerError::Mm {
-                    op: "spawning fault-service thread",
-                    source,
-                })?;
-            threads.push(h);
+            std::thread::Builder::new()
+                .name(name)
+                .spawn(move || run(p))
+                .map_err(|source| PagerError::Mm { op, source })
+        };
+        let mut threads = Vec::with_capacity(SERVICE_THREADS + 2);
+        for i in 0..SERVICE_THREADS {
+            threads.push(spawn(
+                format!("pager-{i}"),
+                "spawning fault-service thread",
+                Box::new(Pager::service_loop),
+            )?);
         }
-        let p = Arc::clone(&pager);
-        let h = std::thread::Builder::new()
-            .name("pager-hibernate".into())
-            .spawn(move || p.queue_loop(requests, "hibernation", Pager::hibernate_now))
-            .map_err(|source| PagerError::Mm {
-                op: "spawning hibernation thread",
-                source,
-            })?;
-        threads.push(h);
-        let p = Arc::clone(&pager);
-        let h = std::thread::Builder::new()
-            .name("pager-prefetch".into())
-            .spawn(move || p.queue_loop(wakes, "prefetch", Pager::prefetch_now))
-            .map_err(|source| PagerError::Mm {
-                op: "spawning prefetch thread",
-                source,
-            })?;
-        threads.push(h);
+        threads.push(spawn(
+            "pager-hibernate".into(),
+            "spawning hibernation thread",
+            Box::new(move |p| p.queue_loop(requests, "hibernation", Pager::hibernate_now)),
+        )?);
+        threads.push(spawn(
+            "pager-prefetch".into(),
+            "spawning prefetch thread",
+            Box::new(move |p| p.queue_loop(wakes, "prefetch", Pager::prefetch_now)),
+        )?);
         *pager.threads.lock().unwrap_or_else(|e| e.into_inner()) = threads;
         Ok(pager)
     }
