@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import ipaddress
 import os
+import stat
 import statistics
 import sys
 import tempfile
@@ -68,6 +69,20 @@ class Objects:
             except FileNotFoundError:
                 continue
         return Objects(t, f, m)
+
+
+def swap_file_blocks(pid: int) -> int:
+    """Allocated 512-byte blocks of densevm's swap file: nameless (O_TMPFILE), so found as
+    the largest regular file the parent `pid` has open."""
+    sizes = [0]
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            sizes.append(st.st_blocks)
+    return max(sizes)
 
 
 async def get(vm: int) -> float | None:
@@ -120,8 +135,7 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict:
         asleep_mem = (before["MemAvailable"] - after["MemAvailable"] - totals["resident_bytes"]) / n
         breakdown = {k: (after[k] - before[k]) / n / 1024 for k in BREAKDOWN}
         asleep = Objects.of(session.proc.pid)
-        swap_file = workdir / f"densevm-swap-{ADDR_BASE}.img"
-        swap_allocated = swap_file.stat().st_blocks * 512
+        swap_allocated = swap_file_blocks(session.proc.pid) * 512
         # Wakes, one VM a request, at a steady rate; each then sleeps again.
         woken = paced_gets(ADDR_BASE, session.port, vms[: min(args.wakes, n)], args.wake_rate)
         wake_s = [t for t in woken.values() if t is not None]
