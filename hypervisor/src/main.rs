@@ -47,8 +47,8 @@ enum Command {
 /// glibc grows a thread's malloc arena with mprotect; once a holder's VMs
 /// have MMU notifiers on its process, every mprotect visits all of them. One
 /// brk-grown arena that is never trimmed avoids that. The parent holds no
-/// VMs: it keeps glibc's defaults, so memory a burst of control clients took
-/// goes back to the system.
+/// VMs: it keeps glibc's defaults, and trims what teardown freed
+/// (`parent::heap_trim`).
 fn tame_allocator() {
     // SAFETY: mallopt only tunes the allocator; called before other threads exist.
     unsafe {

@@ -21,6 +21,7 @@ use crate::error::PagerError;
 use crate::policy::{BlockId, Policy, SwapLayout, VmId};
 use crate::space::SwapSpace;
 use crate::stats::VmCounters;
+use std::collections::BTreeMap;
 
 /// No swap copy.
 pub const NO_LOC: u64 = u64::MAX;
@@ -161,7 +162,9 @@ pub struct Ledger {
     budget_blocks: u64,
     policy: Box<dyn Policy>,
     space: SwapSpace,
-    vms: Vec<Option<VmLedger>>,
+    /// Registered VMs by id: a map, so that memory follows the VMs alive,
+    /// not every id a long run has handed out.
+    vms: BTreeMap<VmId, VmLedger>,
     resident: u64,
     reserved: u64,
     evicting: u64,
@@ -190,7 +193,7 @@ impl Ledger {
             budget_blocks: budget_bytes / block_bytes,
             policy,
             space,
-            vms: Vec::new(),
+            vms: BTreeMap::new(),
             resident: 0,
             reserved: 0,
             evicting: 0,
@@ -249,20 +252,16 @@ impl Ledger {
 
     /// A VM's accounting, if registered.
     pub fn vm(&self, vm: VmId) -> Option<&VmLedger> {
-        self.vms.get(vm as usize).and_then(|v| v.as_ref())
+        self.vms.get(&vm)
     }
 
     fn vm_mut(&mut self, vm: VmId) -> Option<&mut VmLedger> {
-        self.vms.get_mut(vm as usize).and_then(|v| v.as_mut())
+        self.vms.get_mut(&vm)
     }
 
     /// Ids of registered VMs.
     pub fn vm_ids(&self) -> impl Iterator<Item = VmId> + '_ {
-        self.vms
-            .iter()
-            .enumerate()
-            .filter(|(_, v)| v.is_some())
-            .map(|(i, _)| i as VmId)
+        self.vms.keys().copied()
     }
 
     /// Registers a VM of `blocks` blocks, none resident.
@@ -274,31 +273,30 @@ impl Ledger {
             });
         }
         self.space.register(vm)?;
-        let i = vm as usize;
-        if i >= self.vms.len() {
-            self.vms.resize_with(i + 1, || None);
-        }
-        self.vms[i] = Some(VmLedger {
-            blocks: vec![
-                Block {
-                    loc: NO_LOC,
-                    state: State::Absent,
-                    dirty: false,
-                    sum: 0,
-                    hash_skips: 0,
-                    wake: false,
-                };
-                blocks as usize
-            ],
-            resident: 0,
-            busy: 0,
-            reserved: 0,
-            evicting: 0,
-            hand: 0,
-            dying: false,
-            hibernated_set: Vec::new(),
-            stats: VmCounters::default(),
-        });
+        self.vms.insert(
+            vm,
+            VmLedger {
+                blocks: vec![
+                    Block {
+                        loc: NO_LOC,
+                        state: State::Absent,
+                        dirty: false,
+                        sum: 0,
+                        hash_skips: 0,
+                        wake: false,
+                    };
+                    blocks as usize
+                ],
+                resident: 0,
+                busy: 0,
+                reserved: 0,
+                evicting: 0,
+                hand: 0,
+                dying: false,
+                hibernated_set: Vec::new(),
+                stats: VmCounters::default(),
+            },
+        );
         self.policy.on_vm_registered(vm, blocks);
         self.policy_err()
     }
@@ -309,7 +307,7 @@ impl Ledger {
     /// its blocks are busy (the caller waits for zero before
     /// [`Ledger::unregister`]).
     pub fn begin_unregister(&mut self, vm: VmId) -> Result<Option<u32>, PagerError> {
-        let Some(v) = self.vms.get_mut(vm as usize).and_then(|v| v.as_mut()) else {
+        let Some(v) = self.vms.get_mut(&vm) else {
             return Ok(None);
         };
         let busy = v.busy;
@@ -325,7 +323,7 @@ impl Ledger {
     /// unregistered (the policy forgets it, its faults are dropped), and is
     /// listed for [`Ledger::take_failed_vms`]. Its owner unregisters it.
     pub fn fail_vm(&mut self, vm: VmId, reason: String) {
-        if let Some(v) = self.vms.get_mut(vm as usize).and_then(|v| v.as_mut()) {
+        if let Some(v) = self.vms.get_mut(&vm) {
             if !v.dying {
                 v.dying = true;
                 self.policy.on_vm_unregistered(vm);
@@ -344,7 +342,7 @@ impl Ledger {
     /// are to be woken (`wakes`).
     pub fn abandon_fault(&mut self, plan: &[PlanBlock], wakes: &mut Wakes) {
         for p in plan {
-            let Some(v) = self.vms.get_mut(p.vm as usize).and_then(|v| v.as_mut()) else {
+            let Some(v) = self.vms.get_mut(&p.vm) else {
                 continue;
             };
             let e = &mut v.blocks[p.block as usize];
@@ -358,7 +356,7 @@ impl Ledger {
 
     /// Forgets a VM with no busy blocks: frees its memory accounting and swap.
     pub fn unregister(&mut self, vm: VmId) -> Result<(), PagerError> {
-        let Some(v) = self.vms.get_mut(vm as usize).and_then(|v| v.take()) else {
+        let Some(v) = self.vms.remove(&vm) else {
             return Ok(());
         };
         debug_assert_eq!(v.busy, 0);
@@ -457,9 +455,7 @@ impl Ledger {
         self.policy.on_fault(vm, block, &mut prefetch);
         let r = self.policy_err();
         let budget = self.budget_blocks;
-        let v = self.vms[vm as usize]
-            .as_mut()
-            .expect("classified VM exists");
+        let v = self.vms.get_mut(&vm).expect("classified VM exists");
         let nblocks = v.blocks.len();
         if let Some(&bad) = prefetch.iter().find(|&&b| b as usize >= nblocks) {
             self.prefetch = prefetch;
@@ -525,8 +521,7 @@ impl Ledger {
                     self.victims = victims;
                     // Blocks of a dying (or failed) VM are freed when its
                     // owner unregisters it: room is coming.
-                    let dying_resident =
-                        self.vms.iter().flatten().any(|v| v.dying && v.resident > 0);
+                    let dying_resident = self.vms.values().any(|v| v.dying && v.resident > 0);
                     if skipped || dying_resident || self.evicting > 0 || self.reserved > 0 {
                         return Ok(Admission::Wait);
                     }
@@ -561,7 +556,7 @@ impl Ledger {
         let mut need = held - quota;
         let mut victims = std::mem::take(&mut self.victims);
         victims.clear();
-        let v = self.vms[vm as usize].as_mut().expect("looked up above");
+        let v = self.vms.get_mut(&vm).expect("looked up above");
         let blocks = v.blocks.len() as u32;
         for _ in 0..blocks {
             if need == 0 {
@@ -612,15 +607,10 @@ impl Ledger {
         victims.retain(|&(vm, block)| {
             let state = self
                 .vms
-                .get(vm as usize)
-                .and_then(|v| v.as_ref())
+                .get(&vm)
                 .and_then(|v| v.blocks.get(block as usize))
                 .map(|b| b.state);
-            let dying = self
-                .vms
-                .get(vm as usize)
-                .and_then(|v| v.as_ref())
-                .is_some_and(|v| v.dying);
+            let dying = self.vms.get(&vm).is_some_and(|v| v.dying);
             match state {
                 Some(State::Resident) if !dying => true,
                 Some(State::Unprotect) | Some(State::Resident) => {
@@ -660,7 +650,7 @@ impl Ledger {
             // Blocks of this VM to write, in block order, get consecutive
             // swap places (one sequential write for the log layout).
             let whole = self.space.layout().rewrites_whole_batches();
-            let v = self.vms[vm as usize].as_mut().expect("validated");
+            let v = self.vms.get_mut(&vm).expect("validated");
             let to_write = |e: &Block| e.dirty || (whole && e.loc != NO_LOC);
             let dirty: Vec<BlockId> = victims[i..j]
                 .iter()
@@ -683,7 +673,7 @@ impl Ledger {
             if result.is_err() {
                 places.clear();
             }
-            let v = self.vms[vm as usize].as_mut().expect("validated");
+            let v = self.vms.get_mut(&vm).expect("validated");
             let mut k = 0;
             for &(_, b) in &victims[i..j] {
                 let e = &mut v.blocks[b as usize];
@@ -731,9 +721,7 @@ impl Ledger {
         let mut released = std::mem::take(&mut self.released);
         released.clear();
         for p in plan {
-            let v = self.vms[p.vm as usize]
-                .as_mut()
-                .expect("busy VM stays registered");
+            let v = self.vms.get_mut(&p.vm).expect("busy VM stays registered");
             let e = &mut v.blocks[p.block as usize];
             if p.dirty {
                 if p.hash && e.sum != 0 {
@@ -790,15 +778,15 @@ impl Ledger {
         self.policy_err()?;
         let mut victims = std::mem::take(&mut self.victims);
         victims.clear();
-        let v = self.vms[vm as usize].as_ref().expect("looked up above");
+        let v = self.vms.get(&vm).expect("looked up above");
         victims.extend(
             (0..v.blocks.len() as BlockId)
                 .filter(|&b| v.blocks[b as usize].state == State::Resident)
                 .map(|b| (vm, b)),
         );
         let set = victims.iter().map(|&(_, b)| b).collect();
-        self.vms[vm as usize]
-            .as_mut()
+        self.vms
+            .get_mut(&vm)
             .expect("looked up above")
             .hibernated_set = set;
         let plan = self.start_eviction(&victims);
@@ -828,9 +816,7 @@ impl Ledger {
         let mut released = std::mem::take(&mut self.released);
         released.clear();
         for p in plan {
-            let v = self.vms[p.vm as usize]
-                .as_mut()
-                .expect("busy VM stays registered");
+            let v = self.vms.get_mut(&p.vm).expect("busy VM stays registered");
             debug_assert!(v.dying, "only a dying VM's eviction is abandoned");
             let e = &mut v.blocks[p.block as usize];
             e.state = State::Resident;
@@ -863,7 +849,7 @@ impl Ledger {
         self.policy.on_woken(vm, &mut prefetch);
         self.policy_err()?;
         let cap = (self.budget_blocks / 2).max(1).min(self.vm_quota_blocks) as usize;
-        let v = self.vms[vm as usize].as_mut().expect("looked up above");
+        let v = self.vms.get_mut(&vm).expect("looked up above");
         let nblocks = v.blocks.len();
         if let Some(&bad) = prefetch.iter().find(|&&b| b as usize >= nblocks) {
             return Err(self.nonsense(format!(
@@ -895,9 +881,7 @@ impl Ledger {
         let Some(first) = plan.first() else { return };
         let vm = first.vm;
         let bs = self.block_bytes;
-        let v = self.vms[vm as usize]
-            .as_mut()
-            .expect("busy VM stays registered");
+        let v = self.vms.get_mut(&vm).expect("busy VM stays registered");
         let mut read = 0;
         for p in plan {
             let e = &mut v.blocks[p.block as usize];

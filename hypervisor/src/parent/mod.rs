@@ -5,5 +5,6 @@
 pub mod api;
 pub mod cell_handle;
 pub mod describe;
+pub mod heap_trim;
 pub mod serve;
 pub mod supervisor;

@@ -24,6 +24,7 @@ use crate::link::protocol::{deadline, FromCell, ToCell};
 use crate::link::wake_latency;
 use crate::parent::api::{self, Request};
 use crate::parent::cell_handle::{quote, Cell, PendingCell};
+use crate::parent::heap_trim::HeapTrim;
 use mio::net::{UnixListener, UnixStream};
 use mio::{Events, Interest, Poll, Token};
 use paging_policy::trace::TraceWriter;
@@ -172,6 +173,7 @@ pub struct Supervisor {
     boot_started: Instant,
     ready_line: Option<Value>,
     trace: Option<TraceWriter>,
+    heap_trim: HeapTrim,
 }
 
 /// Whether the peer of `fd` has closed its end entirely (it can read no
@@ -215,6 +217,7 @@ impl Supervisor {
             boot_started: setup.boot_started,
             ready_line: Some(setup.ready_line),
             trace: setup.trace,
+            heap_trim: HeapTrim::new(),
         };
         for cell in setup.cells {
             supervisor.adopt(cell)?;
@@ -245,13 +248,16 @@ impl Supervisor {
             }
             self.end_failures();
             self.check_boot();
+            let trim_in = self.heap_trim.tick();
             let timeout = if !self.clients_with_more.is_empty() || !self.cells_with_more.is_empty()
             {
                 Duration::ZERO
             } else if self.ready_line.is_some() {
                 Duration::from_millis(20)
             } else {
-                Duration::from_millis(250)
+                trim_in.map_or(Duration::from_millis(250), |t| {
+                    t.min(Duration::from_millis(250))
+                })
             };
             crate::link::framing::nonblocking(|| self.poll.poll(&mut events, Some(timeout)))
                 .map_err(SupervisorError::Poll)?;
@@ -318,6 +324,12 @@ impl Supervisor {
         emit(&line);
     }
 
+    /// Forgets a VM in the pager; the memory this frees is trimmed soon after.
+    fn unregister_vm(&mut self, vm: u32) {
+        self.pager.unregister_vm(vm);
+        self.heap_trim.freed();
+    }
+
     /// Ends what the pager reports failed: the cell of a failed space, a
     /// failed VM.
     fn end_failures(&mut self) {
@@ -346,7 +358,7 @@ impl Supervisor {
                                 .collect(vec![(index, id)], Instant::now() + deadline::CELL_REPLY);
                         }
                     }
-                    self.pager.unregister_vm(vm);
+                    self.unregister_vm(vm);
                 }
             }
         }
@@ -415,7 +427,7 @@ impl Supervisor {
                 }
                 self.note_access(&counts);
             }
-            FromCell::Stopped { vm } if cell.holds(vm) => self.pager.unregister_vm(vm),
+            FromCell::Stopped { vm } if cell.holds(vm) => self.unregister_vm(vm),
             FromCell::Stopped { vm } => {
                 return Err(CellFault::Hostile(format!(
                     "reported VM {vm} stopped, which it does not hold"
@@ -503,6 +515,7 @@ impl Supervisor {
         }
         cell.dead = Some(reason);
         self.cells_with_more.retain(|&c| c != index);
+        self.heap_trim.freed();
     }
 
     /// Sends `request` to each cell in `targets`, then collects their
@@ -675,6 +688,7 @@ impl Supervisor {
     fn drop_client(&mut self, key: usize) {
         if let Some(mut client) = self.clients.try_remove(key) {
             let _ = self.poll.registry().deregister(&mut client.lines.stream);
+            self.heap_trim.freed();
         }
         self.clients_with_more.retain(|&k| k != key);
     }
@@ -980,7 +994,7 @@ impl Supervisor {
             };
             if let Err(e) = registered {
                 for j in 0..i {
-                    self.pager.unregister_vm(first + j);
+                    self.unregister_vm(first + j);
                 }
                 return Err((0, format!("create VM {}: {e}", first + i)));
             }
@@ -1022,7 +1036,7 @@ impl Supervisor {
         };
         // VMs the cell could not build are not its: release them.
         for id in first + made..first + count {
-            self.pager.unregister_vm(id);
+            self.unregister_vm(id);
         }
         self.cells[index].count -= count - made;
         if made < count {

@@ -7,13 +7,12 @@
 //! sequential write instead of being trickled out block by block.
 
 use super::{BlockId, VmId};
+use std::collections::HashMap;
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct VmEntry {
-    present: bool,
+    vm: VmId,
     referenced: bool,
-    /// Index in `ring`.
-    slot: usize,
     /// Resident blocks as a bitmap.
     resident: Vec<u64>,
     count: u32,
@@ -26,61 +25,57 @@ struct VmEntry {
 /// Clock state of all VMs.
 #[derive(Debug, Default)]
 pub struct VmClock {
-    vms: Vec<VmEntry>,
-    ring: Vec<VmId>,
+    /// The VMs in sweep order: the hand walks this without a lookup.
+    ring: Vec<VmEntry>,
+    /// Each VM's index in `ring`: a map, so that memory follows the VMs
+    /// alive, not every id a long run has handed out.
+    slots: HashMap<VmId, usize>,
     hand: usize,
 }
 
 impl VmClock {
-    fn entry(&mut self, vm: VmId) -> &mut VmEntry {
-        let i = vm as usize;
-        if i >= self.vms.len() {
-            self.vms.resize_with(i + 1, VmEntry::default);
-        }
-        &mut self.vms[i]
-    }
-
     /// Adds a VM with `blocks` blocks at the end of the sweep order.
     pub fn add(&mut self, vm: VmId, blocks: u32) {
-        let slot = self.ring.len();
-        let e = self.entry(vm);
-        *e = VmEntry {
-            present: true,
+        self.remove(vm);
+        self.slots.insert(vm, self.ring.len());
+        self.ring.push(VmEntry {
+            vm,
             referenced: false,
-            slot,
             resident: vec![0; (blocks as usize).div_ceil(64)],
             count: 0,
             own_hand: 0,
-        };
-        self.ring.push(vm);
+        });
     }
 
     /// Removes a VM.
     pub fn remove(&mut self, vm: VmId) {
-        let Some(e) = self.vms.get_mut(vm as usize).filter(|e| e.present) else {
+        let Some(slot) = self.slots.remove(&vm) else {
             return;
         };
-        let slot = e.slot;
-        *e = VmEntry::default();
         self.ring.swap_remove(slot);
-        if let Some(&moved) = self.ring.get(slot) {
-            self.vms[moved as usize].slot = slot;
+        if let Some(moved) = self.ring.get(slot) {
+            self.slots.insert(moved.vm, slot);
         }
         if self.hand >= self.ring.len() {
             self.hand = 0;
         }
     }
 
+    fn entry(&mut self, vm: VmId) -> Option<&mut VmEntry> {
+        let slot = *self.slots.get(&vm)?;
+        self.ring.get_mut(slot)
+    }
+
     /// Sets the VM's reference bit.
     pub fn touch(&mut self, vm: VmId) {
-        if let Some(e) = self.vms.get_mut(vm as usize) {
+        if let Some(e) = self.entry(vm) {
             e.referenced = true;
         }
     }
 
     /// Marks a block resident.
     pub fn insert(&mut self, vm: VmId, block: BlockId) {
-        if let Some(e) = self.vms.get_mut(vm as usize).filter(|e| e.present) {
+        if let Some(e) = self.entry(vm) {
             let (w, bit) = (block as usize / 64, 1u64 << (block % 64));
             if let Some(word) = e.resident.get_mut(w) {
                 if *word & bit == 0 {
@@ -93,7 +88,7 @@ impl VmClock {
 
     /// Marks a block not resident.
     pub fn remove_block(&mut self, vm: VmId, block: BlockId) {
-        if let Some(e) = self.vms.get_mut(vm as usize).filter(|e| e.present) {
+        if let Some(e) = self.entry(vm) {
             let (w, bit) = (block as usize / 64, 1u64 << (block % 64));
             if let Some(word) = e.resident.get_mut(w) {
                 if *word & bit != 0 {
@@ -143,9 +138,9 @@ impl VmClock {
             if got >= need {
                 break;
             }
-            let vm = self.ring[self.hand];
+            let e = &mut self.ring[self.hand];
             self.hand = (self.hand + 1) % n;
-            let e = &mut self.vms[vm as usize];
+            let vm = e.vm;
             if e.count == 0 || vm == faulting || taken.contains(&vm) {
                 continue;
             }
@@ -157,7 +152,7 @@ impl VmClock {
             taken.push(vm);
         }
         if got < need {
-            if let Some(e) = self.vms.get_mut(faulting as usize).filter(|e| e.present) {
+            if let Some(e) = self.entry(faulting) {
                 let (_, next) = Self::push_blocks(e, faulting, need - got, e.own_hand, out);
                 e.own_hand = next;
             }

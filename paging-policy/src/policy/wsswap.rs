@@ -19,6 +19,7 @@
 
 use super::clock::VmClock;
 use super::{BlockId, Policy, SwapLayout, VmId};
+use std::collections::HashMap;
 
 /// Faults since eviction after which the recorded set is prefetched.
 pub const DEFAULT_AFTER: u32 = 3;
@@ -38,7 +39,8 @@ struct VmSet {
 #[derive(Debug)]
 pub struct WsSwap {
     clock: VmClock,
-    sets: Vec<VmSet>,
+    /// By id: a map, so that memory follows the VMs alive.
+    sets: HashMap<VmId, VmSet>,
     after: u32,
     /// The VM the current victims make room for. Blocks a VM gives up to
     /// make room for itself are not its working set leaving: recording them
@@ -54,18 +56,14 @@ impl WsSwap {
     pub fn new(after: u32) -> WsSwap {
         WsSwap {
             clock: VmClock::default(),
-            sets: Vec::new(),
+            sets: HashMap::new(),
             after: after.max(1),
             making_room_for: None,
         }
     }
 
     fn set(&mut self, vm: VmId) -> &mut VmSet {
-        let i = vm as usize;
-        if i >= self.sets.len() {
-            self.sets.resize_with(i + 1, VmSet::default);
-        }
-        &mut self.sets[i]
+        self.sets.entry(vm).or_default()
     }
 }
 
@@ -85,7 +83,7 @@ impl Policy for WsSwap {
 
     fn on_vm_unregistered(&mut self, vm: VmId) {
         self.clock.remove(vm);
-        *self.set(vm) = VmSet::default();
+        self.sets.remove(&vm);
     }
 
     fn on_access(&mut self, vm: VmId) {
