@@ -62,8 +62,10 @@ impl WsSwap {
         }
     }
 
-    fn set(&mut self, vm: VmId) -> &mut VmSet {
-        self.sets.entry(vm).or_default()
+    /// A registered VM's set: events for a VM already unregistered (the
+    /// last blocks of a dying one) make no new entry.
+    fn set(&mut self, vm: VmId) -> Option<&mut VmSet> {
+        self.sets.get_mut(&vm)
     }
 }
 
@@ -78,7 +80,7 @@ impl Policy for WsSwap {
 
     fn on_vm_registered(&mut self, vm: VmId, blocks: u32) {
         self.clock.add(vm, blocks);
-        *self.set(vm) = VmSet::default();
+        self.sets.insert(vm, VmSet::default());
     }
 
     fn on_vm_unregistered(&mut self, vm: VmId) {
@@ -93,7 +95,9 @@ impl Policy for WsSwap {
     fn on_fault(&mut self, vm: VmId, _block: BlockId, prefetch: &mut Vec<BlockId>) {
         self.clock.touch(vm);
         let after = self.after;
-        let set = self.set(vm);
+        let Some(set) = self.set(vm) else {
+            return;
+        };
         set.faults = set.faults.saturating_add(1);
         let armed = std::mem::take(&mut set.armed);
         if armed || set.faults >= after {
@@ -123,13 +127,17 @@ impl Policy for WsSwap {
     fn on_woken(&mut self, vm: VmId, _prefetch: &mut Vec<BlockId>) {
         // The pager's batch brings the set back; a block it could not (busy
         // then, or past its cap) comes with the set at the first fault.
-        self.set(vm).armed = true;
+        if let Some(set) = self.set(vm) {
+            set.armed = true;
+        }
     }
 
     fn on_evicted(&mut self, vm: VmId, block: BlockId) {
         self.clock.remove_block(vm, block);
-        if self.making_room_for != Some(vm) {
-            let set = self.set(vm);
+        if self.making_room_for == Some(vm) {
+            return;
+        }
+        if let Some(set) = self.set(vm) {
             set.faults = 0;
             // Blocks installed one by one before the swap-in (the first
             // faults) may be recorded twice; the pager ignores repeats, and
@@ -258,5 +266,15 @@ mod tests {
         w.on_vm_unregistered(0);
         w.on_vm_registered(0, 8);
         assert!(fault(&mut w, 0, 1).is_empty());
+    }
+
+    #[test]
+    fn events_after_unregistration_keep_nothing() {
+        let mut w = wsswap(1);
+        w.on_vm_unregistered(0);
+        w.on_evicted(0, 2);
+        w.on_woken(0, &mut Vec::new());
+        assert!(fault(&mut w, 0, 1).is_empty());
+        assert!(!w.sets.contains_key(&0), "a dead VM's set came back");
     }
 }
