@@ -56,7 +56,13 @@ lint: deps
 
 test: deps build lint
 	$(CARGO) test --release --workspace --quiet
-	$(PYTHON) -m pytest -q --durations=15 tests
+	@# Two workers (tests/conftest.py, LANES), then the tests marked `alone`
+	@# by themselves; a short base directory, since the tests' control
+	@# sockets must fit a socket path.
+	base=$$(mktemp -d /tmp/sbt.XXXXXX) && \
+	  if $(PYTHON) -m pytest -q -n 2 -m "not alone" --basetemp=$$base/parallel --durations=15 tests && \
+	     $(PYTHON) -m pytest -q -m alone --basetemp=$$base/alone tests; \
+	  then rm -rf $$base; else echo "test files kept in $$base"; exit 1; fi
 
 clean:
 	$(CARGO) clean

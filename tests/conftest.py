@@ -59,3 +59,56 @@ def libvirt_conn():  # type: ignore[no-untyped-def]
 
     with Libvirt() as lv:
         yield lv.conn
+
+
+# Parallel runs (pytest-xdist, `make test`): the tests fall into lanes that
+# run one after another on one worker each, so two tests that contend for
+# the same thing never overlap. The KVM tests ("host", the default) share
+# the host's cores and memory, and their timings bound what they check.
+# The QEMU lane holds the tests that share one libvirtd and the database
+# image, and the hostile guests: a vCPU that burns a core while a QEMU guest
+# holds the other starves the kworkers that fault in its neighbours' pages
+# for up to a minute (docs/host-facts.md, "Guest faults go through KVM's
+# async page faults"). The cluster tests start fleets of processes. Modules
+# that need none of these float: each is a work unit of its own, on
+# whichever worker is free.
+FLOATING = None
+LANES: dict[str, str | None] = {
+    "test_db_guest.py": "qemu",
+    "test_db_pgbench.py": "qemu",
+    "test_db_image_cache.py": "qemu",
+    "test_db_nbd_xml.py": "qemu",
+    "test_hostile_guests.py": "qemu",
+    "test_scalebench_cluster.py": "cluster",
+    "test_results_store.py": "cluster",
+    "test_db_analysis.py": FLOATING,
+    "test_db_diskmodel.py": FLOATING,
+    "test_db_report.py": FLOATING,
+    "test_db_steady.py": FLOATING,
+    "test_describe.py": FLOATING,
+    "test_pagesim.py": FLOATING,
+    "test_python_policy.py": FLOATING,
+    "test_scalebench_cli.py": FLOATING,
+    "test_scalebench_compare.py": FLOATING,
+    "test_scalebench_model.py": FLOATING,
+    "test_scalebench_report.py": FLOATING,
+    "test_scalebench_sweep.py": FLOATING,
+}
+
+
+def lane(nodeid: str) -> str:
+    """The work unit of a test: its lane, or its module when it floats."""
+    module = nodeid.split("::", 1)[0]
+    name = LANES.get(Path(module).name, "host")
+    return module if name is FLOATING else name
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LaneScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return lane(nodeid)
+
+    return LaneScheduling(config, log)

@@ -399,6 +399,7 @@ def test_bad_density_probes_are_refused(tmp_path, probe, field, message):
         load_spec(path)
 
 
+@pytest.mark.alone
 @pytest.mark.skipif(not kvm_available(), reason="needs /dev/kvm")
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
 def test_the_density_probe_measures_hibernated_vms(tmp_path):
@@ -430,6 +431,7 @@ wakes = 20
 """
 
 
+@pytest.mark.alone
 @pytest.mark.skipif(not kvm_available(), reason="needs /dev/kvm")
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
 def test_the_nightly_records_the_density_probe_in_its_history(tmp_path):
