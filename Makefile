@@ -60,8 +60,8 @@ test: deps build lint
 	@# by themselves; a short base directory, since the tests' control
 	@# sockets must fit a socket path.
 	base=$$(mktemp -d /tmp/sbt.XXXXXX) && \
-	  if $(PYTHON) -m pytest -q -n 2 -m "not alone" --basetemp=$$base/parallel --durations=15 tests && \
-	     $(PYTHON) -m pytest -q -m alone --basetemp=$$base/alone tests; \
+	  if $(PYTHON) -m pytest -q -n 2 -m "not alone" --basetemp=$$base/p --durations=15 tests && \
+	     $(PYTHON) -m pytest -q -m alone --basetemp=$$base/a tests; \
 	  then rm -rf $$base; else echo "test files kept in $$base"; exit 1; fi
 
 clean:
