@@ -6,6 +6,14 @@ PYTHON ?= python3
 CARGO ?= cargo
 RELEASE := target/release
 STAMP := build/.stamps
+# Rust compilations are cached outside the checkout, shared by every clone
+# (as the database image is, guest-images/dbguest/build.py). sccache's
+# server is stopped once the Rust steps are done: nothing stays running.
+SCCACHE_DIR ?= /var/cache/scalebench/sccache
+export SCCACHE_DIR
+export SCCACHE_IDLE_TIMEOUT ?= 60
+export RUSTC_WRAPPER := $(if $(shell command -v sccache),sccache)
+STOP_SCCACHE := $(if $(RUSTC_WRAPPER),sccache --stop-server >/dev/null 2>&1 || true,true)
 
 .PHONY: all run test lint deps build rust guest pyext clean
 
@@ -31,6 +39,7 @@ $(STAMP)/python: pyproject.toml $(STAMP)/apt | $(STAMP)
 	@touch $@
 
 build: rust guest pyext
+	@$(STOP_SCCACHE)
 
 rust:
 	$(CARGO) build --release --workspace --bins --quiet
@@ -50,12 +59,12 @@ run: deps build
 lint: deps
 	rustup component add rustfmt clippy >/dev/null 2>&1 || true
 	$(CARGO) fmt --all --check
-	$(CARGO) clippy --release --workspace --all-targets --quiet -- -D warnings
+	$(CARGO) clippy --release --workspace --all-targets --quiet -- -D warnings; status=$$?; $(STOP_SCCACHE); exit $$status
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 
 test: deps build lint
-	$(CARGO) test --release --workspace --quiet
+	$(CARGO) test --release --workspace --quiet; status=$$?; $(STOP_SCCACHE); exit $$status
 	@# Two workers (tests/conftest.py, LANES), then the tests marked `alone`
 	@# by themselves; a short base directory, since the tests' control
 	@# sockets must fit a socket path.
