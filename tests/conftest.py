@@ -71,7 +71,8 @@ def libvirt_conn():  # type: ignore[no-untyped-def]
 # for up to a minute (docs/host-facts.md, "Guest faults go through KVM's
 # async page faults"). The cluster tests start fleets of processes. Modules
 # that need none of these float: each is a work unit of its own, on
-# whichever worker is free.
+# whichever worker is free. Lanes overlap in time, so no two modules of
+# different lanes share a loopback address range.
 FLOATING = None
 LANES: dict[str, str | None] = {
     "test_db_guest.py": "qemu",

@@ -129,7 +129,7 @@ def stop_quickly(m: Monitor) -> None:
 
 
 def test_a_ring_flood_is_throttled_and_its_neighbours_keep_serving(tmp_path):
-    m = start_hostile(tmp_path, Behaviour.RING_FLOOD, "127.211.0.0")
+    m = start_hostile(tmp_path, Behaviour.RING_FLOOD, "127.245.0.0")
     try:
         time.sleep(1)
         neighbours_serve(m)
@@ -142,7 +142,7 @@ def test_a_ring_flood_is_throttled_and_its_neighbours_keep_serving(tmp_path):
 
 
 def test_a_guest_sending_past_its_window_is_stopped(tmp_path):
-    m = start_hostile(tmp_path, Behaviour.WINDOW, "127.212.0.0")
+    m = start_hostile(tmp_path, Behaviour.WINDOW, "127.246.0.0")
     try:
         client = HttpClient(m.addr(HOSTILE_VM))
         client.send(b"GET / HTTP/1.1\r\n\r\n")  # never read: the host must buffer or refuse
@@ -164,7 +164,7 @@ def traced_requests(trace: Path) -> list[int]:
 
 def test_a_lying_request_counter_is_bounded_by_what_the_vm_was_sent(tmp_path):
     trace = tmp_path / "requests.trace"
-    m = start_hostile(tmp_path, Behaviour.COUNTER, "127.213.0.0", "--record-trace", str(trace))
+    m = start_hostile(tmp_path, Behaviour.COUNTER, "127.247.0.0", "--record-trace", str(trace))
     sent = 5
     try:
         for _ in range(sent):
@@ -178,7 +178,7 @@ def test_a_lying_request_counter_is_bounded_by_what_the_vm_was_sent(tmp_path):
 
 
 def test_a_guest_that_never_closes_loses_the_host_socket(tmp_path):
-    m = start_hostile(tmp_path, Behaviour.NEVER_CLOSE, "127.214.0.0")
+    m = start_hostile(tmp_path, Behaviour.NEVER_CLOSE, "127.248.0.0")
     try:
         with socket.create_connection(m.addr(HOSTILE_VM), timeout=20) as s:
             s.sendall(b"GET / HTTP/1.1\r\n\r\n")
@@ -192,7 +192,7 @@ def test_a_guest_that_never_closes_loses_the_host_socket(tmp_path):
 
 
 def test_a_guest_that_never_boots_fails_alone(tmp_path):
-    m = start_hostile(tmp_path, Behaviour.NEVER_BOOT, "127.215.0.0", "--boot-timeout", "3")
+    m = start_hostile(tmp_path, Behaviour.NEVER_BOOT, "127.249.0.0", "--boot-timeout", "3")
     try:
         assert m.ready["vms"] == VMS - 1 and m.ready["failed"] == 1
         entry = vm_entry(m, HOSTILE_VM)
@@ -203,7 +203,7 @@ def test_a_guest_that_never_boots_fails_alone(tmp_path):
 
 
 def test_a_guest_writing_unused_system_pages_is_stopped(tmp_path):
-    m = start_hostile(tmp_path, Behaviour.DIRTY_SYSTEM, "127.216.0.0")
+    m = start_hostile(tmp_path, Behaviour.DIRTY_SYSTEM, "127.250.0.0")
     try:
         wait_for_state(m, HOSTILE_VM, "crashed")
         neighbours_serve(m)
@@ -213,7 +213,7 @@ def test_a_guest_writing_unused_system_pages_is_stopped(tmp_path):
 
 def test_a_fault_storm_under_a_budget_leaves_neighbours_exact(tmp_path):
     m = start_hostile(
-        tmp_path, Behaviour.FAULT_STORM, "127.217.0.0", "--mem", "64M", "--block", "32k"
+        tmp_path, Behaviour.FAULT_STORM, "127.251.0.0", "--mem", "64M", "--block", "32k"
     )
     try:
         time.sleep(1)
@@ -234,7 +234,7 @@ def test_a_resident_quota_makes_a_fault_storm_page_against_itself(tmp_path):
     m = start_hostile(
         tmp_path,
         Behaviour.FAULT_STORM,
-        "127.227.0.0",
+        "127.252.0.0",
         "--mem",
         "64M",
         "--block",
@@ -257,7 +257,7 @@ def test_a_resident_quota_makes_a_fault_storm_page_against_itself(tmp_path):
 
 
 def test_a_spinning_guest_leaves_neighbours_serving(tmp_path):
-    m = start_hostile(tmp_path, Behaviour.SPIN, "127.218.0.0")
+    m = start_hostile(tmp_path, Behaviour.SPIN, "127.253.0.0")
     try:
         neighbours_serve(m)
         with pytest.raises(OSError):
@@ -297,7 +297,7 @@ def test_a_swap_without_room_for_every_vm_refuses_to_start(tmp_path, small_files
         "--vms",
         str(VMS),
         "--addr-base",
-        "127.219.0.0",
+        "127.254.0.0",
         "--mem",
         "64M",
         "--swap",
@@ -324,7 +324,7 @@ def test_a_guest_writing_the_image_leaves_neighbours_exact(tmp_path, monkeypatch
     KVM_CAP_READONLY_MEM), each VM has a copy-on-write mapping of its own."""
     if not readonly_slots:
         monkeypatch.setenv("DENSEVM_TEST_NO_READONLY_MEM", "1")
-    m = start_hostile(tmp_path, Behaviour.WRITE_IMAGE, "127.228.0.0")
+    m = start_hostile(tmp_path, Behaviour.WRITE_IMAGE, "127.255.0.0")
     try:
         time.sleep(0.5)
         neighbours_serve(m)

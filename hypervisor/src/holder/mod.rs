@@ -35,6 +35,26 @@ use std::time::{Duration, Instant};
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
+/// Why a holder could not wake one of its VMs (its front gets the line).
+#[derive(Debug, thiserror::Error)]
+pub enum WakeError {
+    /// The VM is not one of this holder's.
+    #[error("VM {vm} is not this holder's")]
+    NotOurs {
+        /// VM index.
+        vm: u32,
+    },
+    /// The VM already has a vCPU.
+    #[error("VM {vm} is awake")]
+    Awake {
+        /// VM index.
+        vm: u32,
+    },
+    /// A build step failed.
+    #[error(transparent)]
+    Build(#[from] BuildError),
+}
+
 /// VMs a holder owns by default. Smaller holders make each notifier walk
 /// cheaper and cost a process each (docs/host-facts.md, "Address spaces and
 /// MMU notifiers"; hypervisor/README.md, "Host memory per VM").
@@ -790,7 +810,7 @@ fn run(
                         held.insert(vm, vcpu);
                         (Some(tid), None)
                     }
-                    Err(e) => (None, Some(e)),
+                    Err(e) => (None, Some(e.to_string())),
                 };
                 let record =
                     serde_json::to_vec(&FromHolder::Woken { vm, tid, error }).expect("serializes");
@@ -828,22 +848,27 @@ fn wake(
     (irqs, doorbells): (&[EventFd], &[EventFd]),
     own: &std::ops::Range<usize>,
     held: &HashMap<u32, HeldVm>,
-) -> Result<HeldVm, String> {
+) -> Result<HeldVm, WakeError> {
     if vm < ctx.first_id || !own.contains(&ctx.slot_of(vm)) {
-        return Err(format!("VM {vm} is not this holder's"));
+        return Err(WakeError::NotOurs { vm });
     }
     let slot = ctx.slot_of(vm);
     if held.contains_key(&vm) {
-        return Err(format!("VM {vm} is awake"));
+        return Err(WakeError::Awake { vm });
     }
     let kvm = match pooled {
         Some(kvm) => kvm,
-        None => builder::create(ctx, vm).map_err(|e| e.to_string())?,
+        None => builder::create(ctx, vm)?,
     };
-    let vcpu = builder::park_vcpu(ctx, vm).map_err(|e| e.to_string())?;
+    let vcpu = builder::park_vcpu(ctx, vm)?;
     let parts = builder::Prebuilt { vcpu, kvm };
-    builder::build(ctx, vm, parts, (&irqs[slot], &doorbells[slot]), start)
-        .map_err(|e| e.to_string())
+    Ok(builder::build(
+        ctx,
+        vm,
+        parts,
+        (&irqs[slot], &doorbells[slot]),
+        start,
+    )?)
 }
 
 fn close_all_but(keep: &mut [RawFd]) -> std::io::Result<()> {
