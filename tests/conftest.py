@@ -66,10 +66,8 @@ def libvirt_conn():  # type: ignore[no-untyped-def]
 # the same thing never overlap. The KVM tests ("host", the default) share
 # the host's cores and memory, and their timings bound what they check.
 # The QEMU lane holds the tests that share one libvirtd and the database
-# image, and the hostile guests: a vCPU that burns a core while a QEMU guest
-# holds the other starves the kworkers that fault in its neighbours' pages
-# for up to a minute (docs/host-facts.md, "Guest faults go through KVM's
-# async page faults"). The cluster tests start fleets of processes. Modules
+# image. The cluster tests start fleets of processes. Tests that need the
+# host to themselves are marked `alone` and run after the lanes. Modules
 # that need none of these float: each is a work unit of its own, on
 # whichever worker is free. Lanes overlap in time, so no two modules of
 # different lanes share a loopback address range.
@@ -79,7 +77,6 @@ LANES: dict[str, str | None] = {
     "test_db_pgbench.py": "qemu",
     "test_db_image_cache.py": "qemu",
     "test_db_nbd_xml.py": "qemu",
-    "test_hostile_guests.py": "qemu",
     "test_scalebench_cluster.py": "cluster",
     "test_results_store.py": "cluster",
     "test_db_analysis.py": FLOATING,
