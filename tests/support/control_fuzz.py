@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,3 +120,50 @@ def fuzz(api: Path, seconds: float, seed: int = 1, idle_clients: int = 1000) -> 
         for s in held:
             s.close()
     return result
+
+
+class PipeliningFlood:
+    """A client that streams `list` requests faster than they are answered,
+    and reads its replies (so it is not cut off as a non-reader), for as long
+    as the `with` block lasts."""
+
+    def __init__(self, api: Path) -> None:
+        self.replies = 0
+        self._stop = threading.Event()
+        self._socket = socket.socket(socket.AF_UNIX)
+        self._socket.connect(str(api))
+        self._threads = [
+            threading.Thread(target=self._write),
+            threading.Thread(target=self._read),
+        ]
+
+    def _write(self) -> None:
+        burst = b'{"cmd":"list"}\n' * 4096
+        while not self._stop.is_set():
+            try:
+                self._socket.sendall(burst)
+            except OSError:
+                return
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            try:
+                chunk = self._socket.recv(1 << 20)
+            except OSError:
+                return
+            if not chunk:
+                return
+            self.replies += chunk.count(b"\n")
+
+    def __enter__(self) -> PipeliningFlood:
+        for t in self._threads:
+            t.start()
+        time.sleep(1)  # the flood is under way
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._socket.shutdown(socket.SHUT_RDWR)
+        self._socket.close()
+        for t in self._threads:
+            t.join()

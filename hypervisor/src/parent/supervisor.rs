@@ -47,16 +47,18 @@ const KIND_CELL: usize = 2;
 const MAX_API_LINE: usize = 64 << 10;
 /// Control clients served at once; more are turned away with an error.
 const MAX_API_CLIENTS: usize = 256;
-/// Requests of one client handled per turn of the event loop: a client that
-/// pipelines requests faster than they are answered waits for the next turn,
-/// so the other clients, the cells and the signals are served in between.
+/// Requests of one client handled per turn of it: a client that pipelines
+/// requests faster than they are answered goes to the back of the queue, so
+/// the other clients, the cells and the signals are served in between.
 const API_REQUESTS_PER_TURN: usize = 32;
+/// Longest one client's turn takes (a request in progress is finished).
+const CLIENT_SLICE: Duration = Duration::from_millis(10);
 /// Unread replies past which a client's requests are not read any more
 /// until it reads (backpressure): at most one reply more is queued.
 pub const API_BACKPRESSURE: usize = 1 << 20;
-/// Longest a turn of the loop spends on control requests before it looks at
-/// signals and the cells again (a request in progress is finished).
-pub const TURN_BUDGET: Duration = Duration::from_millis(50);
+/// Longest a turn of the loop spends on control clients before it looks at
+/// signals and the cells again (at least one client is served per turn).
+const TURN_BUDGET: Duration = Duration::from_millis(50);
 /// Lines of one cell handled per turn (a cell that floods its link waits
 /// for the next turn).
 const CELL_LINES_PER_TURN: usize = 1024;
@@ -122,6 +124,8 @@ struct ApiClient {
     lines: LineStream<UnixStream>,
     /// It closed its end: no more requests; kept until its replies are out.
     eof: bool,
+    /// It is in [`Supervisor::clients_ready`].
+    queued: bool,
 }
 
 /// Parameters of [`Supervisor::new`].
@@ -167,8 +171,10 @@ pub struct Supervisor {
     api: UnixListener,
     api_path: PathBuf,
     clients: Slab<ApiClient>,
-    /// Clients that may have requests left after their turn.
-    clients_with_more: VecDeque<usize>,
+    /// Clients with an event or requests left, served in this order (round
+    /// robin): an event only queues its client, so a client that floods
+    /// requests cannot take the turn of one that came after it.
+    clients_ready: VecDeque<usize>,
     signals: signal_hook_mio::v1_0::Signals,
     boot_started: Instant,
     ready_line: Option<Value>,
@@ -212,7 +218,7 @@ impl Supervisor {
             api,
             api_path: setup.api_path,
             clients: Slab::new(),
-            clients_with_more: VecDeque::new(),
+            clients_ready: VecDeque::new(),
             signals,
             boot_started: setup.boot_started,
             ready_line: Some(setup.ready_line),
@@ -249,8 +255,7 @@ impl Supervisor {
             self.end_failures();
             self.check_boot();
             let trim_in = self.heap_trim.tick();
-            let timeout = if !self.clients_with_more.is_empty() || !self.cells_with_more.is_empty()
-            {
+            let timeout = if !self.clients_ready.is_empty() || !self.cells_with_more.is_empty() {
                 Duration::ZERO
             } else if self.ready_line.is_some() {
                 Duration::from_millis(20)
@@ -274,7 +279,7 @@ impl Supervisor {
                     _ => {
                         let index = t & ((1 << KIND_SHIFT) - 1);
                         match t >> KIND_SHIFT {
-                            KIND_API_CLIENT => self.client_ready(index, turn),
+                            KIND_API_CLIENT => self.queue_client(index),
                             KIND_CELL => self.cell_ready(index)?,
                             _ => {}
                         }
@@ -284,17 +289,7 @@ impl Supervisor {
             for index in std::mem::take(&mut self.cells_with_more) {
                 self.cell_ready(index)?;
             }
-            // Each client left over gets its turn, in order, while this
-            // turn's budget lasts; the rest wait for the next turn.
-            for _ in 0..self.clients_with_more.len() {
-                if turn.elapsed() >= TURN_BUDGET {
-                    break;
-                }
-                let Some(key) = self.clients_with_more.pop_front() else {
-                    break;
-                };
-                self.client_ready(key, turn);
-            }
+            self.serve_clients(turn);
         }
     }
 
@@ -677,6 +672,7 @@ impl Supervisor {
                         entry.insert(ApiClient {
                             lines: LineStream::new(stream, MAX_API_LINE),
                             eof: false,
+                            queued: false,
                         });
                     }
                 }
@@ -690,13 +686,40 @@ impl Supervisor {
             let _ = self.poll.registry().deregister(&mut client.lines.stream);
             self.heap_trim.freed();
         }
-        self.clients_with_more.retain(|&k| k != key);
+        self.clients_ready.retain(|&k| k != key);
+    }
+
+    fn queue_client(&mut self, key: usize) {
+        if let Some(client) = self.clients.get_mut(key) {
+            if !client.queued {
+                client.queued = true;
+                self.clients_ready.push_back(key);
+            }
+        }
+    }
+
+    /// Gives the queued clients their turns, in order, while this turn's
+    /// budget lasts (at least one); the rest wait for the next turn.
+    fn serve_clients(&mut self, turn: Instant) {
+        for served in 0..self.clients_ready.len() {
+            if served > 0 && turn.elapsed() >= TURN_BUDGET {
+                break;
+            }
+            let Some(key) = self.clients_ready.pop_front() else {
+                break;
+            };
+            if let Some(client) = self.clients.get_mut(key) {
+                client.queued = false;
+                self.client_ready(key);
+            }
+        }
     }
 
     /// Serves client `key`: flushes its replies, then handles its requests
-    /// one at a time while it is there, reads its replies, and the turn
-    /// (`turn`) has budget left.
-    fn client_ready(&mut self, key: usize, turn: Instant) {
+    /// one at a time while it is there, reads its replies, and its turn has
+    /// budget left; one with requests left is queued again.
+    fn client_ready(&mut self, key: usize) {
+        let started = Instant::now();
         let mut handled = 0;
         loop {
             let Some(client) = self.clients.get_mut(key) else {
@@ -720,11 +743,8 @@ impl Supervisor {
             if hung_up(client.lines.stream.as_raw_fd()) {
                 return self.drop_client(key);
             }
-            if handled >= API_REQUESTS_PER_TURN || turn.elapsed() >= TURN_BUDGET {
-                if !self.clients_with_more.contains(&key) {
-                    self.clients_with_more.push_back(key);
-                }
-                return;
+            if handled >= API_REQUESTS_PER_TURN || started.elapsed() >= CLIENT_SLICE {
+                return self.queue_client(key);
             }
             let mut lines = Vec::with_capacity(1);
             let line = match client.lines.read_lines_upto(&mut lines, 1) {
