@@ -167,6 +167,50 @@ def thread_names(pid: int) -> set[str]:
     return names
 
 
+def test_a_cell_whose_vms_were_all_destroyed_is_retired(tmp_path):
+    """A cell no `create` will grow whose every VM was destroyed (stopped
+    live, or crashed then forgotten) exits with its holders, and nothing of
+    it is listed: a run that replaces VMs keeps the cells it needs, not one
+    per VM ever created. The last cell, which has room, stays."""
+    m = start(tmp_path, 6, "127.205.0.0", "--cell-vms", "3", "--cell-placement", "floating")
+    try:
+        first, last = children(m.proc.pid)
+        first_processes = cell_processes(first)
+        assert len(first_processes) > 1  # a cell and its holders
+        assert m.control({"cmd": "destroy", "vm": 0}) == {"ok": True, "vm": 0}
+        assert m.control({"cmd": "destroy", "vm": 1}) == {"ok": True, "vm": 1}
+        assert m.control({"cmd": "crash", "vm": 2})["ok"]
+
+        def listed() -> dict[int, str]:
+            return {v["id"]: v["state"] for v in m.control({"cmd": "list"})["vms"]}
+
+        assert wait_for(lambda: listed()[2] == "crashed")
+        assert alive(first), "a cell with a VM not destroyed is kept"
+        assert m.control({"cmd": "destroy", "vm": 2}) == {"ok": True, "vm": 2}
+        assert wait_for(lambda: not any(alive(p) for p in first_processes))
+        assert listed() == {3: "running", 4: "running", 5: "running"}
+        assert "retired: every VM of it was destroyed" in m.stderr()
+        # The last cell is full: no create grows it, so it goes too.
+        for vm in (3, 4, 5):
+            assert m.control({"cmd": "destroy", "vm": vm}) == {"ok": True, "vm": vm}
+        assert wait_for(lambda: not alive(last))
+        assert listed() == {}
+        assert m.control({"cmd": "create", "count": 2})["created"] == [6, 7]
+        [grown] = children(m.proc.pid)
+        for vm in (6, 7):
+            assert get(m.addr(vm)).body == SMALL
+        # The last cell has room for one more: emptied, it is kept and grown.
+        for vm in (6, 7):
+            assert m.control({"cmd": "destroy", "vm": vm}) == {"ok": True, "vm": vm}
+        assert m.control({"cmd": "create", "count": 1})["created"] == [8]
+        assert children(m.proc.pid) == [grown]
+        assert get(m.addr(8)).body == SMALL
+        totals = m.control({"cmd": "stats", "vms": False})["totals"]
+        assert totals["running"] == 1 and totals["resident_bytes"] <= totals["budget_bytes"]
+    finally:
+        assert m.stop() == 0
+
+
 def test_a_killed_parent_takes_every_cell_with_it(tmp_path):
     m = start(tmp_path, 6, "127.223.0.0", "--cell-vms", "2")
     cells = children(m.proc.pid)

@@ -68,11 +68,18 @@ class Footprint:
 
     fds: int
     rss_kib: int
+    #: The parts of the RSS: heap and stacks, mapped files, and guest RAM
+    #: (shared memory) the pager has touched through its own mapping.
+    anon_kib: int
+    file_kib: int
+    shmem_kib: int
     swap_bytes: int
 
     def __str__(self) -> str:
         return (
-            f"{self.fds} fds, RSS {self.rss_kib / 1024:.1f} MiB, swap {self.swap_bytes >> 20} MiB"
+            f"{self.fds} fds, RSS {self.rss_kib / 1024:.1f} MiB (anonymous "
+            f"{self.anon_kib / 1024:.1f}, files {self.file_kib / 1024:.1f}, guest RAM "
+            f"{self.shmem_kib / 1024:.1f}), swap {self.swap_bytes >> 20} MiB"
         )
 
 
@@ -88,8 +95,12 @@ def footprint(pid: int, workdir: str) -> Footprint:
         except OSError:
             continue
     with open(f"/proc/{pid}/status") as status:
-        rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
-    return Footprint(len(fds), rss, swap)
+        kib = {
+            line.split(":")[0]: int(line.split()[1])
+            for line in status
+            if line.startswith(("VmRSS:", "RssAnon:", "RssFile:", "RssShmem:"))
+        }
+    return Footprint(len(fds), kib["VmRSS"], kib["RssAnon"], kib["RssFile"], kib["RssShmem"], swap)
 
 
 def vm_ids(pids: list[int]) -> set[int]:
@@ -285,6 +296,7 @@ def main() -> int:
             replace_the_dead(api, replaced)
             time.sleep(2)
             end = footprint(proc.pid, tmp)
+            print(f"end: {end}", flush=True)
             vms = control(api, {"cmd": "stats"})["vms"]
         finally:
             chaos.release()

@@ -69,6 +69,12 @@ use crate::uffd::{space_gone, Fault, FaultKind, Uffd};
 /// model's sleep), so more threads than cores keep the swap queue busy.
 pub const SERVICE_THREADS: usize = 8;
 
+/// Most bytes a fault-service thread moves to or from swap in one piece: a
+/// larger fault (a hibernated VM's working set read back at once) or
+/// eviction is done in pieces of this size, so each thread's buffers stay
+/// this size, not the size of the largest batch it has met.
+const IO_CHUNK_BYTES: usize = 1 << 20;
+
 /// VM ids are below this: the ledger indexes VMs by id, so a cell's wild
 /// id must be refused, not allocated for.
 pub const MAX_VM_ID: u32 = 1 << 20;
@@ -999,8 +1005,11 @@ impl Pager {
             }
         }
         drop(st);
-        let io = self.read_plan(&plan, s)?;
-        self.install(&plan, place, s)?;
+        let mut io = 0.0;
+        for piece in plan.chunks(self.io_chunk_blocks()) {
+            io += self.read_plan(piece, s)?;
+            self.install(piece, place, s)?;
+        }
         let latency = t0.elapsed().as_micros() as u64;
         let mut st = self.lock();
         s.wakes.clear();
@@ -1073,9 +1082,30 @@ impl Pager {
         Ok(())
     }
 
-    /// Evicts the victims: write-protect, write dirty ones to swap, drop.
+    /// Blocks in one piece of I/O ([`IO_CHUNK_BYTES`], at least one block).
+    fn io_chunk_blocks(&self) -> usize {
+        (IO_CHUNK_BYTES / self.block).max(1)
+    }
+
+    /// Evicts the victims, a piece at a time ([`IO_CHUNK_BYTES`]).
     /// `places[i]` is where `victims[i]`'s VM lives.
     fn evict(
+        &self,
+        victims: &mut [PlanBlock],
+        places: &[Place],
+        s: &mut Scratch,
+    ) -> Result<f64, PagerError> {
+        let n = self.io_chunk_blocks();
+        let mut io = 0.0;
+        for (victims, places) in victims.chunks_mut(n).zip(places.chunks(n)) {
+            io += self.evict_piece(victims, places, s)?;
+        }
+        Ok(io)
+    }
+
+    /// Evicts one piece of victims: write-protect, write dirty ones to
+    /// swap, drop.
+    fn evict_piece(
         &self,
         victims: &mut [PlanBlock],
         places: &[Place],

@@ -917,19 +917,22 @@ impl CellLoop {
                 json!({ "ok": true, "vms": self.vms.entries().iter().filter(|e| e.is_known()).map(stats::vm_summary).collect::<Vec<_>>() })
             }
             ToCell::Create { first, count } => self.create(first, count),
-            ToCell::Destroy { vm } => match self.vms.index_of(vm) {
-                Some(index) if self.vms.live(index).is_some() => {
-                    self.kill_vm(
-                        index,
-                        VmState::Stopped,
-                        "destroyed through the control API".into(),
-                    );
-                    json!({ "ok": true, "vm": vm })
+            ToCell::Destroy { vm } => {
+                match self.vms.index_of(vm) {
+                    Some(index) if self.vms.live(index).is_some() => {
+                        self.kill_vm(
+                            index,
+                            VmState::Stopped,
+                            "destroyed through the control API".into(),
+                        );
+                    }
+                    // A VM that crashed is forgotten: nothing of it stays listed.
+                    Some(index) if self.vms.forget(index) => {}
+                    _ => return json!({ "error": format!("no running VM {vm}") }),
                 }
-                // A VM that crashed is forgotten: nothing of it stays listed.
-                Some(index) if self.vms.forget(index) => json!({ "ok": true, "vm": vm }),
-                _ => json!({ "error": format!("no running VM {vm}") }),
-            },
+                self.vms.count_destroyed();
+                json!({ "ok": true, "vm": vm, "left": self.vms.not_destroyed() })
+            }
             ToCell::Crash { vm, triple } => {
                 match self.vms.index_of(vm).and_then(|i| self.vms.live(i)) {
                     Some(vm_ref) => {

@@ -94,6 +94,8 @@ impl VmEntry {
 pub struct VmTable {
     first_id: u32,
     entries: Vec<VmEntry>,
+    /// VMs destroyed through the control API (each at most once).
+    destroyed: usize,
 }
 
 impl VmTable {
@@ -102,6 +104,7 @@ impl VmTable {
         VmTable {
             first_id,
             entries: Vec::new(),
+            destroyed: 0,
         }
     }
 
@@ -120,6 +123,18 @@ impl VmTable {
         );
         self.entries.push(VmEntry::Live(Box::new(vm)));
         self.entries.len() - 1
+    }
+
+    /// Counts a VM destroyed through the control API: a live one stopped,
+    /// or a crashed one forgotten (neither can be destroyed again).
+    pub fn count_destroyed(&mut self) {
+        self.destroyed += 1;
+    }
+
+    /// VMs not destroyed through the control API: when none is left, the
+    /// cell serves nothing and its parent may retire it.
+    pub fn not_destroyed(&self) -> usize {
+        self.entries.len() - self.destroyed
     }
 
     /// The live VM at `index`.

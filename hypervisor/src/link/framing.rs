@@ -44,6 +44,18 @@ pub enum More {
     Lines,
 }
 
+/// Capacity a drained buffer keeps: one that held a large line or reply
+/// (a cell's per-VM stats, a `list` of thousands of VMs) gives the rest
+/// back, so a long-lived stream costs what it holds now, not the most it
+/// ever held.
+const KEEP_CAPACITY: usize = 64 << 10;
+
+/// Empties `buffer`, keeping at most [`KEEP_CAPACITY`] of its capacity.
+fn drain_all(buffer: &mut Vec<u8>) {
+    buffer.clear();
+    buffer.shrink_to(KEEP_CAPACITY);
+}
+
 /// A nonblocking stream with line-buffered input and buffered output.
 #[derive(Debug)]
 pub struct LineStream<S> {
@@ -122,7 +134,11 @@ impl<S: Read + Write> LineStream<S> {
             self.scanned = start;
         }
         // One shift per call, not one per line.
-        self.input.drain(..start);
+        if start == self.input.len() {
+            drain_all(&mut self.input);
+        } else {
+            self.input.drain(..start);
+        }
         self.scanned -= start;
         taken
     }
@@ -143,7 +159,7 @@ impl<S: Read + Write> LineStream<S> {
             }
         }
         if self.written == self.output.len() {
-            self.output.clear();
+            drain_all(&mut self.output);
             self.written = 0;
             return Ok(true);
         }
@@ -220,6 +236,29 @@ mod tests {
             Err(FrameError::Closed)
         ));
         assert_eq!(lines, vec![b"last".to_vec()]);
+    }
+
+    #[test]
+    fn drained_buffers_give_back_what_a_large_line_took() {
+        let (a, mut peer) = UnixStream::pair().unwrap();
+        a.set_nonblocking(true).unwrap();
+        let mut framed = LineStream::new(a, 8 << 20);
+        let reader = std::thread::spawn(move || {
+            let line = [vec![b'x'; 4 << 20], vec![b'\n']].concat();
+            peer.write_all(&line).unwrap();
+            let mut echoed = vec![0u8; line.len()];
+            std::io::Read::read_exact(&mut peer, &mut echoed).unwrap();
+            echoed.len()
+        });
+        let mut lines = Vec::new();
+        while lines.is_empty() {
+            framed.read_lines(&mut lines).unwrap();
+        }
+        assert!(framed.input.capacity() <= KEEP_CAPACITY);
+        framed.queue(&lines[0]);
+        while !framed.flush().unwrap() {}
+        assert!(framed.output.capacity() <= KEEP_CAPACITY);
+        assert_eq!(reader.join().unwrap(), (4 << 20) + 1);
     }
 
     #[test]

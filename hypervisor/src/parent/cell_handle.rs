@@ -614,6 +614,11 @@ impl Cell {
         !std::mem::replace(slot, true)
     }
 
+    /// Forgets every VM of a cell that is gone (it was retired).
+    pub fn forget_all(&mut self) {
+        self.forgotten = vec![true; self.count as usize];
+    }
+
     /// The VMs of a cell that is gone that are still listed (not forgotten).
     pub fn remembered(&self) -> impl Iterator<Item = u32> + '_ {
         (self.first_id..self.first_id + self.count).filter(|&id| {

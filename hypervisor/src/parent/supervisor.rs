@@ -117,6 +117,8 @@ enum End {
     Deadline(Duration),
     /// The pager failed on its guest memory.
     Memory(String),
+    /// Every VM of it was destroyed and no `create` will grow it.
+    Retired,
 }
 
 /// A control client.
@@ -499,6 +501,10 @@ impl Supervisor {
                 quote(&why),
                 cell.kill()
             ),
+            End::Retired => format!(
+                "cell {i} (pid {pid}) retired: every VM of it was destroyed; {}",
+                cell.reap(CELL_EXIT_AFTER_CLOSE)
+            ),
         };
         crate::log!(
             "densevm: {reason}: its VMs {}..{} are down",
@@ -511,6 +517,18 @@ impl Supervisor {
         cell.dead = Some(reason);
         self.cells_with_more.retain(|&c| c != index);
         self.heap_trim.freed();
+    }
+
+    /// Ends cell `index`, whose every VM was destroyed and which no `create`
+    /// will grow: it is told to stop (killed if it has not exited within a
+    /// second), its memory goes back to the pager, and nothing of it is
+    /// listed. A long run that replaces VMs keeps as many cells as it needs,
+    /// not one for every VM it ever created.
+    fn retire(&mut self, index: usize) {
+        // One that cannot be told is killed by the reap.
+        let _ = self.cells[index].send(&ToCell::Shutdown);
+        self.end_cell(index, End::Retired);
+        self.cells[index].forget_all();
     }
 
     /// Sends `request` to each cell in `targets`, then collects their
@@ -819,17 +837,35 @@ impl Supervisor {
     }
 
     /// Stops a VM; one of a cell that is gone (crashed) is forgotten: no
-    /// longer listed, so nothing of it is kept.
+    /// longer listed, so nothing of it is kept. A cell left with no VM that
+    /// was not destroyed is retired.
     fn destroy(&mut self, vm: u32) -> Value {
-        if let Some(index) = self.cell_of(vm) {
-            if self.cells[index].dead.is_some() {
-                return match self.cells[index].forget(vm) {
-                    true => json!({ "ok": true, "vm": vm }),
-                    false => json!({ "error": format!("no running VM {vm}") }),
-                };
-            }
+        let Some(index) = self.cell_of(vm) else {
+            return json!({ "error": format!("no running VM {vm}") });
+        };
+        if self.cells[index].dead.is_some() {
+            return match self.cells[index].forget(vm) {
+                true => json!({ "ok": true, "vm": vm }),
+                false => json!({ "error": format!("no running VM {vm}") }),
+            };
         }
-        self.forward(vm, ToCell::Destroy { vm })
+        let mut reply = self.forward(vm, ToCell::Destroy { vm });
+        // What the cell says of itself only decides its own end.
+        let left = reply.as_object_mut().and_then(|r| r.remove("left"));
+        if left.and_then(|n| n.as_u64()) == Some(0)
+            && self.cells[index].dead.is_none()
+            && self.growable_cell() != Some(index)
+        {
+            self.retire(index);
+        }
+        reply
+    }
+
+    /// The last cell, when it is alive and has room: the one `create` grows.
+    fn growable_cell(&self) -> Option<usize> {
+        let index = self.cells.len().checked_sub(1)?;
+        let cell = &self.cells[index];
+        (cell.dead.is_none() && cell.count < cell.capacity).then_some(index)
     }
 
     fn list(&mut self) -> Value {
@@ -967,10 +1003,7 @@ impl Supervisor {
         let mut left = count;
         while left > 0 {
             let next_id = self.cells.last().map_or(0, |c| c.first_id + c.count);
-            let last = self.cells.len().checked_sub(1).filter(|&i| {
-                self.cells[i].dead.is_none() && self.cells[i].count < self.cells[i].capacity
-            });
-            let (n, result) = match last {
+            let (n, result) = match self.growable_cell() {
                 Some(index) => {
                     let n = left.min(self.cells[index].capacity - self.cells[index].count);
                     (n, self.grow_cell(index, next_id, n, by))
