@@ -8,6 +8,7 @@ belong in tests on a shared host."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import struct
@@ -86,9 +87,9 @@ SCHED_BATCH = 3  # every cell thread's policy (hypervisor/src/scheduling.rs)
 SCHED_IDLE = 5
 
 
-def vcpu_sched_policy(m: Monitor, vm: int) -> int:
-    """The kernel's scheduling policy of VM `vm`'s vCPU thread (in a holder,
-    a child of a cell, itself a child of the monitor process)."""
+def vcpu_thread(m: Monitor, vm: int) -> Path:
+    """VM `vm`'s vCPU thread in /proc (in a holder, a child of a cell,
+    itself a child of the monitor process)."""
     parents: dict[int, int] = {}
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
@@ -109,10 +110,20 @@ def vcpu_sched_policy(m: Monitor, vm: int) -> int:
         try:
             for task in Path(f"/proc/{pid}/task").iterdir():
                 if (task / "comm").read_text().strip() == f"vcpu{vm}":
-                    return int((task / "stat").read_text().rpartition(")")[2].split()[38])
+                    return task
         except (FileNotFoundError, ProcessLookupError):
             continue
     raise AssertionError(f"no vCPU thread of VM {vm} under process {m.proc.pid}")
+
+
+def vcpu_sched_policy(m: Monitor, vm: int) -> int:
+    """The kernel's scheduling policy of VM `vm`'s vCPU thread."""
+    return int((vcpu_thread(m, vm) / "stat").read_text().rpartition(")")[2].split()[38])
+
+
+def vcpu_cpus(m: Monitor, vm: int) -> set[int]:
+    """The CPUs VM `vm`'s vCPU thread may run on."""
+    return os.sched_getaffinity(int(vcpu_thread(m, vm).name))
 
 
 def wait_for_background(m: Monitor, vm: int, timeout: float = 10) -> None:
@@ -276,6 +287,11 @@ def test_a_spinning_guest_leaves_neighbours_serving(tmp_path):
         demotions = {vm["id"]: vm["vcpu_demotions"] for vm in stats["vms"]}
         assert demotions.pop(HOSTILE_VM) >= 1 and set(demotions.values()) == {0}, demotions
         assert vcpu_sched_policy(m, 1) == SCHED_BATCH
+        # Demoted, it leaves its pinned cell's CPU for every CPU densevm may
+        # use; a neighbour in its cell (cell 0: the first CPU) stays.
+        allowed = os.sched_getaffinity(m.proc.pid)
+        assert vcpu_cpus(m, HOSTILE_VM) == allowed
+        assert vcpu_cpus(m, 1) == {min(allowed)}
     finally:
         stop_quickly(m)
 

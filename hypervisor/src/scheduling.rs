@@ -72,15 +72,39 @@ pub fn use_cell_policy() -> io::Result<()> {
 pub fn pin_cell(index: u32) -> io::Result<usize> {
     let cpu =
         cpu_for_cell(index, &allowed_cpus()?).ok_or_else(|| io::Error::other("no CPU allowed"))?;
-    // SAFETY: as above; `cpu` came from the allowed set, so it is below
-    // CPU_SETSIZE.
+    set_thread_cpus(0, &[cpu])?;
+    Ok(cpu)
+}
+
+/// Lets thread `tid` (0: the calling one) run on `cpus` only.
+pub fn set_thread_cpus(tid: i32, cpus: &[usize]) -> io::Result<()> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    unsafe { libc::CPU_SET(cpu, &mut set) };
-    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) };
+    for &cpu in cpus.iter().filter(|&&cpu| cpu < libc::CPU_SETSIZE as usize) {
+        // SAFETY: `cpu` is below CPU_SETSIZE.
+        unsafe { libc::CPU_SET(cpu, &mut set) };
+    }
+    // SAFETY: a plain syscall with a valid set; a stale id fails with ESRCH.
+    let rc = unsafe { libc::sched_setaffinity(tid, std::mem::size_of_val(&set), &set) };
     if rc != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(cpu)
+    Ok(())
+}
+
+/// Where a cell's vCPU threads may run: `home` while they serve (the
+/// cell's CPU when it is pinned), `background` once the CPU governor has
+/// demoted them: every CPU densevm may use. A demoted vCPU left on its
+/// pinned cell's CPU took that CPU's idle moments from the very neighbours
+/// it shares the cell with, and each preemption of it in guest mode delayed
+/// their wake-ups: on 2 cores, a spinning guest at SCHED_IDLE raised its
+/// neighbours' p99 2.6-2.9x pinned, 1.2x floating (docs/measurements/2026-11-28.md).
+#[derive(Debug, Clone)]
+pub struct VcpuCpus {
+    /// The cell's own CPUs.
+    pub home: Vec<usize>,
+    /// Every CPU densevm may use.
+    pub background: Vec<usize>,
 }
 
 #[cfg(test)]

@@ -19,8 +19,13 @@
 //! CPU but still wants all of it, and must not be restored for that. It is
 //! restored when what it wants falls below [`RESTORE_SHARE`] or it serves. A
 //! demoted guest keeps running: on an idle host it loses nothing.
+//!
+//! A demoted thread also leaves its cell's CPU for every CPU densevm may use
+//! ([`VcpuCpus`]), and comes back when restored: pinned beside its own
+//! cell's threads, it took their CPU's idle moments.
 
 use crate::cell::microvm::MicroVm;
+use crate::scheduling::VcpuCpus;
 use std::time::{Duration, Instant};
 
 /// How often the vCPUs' CPU use is looked at.
@@ -59,15 +64,18 @@ fn hogging(background: bool, share: f64, cpu: Duration, requests: u64) -> bool {
 
 /// Per-cell governor over its VMs' vCPU threads.
 pub struct CpuGovernor {
+    cpus: VcpuCpus,
     last: Instant,
     samples: Vec<Sample>,
     demotions: u64,
 }
 
 impl CpuGovernor {
-    /// A governor that has seen nothing yet.
-    pub fn new() -> Self {
+    /// A governor that has seen nothing yet, moving demoted vCPUs between
+    /// `cpus`.
+    pub fn new(cpus: VcpuCpus) -> Self {
         CpuGovernor {
+            cpus,
             last: Instant::now(),
             samples: Vec::new(),
             demotions: 0,
@@ -149,6 +157,12 @@ impl CpuGovernor {
             let share = used.as_secs_f64() / elapsed.as_secs_f64();
             let background = hogging(sample.background, share, used, served);
             if background != sample.background && live.vcpu.set_background(background).is_ok() {
+                let cpus = match background {
+                    true => &self.cpus.background,
+                    false => &self.cpus.home,
+                };
+                // Left where it was, it is still demoted: SCHED_IDLE.
+                let _ = live.vcpu.set_cpus(cpus);
                 sample.background = background;
                 sample.runnable = live.vcpu.runnable_time().filter(|_| background);
                 if background {

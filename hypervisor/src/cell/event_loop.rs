@@ -20,6 +20,7 @@ use crate::holder::{FromHolder, Holder};
 use crate::link::framing::{FrameError, LineStream};
 use crate::link::pager_link::PagerLink;
 use crate::link::protocol::{FromCell, Request, ToCell, MAX_LINK_LINE};
+use crate::scheduling::VcpuCpus;
 use crate::vstate::vcpu::RunState;
 use mio::net::UnixStream;
 use mio::{Events, Interest, Poll, Token};
@@ -121,6 +122,8 @@ pub struct CellLoopSetup {
     pub hibernation: Option<Hibernation>,
     /// Index of this cell.
     pub cell: u32,
+    /// Where its vCPU threads run, serving and demoted.
+    pub vcpu_cpus: VcpuCpus,
 }
 
 /// The pager's view from a cell: served requests and stopped VMs, reported
@@ -272,7 +275,7 @@ impl CellLoop {
             throttled: Vec::new(),
             in_backlog: Vec::new(),
             last_sweep: Instant::now(),
-            governor: CpuGovernor::new(),
+            governor: CpuGovernor::new(setup.vcpu_cpus),
             bells: Vec::new(),
             hibernation: setup.hibernation,
             cell: setup.cell,

@@ -27,7 +27,7 @@ use crate::holder::{self, HolderError, HolderInputs};
 use crate::link::framing::peer_gone;
 use crate::link::protocol::{CellConfig, FromCell, Hello, Request, Space, ToCell, MAX_LINK_LINE};
 use crate::platform::{self, PlatformError};
-use crate::scheduling::{self, CellPlacement};
+use crate::scheduling::{self, CellPlacement, VcpuCpus};
 use crate::vstate::vm::{MissingCapability, VmCaps};
 use kvm_ioctls::Kvm;
 use paging_policy::PagerError;
@@ -125,6 +125,11 @@ pub fn run() -> i32 {
 fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
     stay_with_parent(config.parent_pid)?;
     let settings = &config.settings;
+    let cpu_error = |source| CellError::Io {
+        what: "the CPUs densevm may use",
+        source,
+    };
+    let densevm_cpus = scheduling::allowed_cpus().map_err(cpu_error)?;
     // Before any thread or holder starts: they inherit the CPU and the policy.
     if settings.placement == CellPlacement::Pinned {
         scheduling::pin_cell(config.cell).map_err(|source| CellError::Io {
@@ -136,6 +141,10 @@ fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
         what: "scheduling policy",
         source,
     })?;
+    let vcpu_cpus = VcpuCpus {
+        home: scheduling::allowed_cpus().map_err(cpu_error)?,
+        background: densevm_cpus,
+    };
     config::ensure_fd_budget(config.capacity, settings.fds_per_vm)?;
     let mut ctx = build_context(&config)?;
     let irqs = eventfds(config.capacity, "irq eventfds")?;
@@ -196,6 +205,7 @@ fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
         inject_request: settings.inject_request,
         hibernation: settings.hibernation,
         cell: config.cell,
+        vcpu_cpus,
     };
     let mut event_loop = CellLoop::new(setup).map_err(|e| report(&link, e.into()))?;
     let booted = event_loop.create(first_id, count);

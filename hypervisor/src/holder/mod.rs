@@ -263,6 +263,14 @@ impl RemoteVcpu {
             .map(|(on_cpu, waiting)| Duration::from_nanos(on_cpu + waiting))
     }
 
+    /// Lets the thread run on `cpus` only.
+    pub fn set_cpus(&self, cpus: &[usize]) -> std::io::Result<()> {
+        if self.tid == 0 {
+            return Ok(());
+        }
+        crate::scheduling::set_thread_cpus(self.tid, cpus)
+    }
+
     /// Runs the thread as SCHED_IDLE (`true`: only CPU time nobody else
     /// wants) or under the cell's own policy.
     pub fn set_background(&self, background: bool) -> std::io::Result<()> {
