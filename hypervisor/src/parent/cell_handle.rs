@@ -285,6 +285,7 @@ impl PendingCell {
                     dead: None,
                     next_request: 1,
                     forgotten: Vec::new(),
+                    stopped: Vec::new(),
                 })
             }
             Err(failure) => {
@@ -545,6 +546,8 @@ pub struct Cell {
     next_request: u64,
     /// Once it is gone: which of its VMs were destroyed (forgotten).
     forgotten: Vec<bool>,
+    /// VMs reported stopped, per holder (space).
+    stopped: Vec<u32>,
 }
 
 impl Cell {
@@ -614,6 +617,26 @@ impl Cell {
         !std::mem::replace(slot, true)
     }
 
+    /// Counts VM `id` stopped. Returns its holder's space once every VM
+    /// that space can hold was created and has stopped: ids are never
+    /// reused, so no VM will run in it again, and the pager can let its
+    /// descriptors go (a killed holder's, say, in a cell that lives on).
+    pub fn note_stopped(&mut self, id: u32) -> Option<SpaceId> {
+        let holder = ((id - self.first_id) / self.holder_vms.max(1)) as usize;
+        let space = *self.spaces.get(holder)?;
+        self.stopped.resize(self.spaces.len(), 0);
+        self.stopped[holder] = self.stopped[holder].saturating_add(1);
+        let stopped = self.stopped[holder];
+        spent(
+            holder as u32,
+            self.holder_vms,
+            self.capacity,
+            self.count,
+            stopped,
+        )
+        .then_some(space)
+    }
+
     /// Forgets every VM of a cell that is gone (it was retired).
     pub fn forget_all(&mut self) {
         self.forgotten = vec![true; self.count as usize];
@@ -631,10 +654,32 @@ impl Cell {
     }
 }
 
+/// Whether every slot of holder `holder` (of `holder_vms`, in a cell of
+/// `capacity` slots of which `count` were used) was used and its VM stopped.
+fn spent(holder: u32, holder_vms: u32, capacity: u32, count: u32, stopped: u32) -> bool {
+    let first = holder.saturating_mul(holder_vms);
+    let end = first.saturating_add(holder_vms).min(capacity);
+    count >= end && stopped >= end.saturating_sub(first)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::link::protocol::Space;
+
+    #[test]
+    fn a_space_is_spent_once_its_every_slot_was_used_and_stopped() {
+        assert!(spent(0, 20, 100, 100, 20));
+        assert!(!spent(0, 20, 100, 100, 19), "one VM still runs");
+        assert!(
+            !spent(1, 20, 100, 30, 10),
+            "create will still use its slots 30-39"
+        );
+        assert!(
+            spent(4, 20, 90, 90, 10),
+            "the last holder holds the 10 left"
+        );
+    }
 
     fn hello(holder_vms: u32, spaces: &[(usize, usize)]) -> Hello {
         Hello {

@@ -424,7 +424,14 @@ impl Supervisor {
                 }
                 self.note_access(&counts);
             }
-            FromCell::Stopped { vm } if cell.holds(vm) => self.unregister_vm(vm),
+            FromCell::Stopped { vm } if cell.holds(vm) => {
+                let spent = cell.note_stopped(vm);
+                self.unregister_vm(vm);
+                if let Some(space) = spent {
+                    // A lying count detaches only this cell's own memory.
+                    self.pager.detach_space(space);
+                }
+            }
             FromCell::Stopped { vm } => {
                 return Err(CellFault::Hostile(format!(
                     "reported VM {vm} stopped, which it does not hold"
