@@ -66,12 +66,11 @@ pub fn use_cell_policy() -> io::Result<()> {
     Ok(())
 }
 
-/// Binds the calling thread to cell `index`'s CPU. Threads it starts
-/// afterwards inherit the binding, so a cell calls this before it starts
-/// any. Returns the CPU.
-pub fn pin_cell(index: u32) -> io::Result<usize> {
-    let cpu =
-        cpu_for_cell(index, &allowed_cpus()?).ok_or_else(|| io::Error::other("no CPU allowed"))?;
+/// Binds the calling thread to cell `index`'s CPU of `allowed` (the CPUs
+/// densevm may use). Threads it starts afterwards inherit the binding, so
+/// a cell calls this before it starts any. Returns the CPU.
+pub fn pin_cell(index: u32, allowed: &[usize]) -> io::Result<usize> {
+    let cpu = cpu_for_cell(index, allowed).ok_or_else(|| io::Error::other("no CPU allowed"))?;
     set_thread_cpus(0, &[cpu])?;
     Ok(cpu)
 }
@@ -139,7 +138,7 @@ mod tests {
         assert!(!allowed.is_empty());
         // A thread of its own, so the test harness's other threads keep their CPUs.
         let (cpu, own, child) = std::thread::spawn(|| {
-            let cpu = pin_cell(1).unwrap();
+            let cpu = pin_cell(1, &allowed_cpus().unwrap()).unwrap();
             let child = std::thread::spawn(|| allowed_cpus().unwrap());
             (cpu, allowed_cpus().unwrap(), child.join().unwrap())
         })

@@ -125,24 +125,27 @@ pub fn run() -> i32 {
 fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
     stay_with_parent(config.parent_pid)?;
     let settings = &config.settings;
-    let cpu_error = |source| CellError::Io {
+    let densevm_cpus = scheduling::allowed_cpus().map_err(|source| CellError::Io {
         what: "the CPUs densevm may use",
         source,
-    };
-    let densevm_cpus = scheduling::allowed_cpus().map_err(cpu_error)?;
+    })?;
     // Before any thread or holder starts: they inherit the CPU and the policy.
-    if settings.placement == CellPlacement::Pinned {
-        scheduling::pin_cell(config.cell).map_err(|source| CellError::Io {
-            what: "pin to a CPU",
-            source,
-        })?;
-    }
+    let home = match settings.placement {
+        CellPlacement::Pinned => {
+            let pinned = scheduling::pin_cell(config.cell, &densevm_cpus);
+            vec![pinned.map_err(|source| CellError::Io {
+                what: "pin to a CPU",
+                source,
+            })?]
+        }
+        CellPlacement::Floating => densevm_cpus.clone(),
+    };
     scheduling::use_cell_policy().map_err(|source| CellError::Io {
         what: "scheduling policy",
         source,
     })?;
     let vcpu_cpus = VcpuCpus {
-        home: scheduling::allowed_cpus().map_err(cpu_error)?,
+        home,
         background: densevm_cpus,
     };
     config::ensure_fd_budget(config.capacity, settings.fds_per_vm)?;
