@@ -50,8 +50,11 @@ class Behaviour(IntEnum):
     WRITE_IMAGE = 11
 
 
-def start_hostile(tmp_path: Path, behaviour: Behaviour, addr_base: str, *extra: str) -> Monitor:
-    guest_arg = (int(behaviour) << 32) | HOSTILE_VM
+def start_hostile(
+    tmp_path: Path, behaviour: Behaviour, addr_base: str, *extra: str, count: int = 1
+) -> Monitor:
+    """VMs HOSTILE_VM .. HOSTILE_VM + count - 1 misbehave as `behaviour`."""
+    guest_arg = (count << 40) | (int(behaviour) << 32) | HOSTILE_VM
     return start(
         tmp_path,
         VMS,
@@ -292,6 +295,24 @@ def test_a_spinning_guest_leaves_neighbours_serving(tmp_path):
         allowed = os.sched_getaffinity(m.proc.pid)
         assert vcpu_cpus(m, HOSTILE_VM) == allowed
         assert vcpu_cpus(m, 1) == {min(allowed)}
+    finally:
+        stop_quickly(m)
+
+
+def test_spinners_that_share_the_cores_are_all_sent_to_the_background(tmp_path):
+    # Eight spinners on their cell's one CPU each run an eighth of it: under
+    # any threshold on CPU used, while each wants a whole core.
+    spinners = range(HOSTILE_VM, HOSTILE_VM + 8)
+    m = start_hostile(tmp_path, Behaviour.SPIN, "127.208.0.0", count=len(spinners))
+    try:
+        for vm in spinners:
+            wait_for_background(m, vm, timeout=20)
+        for vm in range(spinners.stop, VMS):
+            assert get(m.addr(vm)).body == SMALL, f"neighbour {vm}"
+        stats = m.control({"cmd": "stats"})
+        demotions = {vm["id"]: vm["vcpu_demotions"] for vm in stats["vms"]}
+        assert all(demotions.pop(vm) >= 1 for vm in spinners), demotions
+        assert set(demotions.values()) == {0}, demotions
     finally:
         stop_quickly(m)
 

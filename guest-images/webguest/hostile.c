@@ -205,8 +205,11 @@ void hostile_start(const struct dv_boot_info *bi)
         if (bi->vm_id >= HOSTILE_LAST)
             return;
         chosen = bi->vm_id + 1;
-    } else if ((uint32_t)bi->guest_arg != bi->vm_id) {
-        return;
+    } else {
+        uint32_t first = (uint32_t)bi->guest_arg;
+        uint32_t count = (bi->guest_arg >> 40) & 0xffff;
+        if (bi->vm_id < first || bi->vm_id - first >= (count ? count : 1))
+            return;
     }
     struct dv_ctrl *ctrl = ctrl_page();
     switch ((enum hostile_behaviour)chosen) {

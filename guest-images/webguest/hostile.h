@@ -4,7 +4,8 @@
 #include "abi.h"
 
 /* densevm --guest-arg: bits 0-31 the misbehaving VM's id, bits 32-39 what
- * it does (0: every VM is a plain webguest). HOSTILE_ALL instead makes VM i
+ * it does (0: every VM is a plain webguest), bits 40-55 how many VMs from
+ * that id on do it (0 means one). HOSTILE_ALL instead makes VM i
  * behave as behaviour i + 1 for every behaviour up to HOSTILE_LAST, all at
  * once, and every later VM a plain webguest. */
 enum hostile_behaviour {

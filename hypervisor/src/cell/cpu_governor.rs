@@ -5,33 +5,39 @@
 //! A web guest spends its CPU on requests, tens of microseconds each. A
 //! guest that spins, floods its ring or rewrites its memory in a loop uses
 //! whole cores and serves nothing. Every [`PERIOD`] each live vCPU's thread
-//! CPU time is read and set against the requests the VM served, as the host
-//! can vouch for them (never the guest's own counter: a guest that spins
-//! while counting requests it never answered is judged on the responses
-//! the host carried, see `event_loop`); a thread is
-//! demoted when it used more than [`DEMOTE_SHARE`] of a core at more than
-//! [`HOG_CPU_PER_REQUEST`] per request. The threads live in the holders,
-//! where a read costs a file of /proc: a holder whose whole process used
-//! less than [`DEMOTE_SHARE`] in the period can hold no hog, so its
-//! threads are not read (their next read only sets a new baseline). A demoted thread
-//! is judged by the time it was runnable (on a CPU or waiting for one, from
-//! the kernel's schedstat): a spinner starved by busy neighbours uses little
-//! CPU but still wants all of it, and must not be restored for that. It is
-//! restored when what it wants falls below [`RESTORE_SHARE`] or it serves. A
-//! demoted guest keeps running: on an idle host it loses nothing.
+//! is read and set against the requests the VM served, as the host can
+//! vouch for them (never the guest's own counter: a guest that spins while
+//! counting requests it never answered is judged on the responses the host
+//! carried, see `event_loop`). A thread is judged by the time it was
+//! runnable (on a CPU or waiting for one, from the kernel's schedstat), not
+//! only by the time it ran: four spinners sharing two busy cores each ran a
+//! fifth of a core, under any threshold on CPU used, while each wanted a
+//! whole one. It is demoted when it wanted more than [`DEMOTE_SHARE`] of a
+//! core, ran more than [`LOOK_SHARE`] of one and more than
+//! [`HOG_CPU_PER_REQUEST`] per request served, and restored when what it wants falls below [`RESTORE_SHARE`] or it serves.
+//! The threads live in the holders, where a read costs a file of /proc: a
+//! holder whose whole process ran less than [`LOOK_SHARE`] of a core in the
+//! period is not looked into (its threads' next read only sets a new
+//! baseline). A demoted guest keeps running: on an idle host it loses
+//! nothing.
 //!
 //! A demoted thread also leaves its cell's CPU for every CPU densevm may use
 //! ([`VcpuCpus`]), and comes back when restored: pinned beside its own
 //! cell's threads, it took their CPU's idle moments.
 
 use crate::cell::microvm::MicroVm;
+use crate::holder::ThreadTimes;
 use crate::scheduling::VcpuCpus;
 use std::time::{Duration, Instant};
 
 /// How often the vCPUs' CPU use is looked at.
 pub const PERIOD: Duration = Duration::from_millis(250);
-/// Share of a core above which a vCPU that serves little is demoted.
-pub const DEMOTE_SHARE: f64 = 0.5;
+/// Share of a core a vCPU must want to be demoted, if it serves little.
+const DEMOTE_SHARE: f64 = 0.5;
+/// Share of a core a holder's threads must have run together in a period
+/// for them to be looked at: a spinner gets at least this much of two
+/// cores unless some 40 other threads are runnable beside it.
+pub const LOOK_SHARE: f64 = 0.05;
 /// Share of a core below which a demoted vCPU is restored.
 const RESTORE_SHARE: f64 = 0.25;
 /// CPU per served request above which a busy vCPU counts as not serving
@@ -41,25 +47,33 @@ const HOG_CPU_PER_REQUEST: Duration = Duration::from_millis(1);
 /// What the governor last saw of one VM.
 #[derive(Debug, Default, Clone, Copy)]
 struct Sample {
-    cpu: Duration,
+    /// Its thread's times at the last look; `None` before the first.
+    times: Option<ThreadTimes>,
     requests: u64,
-    /// Runnable time at the last look, while in the background.
-    runnable: Option<Duration>,
     background: bool,
     /// Times this VM's vCPU was demoted.
     demotions: u64,
 }
 
 /// Whether a vCPU should run in the background, from what it did in the
-/// last period: `share` of a core, `cpu` used (or wanted, in the
-/// background) for `requests` served.
-fn hogging(background: bool, share: f64, cpu: Duration, requests: u64) -> bool {
-    let threshold = if background {
-        RESTORE_SHARE
-    } else {
-        DEMOTE_SHARE
-    };
-    share > threshold && cpu > HOG_CPU_PER_REQUEST * requests.min(u32::MAX as u64) as u32
+/// last `period`: it `ran` for so long, was runnable (`wanted`) for so long
+/// and served `requests`.
+fn hogging(
+    background: bool,
+    ran: Duration,
+    wanted: Duration,
+    period: Duration,
+    requests: u64,
+) -> bool {
+    let share = |time: Duration| time.as_secs_f64() / period.as_secs_f64();
+    let costly = |cpu: Duration| cpu > HOG_CPU_PER_REQUEST * requests.min(u32::MAX as u64) as u32;
+    match background {
+        // What it ran there is only what others left it.
+        true => share(wanted) > RESTORE_SHARE && costly(wanted),
+        // One that barely ran took nothing from anyone, however long it
+        // waited for a CPU on a loaded host.
+        false => share(wanted) > DEMOTE_SHARE && share(ran) > LOOK_SHARE && costly(ran),
+    }
 }
 
 /// Per-cell governor over its VMs' vCPU threads.
@@ -133,29 +147,25 @@ impl CpuGovernor {
                 continue;
             };
             if !may_hog && !sample.background {
-                sample.cpu = Duration::ZERO;
+                sample.times = None;
                 continue;
             }
-            let Some(cpu) = live.vcpu.cpu_time() else {
+            let Some(times) = live.vcpu.times() else {
                 continue;
             };
-            let mut used = cpu.saturating_sub(sample.cpu);
             let served = requests.saturating_sub(sample.requests);
-            let first_look = sample.cpu.is_zero();
-            sample.cpu = cpu;
             sample.requests = requests;
-            if first_look {
+            let Some(before) = sample.times.replace(times) else {
                 continue;
-            }
-            if sample.background {
-                let runnable = live.vcpu.runnable_time();
-                if let (Some(now), Some(before)) = (runnable, sample.runnable) {
-                    used = used.max(now.saturating_sub(before));
-                }
-                sample.runnable = runnable;
-            }
-            let share = used.as_secs_f64() / elapsed.as_secs_f64();
-            let background = hogging(sample.background, share, used, served);
+            };
+            let wanted = times.runnable.saturating_sub(before.runnable);
+            let background = hogging(
+                sample.background,
+                times.on_cpu.saturating_sub(before.on_cpu),
+                wanted,
+                elapsed,
+                served,
+            );
             if background != sample.background && live.vcpu.set_background(background).is_ok() {
                 let cpus = match background {
                     true => &self.cpus.background,
@@ -164,14 +174,13 @@ impl CpuGovernor {
                 // Left where it was, it is still demoted: SCHED_IDLE.
                 let _ = live.vcpu.set_cpus(cpus);
                 sample.background = background;
-                sample.runnable = live.vcpu.runnable_time().filter(|_| background);
                 if background {
                     self.demotions += 1;
                     sample.demotions += 1;
                     crate::log!(
-                        "densevm: VM {} used {:.0}% of a core serving {} requests; its vCPU now runs in the background",
+                        "densevm: VM {} wanted {:.0}% of a core serving {} requests; its vCPU now runs in the background",
                         live.id,
-                        share * 100.0,
+                        100.0 * wanted.as_secs_f64() / elapsed.as_secs_f64(),
                         served
                     );
                 }
@@ -188,22 +197,37 @@ mod tests {
 
     #[test]
     fn a_spinning_vcpu_is_demoted_and_a_serving_one_is_not() {
-        assert!(hogging(false, 1.0, 250 * MS, 0));
+        let period = 250 * MS;
+        assert!(hogging(false, 250 * MS, 250 * MS, period, 0));
         // 2,500 requests in 250 ms of CPU: 100 us each, a busy web guest.
-        assert!(!hogging(false, 1.0, 250 * MS, 2_500));
+        assert!(!hogging(false, 250 * MS, 250 * MS, period, 2_500));
         assert!(
-            !hogging(false, 0.3, 75 * MS, 0),
+            !hogging(false, 75 * MS, 75 * MS, period, 0),
             "a modest share is left alone"
         );
     }
 
     #[test]
+    fn a_spinner_starved_by_others_is_judged_by_what_it_wants() {
+        let period = 250 * MS;
+        // One of several spinners on busy cores: it ran a fifth of a core
+        // and waited for the rest.
+        assert!(hogging(false, 50 * MS, 250 * MS, period, 0));
+        // A busy web guest waiting as long: 400 requests in 20 ms of CPU.
+        assert!(!hogging(false, 20 * MS, 250 * MS, period, 400));
+        // A guest that waited long for a CPU on a loaded host, then ran a
+        // slow request.
+        assert!(!hogging(false, 5 * MS, 250 * MS, period, 1));
+    }
+
+    #[test]
     fn a_demoted_vcpu_comes_back_when_it_calms_down_or_serves() {
+        let period = 250 * MS;
         assert!(
-            hogging(true, 0.3, 75 * MS, 0),
+            hogging(true, 10 * MS, 75 * MS, period, 0),
             "between the thresholds it stays"
         );
-        assert!(!hogging(true, 0.2, 50 * MS, 0));
-        assert!(!hogging(true, 1.0, 250 * MS, 1_000));
+        assert!(!hogging(true, 10 * MS, 50 * MS, period, 0));
+        assert!(!hogging(true, 250 * MS, 250 * MS, period, 1_000));
     }
 }

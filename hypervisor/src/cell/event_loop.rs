@@ -409,7 +409,7 @@ impl CellLoop {
         let busy: Vec<bool> = self
             .holders
             .iter_mut()
-            .map(|h| h.dead.is_none() && h.busy(crate::cell::cpu_governor::DEMOTE_SHARE))
+            .map(|h| h.dead.is_none() && h.busy(crate::cell::cpu_governor::LOOK_SHARE))
             .collect();
         let per_holder = self.ctx.ram_slots_per_holder;
         let (entries, seen) = (self.vms.entries(), &self.seen);

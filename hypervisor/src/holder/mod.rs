@@ -249,18 +249,14 @@ impl RemoteVcpu {
         }
     }
 
-    /// CPU time the thread has used so far, if it still exists.
-    pub fn cpu_time(&self) -> Option<Duration> {
-        self.schedstat()
-            .map(|(on_cpu, _)| Duration::from_nanos(on_cpu))
-    }
-
-    /// Time the thread has been runnable so far (on a CPU or waiting for
-    /// one), if it still exists: unlike [`Self::cpu_time`], this shows what
-    /// a thread starved of CPU wants.
-    pub fn runnable_time(&self) -> Option<Duration> {
-        self.schedstat()
-            .map(|(on_cpu, waiting)| Duration::from_nanos(on_cpu + waiting))
+    /// CPU time the thread has used so far and the time it has been
+    /// runnable (on a CPU or waiting for one), if it still exists: the
+    /// second shows what a thread starved of CPU wants.
+    pub fn times(&self) -> Option<ThreadTimes> {
+        self.schedstat().map(|(on_cpu, waiting)| ThreadTimes {
+            on_cpu: Duration::from_nanos(on_cpu),
+            runnable: Duration::from_nanos(on_cpu + waiting),
+        })
     }
 
     /// Lets the thread run on `cpus` only.
@@ -289,6 +285,15 @@ impl RemoteVcpu {
             _ => Err(std::io::Error::last_os_error()),
         }
     }
+}
+
+/// What a thread's schedstat says, so far.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ThreadTimes {
+    /// Time it ran.
+    pub on_cpu: Duration,
+    /// Time it ran or waited for a CPU.
+    pub runnable: Duration,
 }
 
 /// A holder as the front holds it.
