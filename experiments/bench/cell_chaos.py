@@ -44,7 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "controller"))
-from scalebench.densevm import control  # noqa: E402
+from scalebench.densevm import DenseVMError, control  # noqa: E402
 from scalebench.scaling import children  # noqa: E402
 
 RELEASE = ROOT / "target" / "release"
@@ -212,9 +212,11 @@ class Chaos:
                 os.kill(pid, signal.SIGCONT)
 
 
-def replace_the_dead(api: Path, replaced: set[int]) -> int:
+def replace_the_dead(api: Path, replaced: set[int], refused: list[str]) -> int:
     """Destroys (forgets) the VMs that died since the last call and creates as
-    many new ones; returns how many."""
+    many new ones; returns how many. A create the monitor refuses (its cell
+    met a holder the chaos had stopped, and killed it at its deadline) is
+    noted in `refused`; the VMs it left crashed are replaced by a later call."""
     dead = [
         v["id"]
         for v in control(api, {"cmd": "list"}, timeout_s=CREATE_TIMEOUT_S)["vms"]
@@ -227,7 +229,10 @@ def replace_the_dead(api: Path, replaced: set[int]) -> int:
     # parent may take up to its create deadline (60 s) to start.
     for start in range(0, len(dead), BATCH):
         count = min(BATCH, len(dead) - start)
-        control(api, {"cmd": "create", "count": count}, timeout_s=CREATE_TIMEOUT_S)
+        try:
+            control(api, {"cmd": "create", "count": count}, timeout_s=CREATE_TIMEOUT_S)
+        except DenseVMError as e:
+            refused.append(str(e))
     return len(dead)
 
 
@@ -255,17 +260,23 @@ def main() -> int:
             cwd=tmp,
         )
         chaos = Chaos(proc.pid, range(half), args.seed)
+        loads: list[subprocess.Popen] = []
+
+        def load(first: int, count: int, seconds: float) -> subprocess.Popen:
+            loads.append(zipfperf(first, count, seconds))
+            return loads[-1]
+
         try:
             ready = json.loads(proc.stdout.readline() or b"null")
             if not ready:
                 raise SystemExit("cell_chaos: densevm did not start")
             print(f"ready: {ready['vms']} VMs in {ready['cells']} cells", flush=True)
-            finish(zipfperf(0, args.vms, 20), 20)  # warm-up: working sets in, swap written
+            finish(load(0, args.vms, 20), 20)  # warm-up: working sets in, swap written
             start = footprint(proc.pid, tmp)
             print(f"start: {start}", flush=True)
 
             seconds = args.baseline_minutes * 60
-            calm, other = zipfperf(0, half, seconds), zipfperf(half, args.vms - half, seconds)
+            calm, other = load(0, half, seconds), load(half, args.vms - half, seconds)
             baseline = finish(calm, seconds)
             finish(other, seconds)
             print(
@@ -276,30 +287,39 @@ def main() -> int:
             )
 
             seconds = args.minutes * 60
-            calm, other = zipfperf(0, half, seconds), zipfperf(half, args.vms - half, seconds)
+            calm, other = load(0, half, seconds), load(half, args.vms - half, seconds)
             deadline = time.monotonic() + seconds
             replaced: set[int] = set()
+            refused: list[str] = []
             while time.monotonic() < deadline and proc.poll() is None:
                 print(f"  {chaos.strike()}", flush=True)
                 time.sleep(args.interval)
                 if proc.poll() is None:
-                    replace_the_dead(api, replaced)
+                    replace_the_dead(api, replaced, refused)
             chaotic = finish(calm, seconds)
             finish(other, seconds)
             chaos.release()
             alive = proc.poll() is None
-            print(f"strikes: {chaos.counts}; VMs replaced: {len(replaced)}", flush=True)
+            print(
+                f"strikes: {chaos.counts}; VMs replaced: {len(replaced)};"
+                f" creates refused: {len(refused)} {sorted(set(refused))}",
+                flush=True,
+            )
             if not alive:
                 print("the parent DIED: NOT met")
                 return 1
             time.sleep(3)
-            replace_the_dead(api, replaced)
+            replace_the_dead(api, replaced, refused)
             time.sleep(2)
             end = footprint(proc.pid, tmp)
             print(f"end: {end}", flush=True)
             vms = control(api, {"cmd": "stats"})["vms"]
         finally:
             chaos.release()
+            for running in loads:
+                if running.poll() is None:
+                    running.kill()
+                    running.wait()
             if proc.poll() is None:
                 proc.terminate()
                 proc.wait(60)
