@@ -170,6 +170,26 @@ def thread_names(pid: int) -> set[str]:
     return names
 
 
+def test_a_create_that_meets_a_dead_holder_does_not_fail_every_later_one(tmp_path):
+    """A cell whose idle holder died fails the create that needs that
+    holder's slots; the next create goes to a new cell rather than to the
+    same dead slots (on ee49149 every later create failed the same way)."""
+    # One cell of 16 slots, holders of 8: VMs 0-3 in holder 0, holder 1 idle.
+    m = start(tmp_path, 4, "127.207.0.0", "--cell-vms", "16", "--cell-placement", "floating")
+    try:
+        [cell] = children(m.proc.pid)
+        idle_holder = sorted(children(cell))[1]
+        os.kill(idle_holder, signal.SIGKILL)
+        failed = m.raw_control(b'{"cmd":"create","count":8}\n')
+        assert "killed by signal 9" in failed["error"] and failed["created"] == [], failed
+        assert m.control({"cmd": "create", "count": 8})["created"] == list(range(4, 12))
+        assert len(children(m.proc.pid)) == 2
+        for vm in range(12):
+            assert get(m.addr(vm)).body == SMALL, f"VM {vm}"
+    finally:
+        assert m.stop() == 0
+
+
 def test_a_cell_whose_vms_were_all_destroyed_is_retired(tmp_path):
     """A cell no `create` will grow whose every VM was destroyed (stopped
     live, or crashed then forgotten) exits with its holders, and nothing of

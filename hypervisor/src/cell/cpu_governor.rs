@@ -14,12 +14,12 @@
 //! fifth of a core, under any threshold on CPU used, while each wanted a
 //! whole one. It is demoted when it wanted more than [`DEMOTE_SHARE`] of a
 //! core, ran more than [`LOOK_SHARE`] of one and more than
-//! [`HOG_CPU_PER_REQUEST`] per request served, and restored when what it wants falls below [`RESTORE_SHARE`] or it serves.
-//! The threads live in the holders, where a read costs a file of /proc: a
-//! holder whose whole process ran less than [`LOOK_SHARE`] of a core in the
-//! period is not looked into (its threads' next read only sets a new
-//! baseline). A demoted guest keeps running: on an idle host it loses
-//! nothing.
+//! [`HOG_CPU_PER_REQUEST`] per request served, and restored when what it
+//! wants falls below [`RESTORE_SHARE`] or it serves. The threads live in
+//! the holders, where a read costs a file of /proc: a holder whose whole
+//! process ran less than [`LOOK_SHARE`] of a core in the period is not
+//! looked into (its threads' next read only sets a new baseline). A demoted
+//! guest keeps running: on an idle host it loses nothing.
 //!
 //! A demoted thread also leaves its cell's CPU for every CPU densevm may use
 //! ([`VcpuCpus`]), and comes back when restored: pinned beside its own

@@ -841,9 +841,6 @@ fn run(
     0
 }
 
-/// Closes every descriptor of the process but those in `keep`
-/// (close_range(2) over the gaps). Only for a freshly forked holder: a Rust
-/// object still owning a descriptor closed here must never be dropped.
 /// Makes the pool's empty KVM VM if it has none (`vm` names it in errors).
 fn fill_pool(ctx: &BuildContext, pool: &mut Option<VmFd>, vm: u32) {
     if pool.is_none() {
@@ -884,6 +881,9 @@ fn wake(
     )?)
 }
 
+/// Closes every descriptor of the process but those in `keep`
+/// (close_range(2) over the gaps). Only for a freshly forked holder: a Rust
+/// object still owning a descriptor closed here must never be dropped.
 fn close_all_but(keep: &mut [RawFd]) -> std::io::Result<()> {
     keep.sort_unstable();
     let mut next: u32 = 0;

@@ -536,7 +536,8 @@ pub struct Cell {
     pub first_id: u32,
     /// VMs it holds (ids `first_id..first_id + count`).
     pub count: u32,
-    /// VMs it can hold.
+    /// VMs it can hold: its slots, or as many as it holds once it failed
+    /// to build some asked of it.
     pub capacity: u32,
     /// Its first boot's outcome: (ready, failed).
     pub booted: Option<(u32, u32)>,

@@ -1100,6 +1100,10 @@ impl Supervisor {
         }
         self.cells[index].count -= count - made;
         if made < count {
+            // It takes no more: its next slots may be a dead holder's, and
+            // every later create would meet it again (the next one starts
+            // a cell).
+            self.cells[index].capacity = self.cells[index].count;
             let error = reply["error"]
                 .as_str()
                 .map(quote)
