@@ -974,9 +974,10 @@ impl CellLoop {
                 None => Err(format!("VM {next}: no RAM slot left in this cell")),
                 Some(holder) => match &holder.dead {
                     Some(reason) => Err(format!("VM {next}: {reason}")),
+                    // Dead before the cell noticed: its link is closed.
                     None => holder
                         .request_build(next, end - next)
-                        .map_err(|e| format!("VM {next}: {e}")),
+                        .map_err(|e| format!("VM {next}: holder {h} (pid {}): {e}", holder.pid)),
                 },
             };
             if let Err(e) = sent {
