@@ -288,7 +288,7 @@ impl RemoteVcpu {
 }
 
 /// What a thread's schedstat says, so far.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy)]
 pub struct ThreadTimes {
     /// Time it ran.
     pub on_cpu: Duration,
