@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 
 import pytest
@@ -348,3 +349,70 @@ def test_floating_cells_leave_placement_to_the_scheduler(tmp_path):
         assert get(m.addr(3)).body == SMALL
     finally:
         assert m.stop() == 0
+
+
+def listening_sockets(pids: list[int]) -> int:
+    """TCP sockets in LISTEN held by any of `pids`."""
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":
+                    listening.add(fields[9])
+    held = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except FileNotFoundError:
+                continue
+            if target.startswith("socket:["):
+                held.add(target[8:-1])
+    return len(listening & held)
+
+
+def refused(addr: tuple[str, int]) -> bool:
+    try:
+        with socket.create_connection(addr, timeout=5) as s:
+            s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+            return s.recv(1) == b""
+    except (ConnectionRefusedError, ConnectionResetError):
+        return True
+
+
+def test_every_vm_is_reached_through_one_socket_per_cell(tmp_path):
+    m = start(tmp_path, 12, "127.200.0.0", "--cell-vms", "6", "--cell-placement", "floating")
+    try:
+        assert m.ready["cells"] == 2
+        for vm in range(12):
+            assert get(m.addr(vm)).body == SMALL
+        # The address steering hands every VM's connections to its cell's one socket.
+        procs = [m.proc.pid, *(p for c in children(m.proc.pid) for p in cell_processes(c))]
+        assert listening_sockets(procs) == 2
+        # An address with no VM is refused, and so is a destroyed VM's; the others serve on.
+        assert refused(m.addr(12))
+        assert m.control({"cmd": "destroy", "vm": 3})["ok"]
+        assert wait_for(lambda: refused(m.addr(3)))
+        assert get(m.addr(4)).body == SMALL
+        # A VM created later is steered to the cell that takes it.
+        created = m.control({"cmd": "create", "count": 1})
+        assert created["ok"], created
+        (new,) = created["created"]
+        assert get(m.addr(new)).body == SMALL
+        assert listening_sockets(procs) == 2
+    finally:
+        assert m.stop() == 0
+
+
+def test_a_dead_cells_addresses_are_refused_not_left_hanging(tmp_path):
+    m = start(tmp_path, 12, "127.200.1.0", "--cell-vms", "6", "--cell-placement", "floating")
+    try:
+        first, _ = sorted(children(m.proc.pid))
+        os.kill(first, signal.SIGKILL)
+        assert wait_for(lambda: not alive(first))
+        assert wait_for(lambda: all(refused(m.addr(vm)) for vm in range(6)))
+        for vm in range(6, 12):
+            assert get(m.addr(vm)).body == SMALL
+    finally:
+        m.stop()

@@ -15,11 +15,15 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 /// File descriptors a VM needs in one process of its cell, at most: its
-/// listener, irqfd and doorbell in the front; in its holder, its VM and vCPU
-/// besides every irqfd and doorbell of the cell (inherited at the fork).
+/// irqfd and doorbell in the front; in its holder, its VM and vCPU besides
+/// every irqfd and doorbell of the cell (inherited at the fork).
 const FDS_PER_VM: u64 = 4;
-/// Descriptors kept free for connections, the API and the pager.
-const FD_HEADROOM: u64 = 1024;
+/// Connections a cell accepts and holds for VMs with no free slot yet
+/// (`cell::listener`): each is a descriptor of the cell.
+pub const HELD_PER_CELL: usize = 2048;
+/// Descriptors kept free for connections (the held ones and a thousand
+/// more), the API and the pager.
+const FD_HEADROOM: u64 = 1024 + HELD_PER_CELL as u64;
 /// Kernel memory a 1-vCPU KVM VM holds (docs/host-facts.md, "Costs of KVM operations"):
 /// a VM count the host cannot hold is refused up front.
 const KERNEL_BYTES_PER_VM: u64 = 600 << 10;

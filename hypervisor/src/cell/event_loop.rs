@@ -1,4 +1,4 @@
-//! A cell's event loop (its front): its VMs' listeners and connections on
+//! A cell's event loop (its front): its socket and its VMs' connections on
 //! one side, their rings on the other, the links to its holders (which own
 //! the KVM VMs, see `holder`) and the link to the parent process, which
 //! holds the pager and the control API.
@@ -9,6 +9,7 @@
 
 use crate::cell::cpu_governor::CpuGovernor;
 use crate::cell::hibernation::{self, Candidate, SleepStats};
+use crate::cell::listener::{self, ACCEPTS_PER_TURN};
 use crate::cell::microvm::{self, AdoptError, MicroVm, Sleep};
 use crate::cell::proxy::{self, Drained, Proxy, Readiness, MIN_REQUEST_BYTES};
 use crate::cell::stats;
@@ -52,6 +53,8 @@ const DOORBELL_BACKOFF_MIN: Duration = Duration::from_millis(1);
 /// Longest a storming VM's doorbell is put off: its output waits at most
 /// this long (a normal guest rings only with something to say).
 const DOORBELL_BACKOFF_MAX: Duration = Duration::from_millis(64);
+/// How long accepting waits after it failed (out of descriptors, say).
+const ACCEPT_RETRY: Duration = Duration::from_millis(10);
 /// How often connections pinned by their guest, and lingering ones past
 /// their deadline, are looked for.
 const PINNED_SWEEP: Duration = Duration::from_secs(1);
@@ -110,6 +113,8 @@ pub struct CellLoopSetup {
     pub irqs: Vec<Option<EventFd>>,
     /// The holders, one per `ctx.ram_slots_per_holder` slots.
     pub holders: Vec<Holder>,
+    /// The cell's socket, which gets every connection to its VMs.
+    pub listener: mio::net::TcpListener,
     /// The link to the parent.
     pub link: std::os::unix::net::UnixStream,
     /// When the boot started.
@@ -172,6 +177,10 @@ pub struct CellLoop {
     doorbells: Vec<EventFd>,
     irqs: Vec<Option<EventFd>>,
     holders: Vec<Holder>,
+    listener: mio::net::TcpListener,
+    /// Accept again then, without a new event: a turn's worth was taken
+    /// (now), or accepting failed (a little later).
+    accept_due: Option<Instant>,
     /// VMs asked to stop whose holder has not confirmed yet: their memory
     /// stays until it has.
     stopping: HashMap<u32, Box<MicroVm>>,
@@ -252,6 +261,9 @@ impl CellLoop {
                 Interest::READABLE,
             )?;
         }
+        let mut listener = setup.listener;
+        poll.registry()
+            .register(&mut listener, token(KIND_LISTENER, 0), Interest::READABLE)?;
         Ok(CellLoop {
             poll,
             vms: VmTable::new(setup.ctx.first_id),
@@ -259,6 +271,8 @@ impl CellLoop {
             doorbells: setup.doorbells,
             irqs: setup.irqs,
             holders: setup.holders,
+            listener,
+            accept_due: None,
             stopping: HashMap::new(),
             proxy: Proxy::new(conn_token),
             parent: ParentLink {
@@ -284,13 +298,7 @@ impl CellLoop {
         })
     }
 
-    fn adopt(&mut self, mut vm: MicroVm) -> io::Result<()> {
-        let index = self.vms.len();
-        self.poll.registry().register(
-            &mut vm.listener,
-            token(KIND_LISTENER, index),
-            Interest::READABLE,
-        )?;
+    fn adopt(&mut self, vm: MicroVm) -> io::Result<()> {
         self.vms.push(vm);
         self.seen.push(Seen::default());
         self.bells.push(Bell::default());
@@ -320,6 +328,7 @@ impl CellLoop {
                 .map(|(at, _)| *at)
                 .chain(self.bells.iter().filter_map(|b| b.deferred_until))
                 .chain([self.governor.due()])
+                .chain(self.accept_due)
                 .chain(self.next_sleep_sweep())
                 .map(|at| at.saturating_duration_since(Instant::now()))
                 .fold(timeout, Duration::min);
@@ -334,13 +343,9 @@ impl CellLoop {
                     }
                     _ => {
                         let index = t & ((1 << KIND_SHIFT) - 1);
-                        let registry = self.poll.registry();
                         match t >> KIND_SHIFT {
                             KIND_HOLDER => self.holder_ready(index),
-                            KIND_LISTENER => {
-                                self.proxy.accept(&mut self.vms, index, registry);
-                                self.connected(index);
-                            }
+                            KIND_LISTENER => self.accept_connections(),
                             KIND_DOORBELL => self.doorbell(index),
                             KIND_CONN => self.proxy.ready(
                                 &mut self.vms,
@@ -364,6 +369,9 @@ impl CellLoop {
                 };
                 self.in_backlog[index] = false;
                 self.service_vm(index);
+            }
+            if self.accept_due.is_some_and(|at| at <= Instant::now()) {
+                self.accept_connections();
             }
             self.service_throttled();
             self.ring_deferred();
@@ -734,6 +742,51 @@ impl CellLoop {
     }
 
     /// A connection came for VM `index`: it is in use, and woken if asleep.
+    /// Takes up to a turn's worth of connections from the cell's socket
+    /// into their VMs' queues, then lets each VM take what it can. A
+    /// connection for no VM of this cell (or one that is gone) is reset.
+    fn accept_connections(&mut self) {
+        self.accept_due = None;
+        let mut touched = Vec::new();
+        let mut drained = false;
+        for _ in 0..ACCEPTS_PER_TURN {
+            let stream = match crate::link::framing::nonblocking(|| self.listener.accept()) {
+                Ok(Some((stream, _))) => stream,
+                Ok(None) => {
+                    drained = true;
+                    break;
+                }
+                Err(e) => {
+                    // EMFILE and friends: try again once something may have closed.
+                    crate::log!("densevm: cell {}: accept: {e}", self.cell);
+                    self.accept_due = Some(Instant::now() + ACCEPT_RETRY);
+                    drained = true;
+                    break;
+                }
+            };
+            let index = listener::vm_of(&stream, self.ctx.addr_base)
+                .and_then(|id| self.vms.index_of(id))
+                .filter(|&index| self.vms.live(index).is_some());
+            match index {
+                Some(index) => {
+                    if self.proxy.held.hold(index, stream) && !touched.contains(&index) {
+                        touched.push(index);
+                    }
+                }
+                None => listener::refuse(stream),
+            }
+        }
+        if !drained {
+            // Edge-triggered: no new event comes for what is still queued.
+            self.accept_due = Some(Instant::now());
+        }
+        for index in touched {
+            self.proxy
+                .accept(&mut self.vms, index, self.poll.registry());
+            self.connected(index);
+        }
+    }
+
     fn connected(&mut self, index: usize) {
         let Some(vm) = self.vms.live(index) else {
             return;
@@ -845,10 +898,9 @@ impl CellLoop {
             reason,
             ctrl: vm.ctrl(),
         };
-        let Some(mut vm) = self.vms.bury(index, dead.clone()) else {
+        let Some(vm) = self.vms.bury(index, dead.clone()) else {
             return;
         };
-        let _ = self.poll.registry().deregister(&mut vm.listener);
         self.proxy.close_vm(&mut self.vms, index);
         // The pager may free the VM's memory once its vCPU no longer runs:
         // when its holder says so, or at once if the holder is gone.
@@ -913,6 +965,9 @@ impl CellLoop {
                     self.sleep_stats.totals().as_object(),
                 ) {
                     totals.extend(sleep.clone());
+                }
+                if let Some(totals) = reply["totals"].as_object_mut() {
+                    totals.insert("held_connections".into(), json!(self.proxy.held.len()));
                 }
                 reply
             }

@@ -1,5 +1,5 @@
-//! A microVM as the cell's front holds it ([`MicroVm`]): its listener, its
-//! rings and connections, and the front's view of its vCPU, which runs in a
+//! A microVM as the cell's front holds it ([`MicroVm`]): its queue of
+//! accepted connections, its rings and connections, and the front's view of its vCPU, which runs in a
 //! holder (see `holder`).
 
 use crate::devices::stream::StreamDevice;
@@ -9,7 +9,7 @@ use crate::holder::builder::BuildContext;
 use crate::holder::RemoteVcpu;
 use crate::vstate::stats::VcpuStats;
 use std::net::SocketAddrV4;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -67,16 +67,6 @@ pub enum AdoptError {
         /// VM index.
         vm: u32,
     },
-    /// The VM's listener could not be bound.
-    #[error("VM {vm}: listen on {addr}: {source}")]
-    Listen {
-        /// VM index.
-        vm: u32,
-        /// The address.
-        addr: SocketAddrV4,
-        /// The bind error.
-        source: std::io::Error,
-    },
     /// The vCPU's KVM statistics could not be mapped.
     #[error("VM {vm}: vCPU statistics: {source}")]
     Stats {
@@ -93,10 +83,8 @@ pub struct MicroVm {
     pub vcpu: RemoteVcpu,
     /// Index of the VM.
     pub id: u32,
-    /// Where it listens.
+    /// Where it serves (the cell's socket gets its connections).
     pub addr: SocketAddrV4,
-    /// Its TCP listener.
-    pub listener: mio::net::TcpListener,
     /// Host-to-guest interrupt.
     pub irq: EventFd,
     /// Host side of the stream device.
@@ -105,7 +93,7 @@ pub struct MicroVm {
     pub slots: [Option<usize>; abi::MAX_SLOTS],
     /// Connections whose unread bytes wait for credit or ring room.
     pub waiting: Vec<usize>,
-    /// Accepting paused until a slot or ring room frees up.
+    /// Taking held connections paused until a slot or ring room frees up.
     pub accept_paused: bool,
     /// Connections it released that still hold output (see `proxy`):
     /// they count against its slots.
@@ -191,7 +179,7 @@ impl MicroVm {
 }
 
 /// The front's side of VM `id`, which its holder built and started: its
-/// listener, its interrupt and its memory as the front maps them.
+/// interrupt and its memory as the front maps them.
 pub fn adopt(
     ctx: &BuildContext,
     id: u32,
@@ -203,11 +191,6 @@ pub fn adopt(
     let sys = ctx.sys.slot(slot).ok_or(AdoptError::NoSlot { vm: id })?;
     let ram = ctx.ram.slot(slot).ok_or(AdoptError::NoSlot { vm: id })?;
     let addr = ctx.addr_of(id);
-    let listener = listen(addr).map_err(|source| AdoptError::Listen {
-        vm: id,
-        addr,
-        source,
-    })?;
     let kvm_stats = stats_fd
         .map(|fd| VcpuStats::from_descriptor(std::fs::File::from(fd)))
         .transpose()
@@ -216,7 +199,6 @@ pub fn adopt(
         vcpu,
         id,
         addr,
-        listener,
         irq,
         stream: StreamDevice::default(),
         slots: [None; abi::MAX_SLOTS],
@@ -235,83 +217,4 @@ pub fn adopt(
         sleep: Sleep::Awake,
         last_active: Instant::now(),
     })
-}
-
-/// How long the kernel holds a connection whose client has sent nothing
-/// before the listener reports it (TCP_DEFER_ACCEPT, rounded up to its
-/// first SYN-ACK retransmission).
-const DEFER_ACCEPT_SECS: libc::c_int = 1;
-/// Connections a listener queues. Deferred connections wait in the SYN
-/// queue until their request arrives, and past this length the kernel
-/// answers with SYN cookies, whose connections skip the deferral and are
-/// accepted ahead of older ones that already sent their request.
-const LISTEN_BACKLOG: i32 = 1024;
-
-/// A VM's nonblocking listener. Connections accepted from it inherit
-/// TCP_NODELAY (Linux copies the option on accept): one call per VM
-/// instead of one per connection. With TCP_DEFER_ACCEPT a connection
-/// becomes acceptable when its request arrives, so accepting it and reading
-/// the request take one wake-up of the cell's loop instead of two.
-fn listen(addr: SocketAddrV4) -> std::io::Result<mio::net::TcpListener> {
-    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
-    socket.set_reuse_address(true)?;
-    socket.set_nonblocking(true)?;
-    socket.set_tcp_nodelay(true)?;
-    // SAFETY: an open socket and an int-sized option value that outlives the call.
-    let rc = unsafe {
-        libc::setsockopt(
-            socket.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_DEFER_ACCEPT,
-            (&DEFER_ACCEPT_SECS as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    socket.bind(&addr.into())?;
-    socket.listen(LISTEN_BACKLOG)?;
-    Ok(mio::net::TcpListener::from_std(socket.into()))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::io::{Read, Write};
-
-    fn accept(listener: &mio::net::TcpListener) -> mio::net::TcpStream {
-        loop {
-            match listener.accept() {
-                Ok((stream, _)) => return stream,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::yield_now(),
-                Err(e) => panic!("accept: {e}"),
-            }
-        }
-    }
-
-    #[test]
-    fn an_accepted_connection_has_nodelay_from_the_listener() {
-        let listener = listen(SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 0)).unwrap();
-        let mut client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        client.write_all(b"GET").unwrap();
-        assert!(accept(&listener).nodelay().unwrap());
-    }
-
-    #[test]
-    fn a_connection_is_accepted_once_its_request_arrives() {
-        let listener = listen(SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 0)).unwrap();
-        let mut client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        // The handshake is complete on the client's side, but nothing was sent.
-        let early = listener.accept().map(|_| ()).unwrap_err();
-        assert_eq!(early.kind(), std::io::ErrorKind::WouldBlock);
-        client.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
-        let mut request = [0u8; 18];
-        let mut accepted = accept(&listener);
-        socket2::SockRef::from(&accepted)
-            .set_nonblocking(false)
-            .unwrap();
-        accepted.read_exact(&mut request).unwrap();
-        assert_eq!(&request, b"GET / HTTP/1.0\r\n\r\n");
-    }
 }

@@ -5,13 +5,15 @@
 //! Its standard input is the link to the parent (see `link::protocol`). It maps
 //! its VMs' memory, forks the holders that will own them (`holder`), hands
 //! their guest RAM (memfds, each registered with its holder's userfaultfd)
-//! to the parent's pager, boots its VMs once the pager knows them, and then
+//! to the parent's pager and its one listening socket (`listener`) to the
+//! parent's address steering, boots its VMs once the pager knows them, and then
 //! runs its event loop (`event_loop`) until the parent says stop or goes
 //! away.
 
 pub mod cpu_governor;
 pub mod event_loop;
 pub mod hibernation;
+pub mod listener;
 pub mod microvm;
 pub mod proxy;
 pub mod stats;
@@ -159,6 +161,11 @@ fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
         doorbells: &doorbells,
         parent_link: link.as_raw_fd(),
     })?;
+    // After the fork: no holder has it.
+    let listener = listener::listen().map_err(|source| CellError::Io {
+        what: "listen",
+        source,
+    })?;
     let spaces = (0..ctx.ram.parts())
         .map(|h| {
             let part = ctx.ram.part(h).expect("the front maps every part");
@@ -183,6 +190,7 @@ fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
             let memfd = ctx.ram.part(h).expect("the front maps every part").memfd();
             [uffd.as_raw_fd(), memfd.as_raw_fd()]
         })
+        .chain([listener.as_raw_fd()])
         .collect();
     link.send_with_fds(&[&line[..]], &fds)
         .map_err(|e| link_error("hand the guest memory to the parent", e.into()))?;
@@ -199,6 +207,7 @@ fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
         doorbells,
         irqs: irqs.into_iter().map(Some).collect(),
         holders,
+        listener,
         link: link.try_clone().map_err(|source| CellError::Io {
             what: "link",
             source,

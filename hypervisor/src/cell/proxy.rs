@@ -20,6 +20,7 @@
 //! and the output all lingerers of the cell hold stays below
 //! [`LINGER_BYTES_MAX`], the largest lingerer being reset past it.
 
+use crate::cell::listener::Held;
 use crate::cell::microvm::MicroVm;
 use crate::cell::vmtable::VmTable;
 use crate::devices::stream::{ProtocolViolation, TxRecord};
@@ -153,6 +154,8 @@ pub struct Proxy {
     lingering_bytes: usize,
     /// VMs whose accepting paused and that a lingerer's end may resume.
     resume: Vec<usize>,
+    /// Accepted connections waiting for a slot of their VM.
+    pub held: Held,
 }
 
 impl Proxy {
@@ -163,6 +166,7 @@ impl Proxy {
             token,
             lingering_bytes: 0,
             resume: Vec::new(),
+            held: Held::default(),
         }
     }
 
@@ -176,16 +180,16 @@ impl Proxy {
         self.conns.get(key).map(|c| c.vm)
     }
 
-    /// Accepts connections on VM `index`'s listener while it has a free slot
-    /// (open and lingering connections together within its slot count)
-    /// and room in its rx ring for the OPEN record.
+    /// Takes VM `index`'s held connections (`cell::listener`) while it has
+    /// a free slot (open and lingering connections together within its slot
+    /// count) and room in its rx ring for the OPEN record.
     ///
     /// The socket is neither read nor the guest kicked here: registering a
     /// connected socket reports it ready at once (it is writable, and
     /// readable, since the listener defers a connection until its request
     /// arrives), so that first event reads the request and kicks the guest
     /// once for OPEN and data together. TCP_NODELAY and the deferral come
-    /// from the listener (`vm::listen`).
+    /// from the cell's socket (`listener::listen`).
     pub fn accept(&mut self, vms: &mut VmTable, index: usize, registry: &Registry) {
         loop {
             let Some(vm) = vms.live(index) else { return };
@@ -199,15 +203,8 @@ impl Proxy {
                 vm.accept_paused = true;
                 return;
             }
-            let mut stream = match nonblocking(|| vm.listener.accept()) {
-                Ok(Some((stream, _))) => stream,
-                Ok(None) => return,
-                Err(e) => {
-                    // EMFILE and friends: stop accepting until something closes.
-                    crate::log!("densevm: VM {}: accept: {e}", vm.id);
-                    vm.accept_paused = true;
-                    return;
-                }
+            let Some(mut stream) = self.held.take(index) else {
+                return;
             };
             let entry = self.conns.vacant_entry();
             let key = entry.key();
@@ -520,6 +517,7 @@ impl Proxy {
 
     /// Closes every connection of VM `index`, lingering ones included.
     pub fn close_vm(&mut self, vms: &mut VmTable, index: usize) {
+        self.held.drop_vm(index);
         let keys: Vec<usize> = self
             .conns
             .iter()

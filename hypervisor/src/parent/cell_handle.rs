@@ -6,6 +6,7 @@
 //! has a deadline ([`deadline`]), and a cell is started with every
 //! descriptor of the parent above stderr closed.
 
+use super::steering::{Steering, SteeringError};
 use crate::config::CellSettings;
 use crate::link::fds::{self, recv_with_fds};
 use crate::link::framing::{FrameError, LineStream};
@@ -14,6 +15,7 @@ use crate::link::protocol::{
 };
 use paging_policy::{Pager, PagerError, SpaceHandoff, SpaceId};
 use std::io::{self, Read, Write};
+use std::net::Ipv4Addr;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
@@ -60,8 +62,8 @@ pub enum HelloError {
         /// How many the slots need.
         needed: u64,
     },
-    /// Not a userfaultfd and a memfd per space.
-    #[error("{fds} descriptors for {spaces} spaces (two each)")]
+    /// Not a userfaultfd and a memfd per space, then the cell's socket.
+    #[error("{fds} descriptors for {spaces} spaces (two each, then the cell's socket)")]
     Descriptors {
         /// How many came.
         fds: usize,
@@ -126,6 +128,9 @@ pub enum StartFailure {
     /// The pager refused its memory or a VM.
     #[error(transparent)]
     Pager(#[from] PagerError),
+    /// Its socket or its addresses could not be steered.
+    #[error(transparent)]
+    Steering(#[from] SteeringError),
     /// It could not be told to boot.
     #[error("start it: {0}")]
     Go(io::Error),
@@ -166,6 +171,7 @@ pub struct PendingCell {
     first_id: u32,
     count: u32,
     capacity: u32,
+    addr_base: Ipv4Addr,
 }
 
 impl PendingCell {
@@ -231,6 +237,7 @@ impl PendingCell {
             first_id,
             count,
             capacity,
+            addr_base: settings.addr_base,
         };
         let sent = cell
             .link
@@ -244,13 +251,15 @@ impl PendingCell {
         Ok(cell)
     }
 
-    /// Receives the cell's guest memory, gives it to the pager with the
-    /// cell's VMs, and lets the cell boot them. Waits at most
-    /// [`deadline::CELL_HELLO`] (or until `by`, if sooner) for the hello.
-    /// On any failure the cell is killed and nothing stays registered.
+    /// Receives the cell's guest memory and socket, gives the memory to the
+    /// pager with the cell's VMs, steers their addresses to the socket, and
+    /// lets the cell boot them. Waits at most [`deadline::CELL_HELLO`] (or
+    /// until `by`, if sooner) for the hello. On any failure the cell is
+    /// killed and nothing stays registered or steered.
     pub fn handshake(
         mut self,
         pager: &Pager,
+        steering: &mut Steering,
         ram_bytes: usize,
         platform: &'static str,
         by: Option<Instant>,
@@ -260,7 +269,7 @@ impl PendingCell {
             by_then = by_then.min(by);
         }
         let handed = self
-            .try_handshake(pager, ram_bytes, platform, by_then)
+            .try_handshake(pager, steering, ram_bytes, platform, by_then)
             .and_then(|handed| {
                 if let Err(e) = self.link.set_nonblocking(true) {
                     handed.0.iter().for_each(|&s| pager.detach_space(s));
@@ -289,6 +298,9 @@ impl PendingCell {
                 })
             }
             Err(failure) => {
+                for id in self.first_id..self.first_id + self.count {
+                    steering.unroute(self.addr_of(id));
+                }
                 let _ = self.child.kill();
                 let _ = self.child.wait();
                 Err(CellStartError {
@@ -322,6 +334,7 @@ impl PendingCell {
     fn try_handshake(
         &mut self,
         pager: &Pager,
+        steering: &mut Steering,
         ram_bytes: usize,
         platform: &'static str,
         by: Instant,
@@ -371,7 +384,7 @@ impl PendingCell {
             platform,
         )?;
         let mut spaces = Vec::with_capacity(hello.spaces.len());
-        let handed = self.hand_over(pager, &hello, received, ram_bytes, &mut spaces);
+        let handed = self.hand_over(pager, steering, &hello, received, ram_bytes, &mut spaces);
         if let Err(e) = handed {
             // Detaching a space unregisters every VM registered in it.
             spaces.iter().for_each(|&s| pager.detach_space(s));
@@ -381,10 +394,12 @@ impl PendingCell {
     }
 
     /// Attaches the spaces (pushed to `spaces` as they are), registers the
-    /// VMs and tells the cell to boot them.
+    /// VMs, steers their addresses to the cell's socket and tells the cell
+    /// to boot them.
     fn hand_over(
         &mut self,
         pager: &Pager,
+        steering: &mut Steering,
         hello: &Hello,
         received: Vec<OwnedFd>,
         ram_bytes: usize,
@@ -403,10 +418,17 @@ impl PendingCell {
             };
             spaces.push(pager.attach_space(handoff)?);
         }
+        let listener = fds
+            .next()
+            .expect("the socket follows the spaces, checked by check_hello");
+        // The map keeps the socket; the cell's copy is its only descriptor.
+        steering.add_cell(self.index, &listener)?;
+        drop(listener);
         for i in 0..self.count {
             let (space, offset) = space_of(spaces, hello.holder_vms, i, ram_bytes);
             let space = space.expect("every slot has a space, checked by check_hello");
             pager.register_vm(self.first_id + i, space, offset, ram_bytes)?;
+            steering.route(self.addr_of(self.first_id + i), self.index)?;
         }
         let mut go = serde_json::to_vec(&Request {
             id: 0,
@@ -415,6 +437,10 @@ impl PendingCell {
         .expect("serializes");
         go.push(b'\n');
         self.link.write_all(&go).map_err(StartFailure::Go)
+    }
+
+    fn addr_of(&self, id: u32) -> Ipv4Addr {
+        Ipv4Addr::from(u32::from(self.addr_base).wrapping_add(id))
     }
 
     fn exit_reason(&mut self) -> Option<String> {
@@ -453,14 +479,14 @@ fn check_hello(
         });
     }
     let needed = capacity.div_ceil(hello.holder_vms) as u64;
-    if hello.spaces.len() as u64 != needed || hello.spaces.len() > fds::MAX_FDS / 2 {
+    if hello.spaces.len() as u64 != needed || hello.spaces.len() > (fds::MAX_FDS - 1) / 2 {
         return Err(HelloError::Spaces {
             spaces: hello.spaces.len(),
             capacity,
             needed,
         });
     }
-    if fds != 2 * hello.spaces.len() {
+    if fds != 2 * hello.spaces.len() + 1 {
         return Err(HelloError::Descriptors {
             fds,
             spaces: hello.spaces.len(),
@@ -698,7 +724,7 @@ mod tests {
     fn a_hello_that_fits_the_cell_is_accepted() {
         const RAM: usize = 1 << 20;
         let good = hello(8, &[(1 << 30, 8 * RAM), (2 << 30, 2 * RAM)]);
-        check_hello(&good, 7, 10, 4, RAM, "kvm").unwrap();
+        check_hello(&good, 7, 10, 5, RAM, "kvm").unwrap();
     }
 
     #[test]
@@ -706,26 +732,27 @@ mod tests {
         const RAM: usize = 1 << 20;
         let base = 1 << 30;
         for (h, capacity, fds, platform, fragment) in [
-            (hello(0, &[(base, RAM)]), 1, 2, "kvm", "VMs per holder"),
-            (hello(8, &[(base, 8 * RAM)]), 10, 2, "kvm", "need 2"),
+            (hello(0, &[(base, RAM)]), 1, 3, "kvm", "VMs per holder"),
+            (hello(8, &[(base, 8 * RAM)]), 10, 3, "kvm", "need 2"),
             (hello(8, &[(base, 8 * RAM)]), 8, 1, "kvm", "descriptors"),
-            (hello(8, &[(base + 1, 8 * RAM)]), 8, 2, "kvm", "whole pages"),
-            (hello(8, &[(base, 4 * RAM)]), 8, 2, "kvm", "as long as"),
+            (hello(8, &[(base, 8 * RAM)]), 8, 2, "kvm", "descriptors"),
+            (hello(8, &[(base + 1, 8 * RAM)]), 8, 3, "kvm", "whole pages"),
+            (hello(8, &[(base, 4 * RAM)]), 8, 3, "kvm", "as long as"),
             (
                 hello(8, &[(usize::MAX - 4095, 8 * RAM)]),
                 8,
-                2,
+                3,
                 "kvm",
                 "wraps",
             ),
             (
                 hello(4, &[(base, 4 * RAM), (base + RAM, 4 * RAM)]),
                 8,
-                4,
+                5,
                 "kvm",
                 "overlaps",
             ),
-            (hello(8, &[(base, 8 * RAM)]), 8, 2, "pvm", "platform"),
+            (hello(8, &[(base, 8 * RAM)]), 8, 3, "pvm", "platform"),
         ] {
             let error = check_hello(&h, 7, capacity, fds, RAM, platform)
                 .unwrap_err()
@@ -734,7 +761,7 @@ mod tests {
         }
         let mut other = hello(8, &[(base, 8 * RAM)]);
         other.pid = 8;
-        assert!(check_hello(&other, 7, 8, 2, RAM, "kvm").is_err());
+        assert!(check_hello(&other, 7, 8, 3, RAM, "kvm").is_err());
     }
 
     #[test]

@@ -7,4 +7,5 @@ pub mod cell_handle;
 pub mod describe;
 pub mod heap_trim;
 pub mod serve;
+pub mod steering;
 pub mod supervisor;

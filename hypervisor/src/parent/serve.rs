@@ -8,6 +8,7 @@ use crate::config::{
 };
 use crate::guest::boot::RamLayout;
 use crate::parent::cell_handle::PendingCell;
+use crate::parent::steering::Steering;
 use crate::parent::supervisor::{emit, Exit, Supervisor, SupervisorSetup};
 use crate::platform;
 use crate::scheduling::{self, CellPlacement};
@@ -21,6 +22,9 @@ use std::time::{Duration, Instant};
 
 /// Descriptors the parent holds per cell: link, userfaultfd, memfd, pidfd slack.
 const FDS_PER_CELL: u64 = 4;
+/// Cells that may be started beyond one per VM held (cells that died and
+/// were replaced keep their index).
+const MAX_CELLS_REPLACED: u32 = 4096;
 /// Longest orderly teardown before the process just exits.
 const TEARDOWN_GRACE: Duration = Duration::from_secs(30);
 
@@ -39,6 +43,8 @@ struct Prepared {
     cell_sizes: Vec<u32>,
     /// Most VMs held at once (`config::max_vms`).
     max_vms: u32,
+    /// Every VM address steered to its cell's socket.
+    steering: Steering,
 }
 
 fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
@@ -90,6 +96,14 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
     check_api_path(&api_path)?;
     let pager = Pager::new(pager_config, vms_with_headroom(args.vms), layout.ram_bytes)
         .map_err(|e| ConfigError(e.to_string()))?;
+    // Cells are never reused: a run that replaces many gets a clear error
+    // at the create that finds no slot left.
+    let steering = Steering::attach(
+        args.port,
+        max_vms,
+        max_vms.saturating_add(MAX_CELLS_REPLACED),
+    )
+    .map_err(|e| ConfigError(e.to_string()))?;
     // Only the owner may drive the monitor: the socket is created 0600, whatever the umask.
     // SAFETY: umask only changes this process's file-creation mask; restored right after.
     let umask = unsafe { libc::umask(0o177) };
@@ -118,6 +132,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
         cell_vms,
         cell_sizes,
         max_vms,
+        steering,
     })
 }
 
@@ -172,6 +187,7 @@ pub fn run(args: ServeArgs) -> i32 {
         cell_vms,
         cell_sizes,
         max_vms,
+        mut steering,
     } = prepared;
     let boot_started = Instant::now();
     let fail = |message: String| {
@@ -193,7 +209,13 @@ pub fn run(args: ServeArgs) -> i32 {
     }
     let mut cells = Vec::with_capacity(pending.len());
     for cell in pending {
-        match cell.handshake(&pager, layout.ram_bytes as usize, platform, None) {
+        match cell.handshake(
+            &pager,
+            &mut steering,
+            layout.ram_bytes as usize,
+            platform,
+            None,
+        ) {
             Ok(cell) => cells.push(cell),
             Err(e) => return fail(e.to_string()),
         }
@@ -215,6 +237,7 @@ pub fn run(args: ServeArgs) -> i32 {
         max_vms,
         cells,
         pager: Arc::clone(&pager),
+        steering,
         ram_bytes: layout.ram_bytes as usize,
         platform,
         api,

@@ -25,6 +25,7 @@ use crate::link::wake_latency;
 use crate::parent::api::{self, Request};
 use crate::parent::cell_handle::{quote, Cell, PendingCell};
 use crate::parent::heap_trim::HeapTrim;
+use crate::parent::steering::Steering;
 use mio::net::{UnixListener, UnixStream};
 use mio::{Events, Interest, Poll, Token};
 use paging_policy::trace::TraceWriter;
@@ -142,6 +143,8 @@ pub struct SupervisorSetup {
     pub cells: Vec<Cell>,
     /// The pager every cell's memory is attached to.
     pub pager: Arc<Pager>,
+    /// Where every VM address is steered to its cell's socket.
+    pub steering: Steering,
     /// RAM of one VM.
     pub ram_bytes: usize,
     /// "pvm" or "kvm": what every cell's hello must say.
@@ -168,6 +171,7 @@ pub struct Supervisor {
     /// Cells with lines left unread after their turn.
     cells_with_more: Vec<usize>,
     pager: Arc<Pager>,
+    steering: Steering,
     ram_bytes: usize,
     platform: &'static str,
     api: UnixListener,
@@ -215,6 +219,7 @@ impl Supervisor {
             cells: Vec::new(),
             cells_with_more: Vec::new(),
             pager: setup.pager,
+            steering: setup.steering,
             ram_bytes: setup.ram_bytes,
             platform: setup.platform,
             api,
@@ -321,9 +326,11 @@ impl Supervisor {
         emit(&line);
     }
 
-    /// Forgets a VM in the pager; the memory this frees is trimmed soon after.
+    /// Forgets a VM in the pager and in the steering; the memory this frees
+    /// is trimmed soon after.
     fn unregister_vm(&mut self, vm: u32) {
         self.pager.unregister_vm(vm);
+        self.steering.unroute(*self.settings.addr_of(vm).ip());
         self.heap_trim.freed();
     }
 
@@ -1051,7 +1058,14 @@ impl Supervisor {
                     .register_vm(first + i, space, offset, self.ram_bytes)
                     .map_err(|e| e.to_string()),
                 None => Err("no RAM slot left in this cell".to_string()),
-            };
+            }
+            .and_then(|()| {
+                let addr = *self.settings.addr_of(first + i).ip();
+                self.steering.route(addr, index as u32).map_err(|e| {
+                    self.pager.unregister_vm(first + i);
+                    e.to_string()
+                })
+            });
             if let Err(e) = registered {
                 for j in 0..i {
                     self.unregister_vm(first + j);
@@ -1117,7 +1131,15 @@ impl Supervisor {
     fn new_cell(&mut self, first: u32, count: u32, by: Instant) -> Result<(), (u32, String)> {
         let index = self.cells.len() as u32;
         let cell = PendingCell::spawn(&self.settings, index, first, count, self.cell_vms).and_then(
-            |pending| pending.handshake(&self.pager, self.ram_bytes, self.platform, Some(by)),
+            |pending| {
+                pending.handshake(
+                    &self.pager,
+                    &mut self.steering,
+                    self.ram_bytes,
+                    self.platform,
+                    Some(by),
+                )
+            },
         );
         match cell {
             Ok(cell) => {
