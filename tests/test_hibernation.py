@@ -151,6 +151,29 @@ def test_max_live_is_shared_by_the_cells(tmp_path):
         assert m.stop() == 0, m.stderr()
 
 
+def test_holders_leave_when_their_vms_all_sleep_and_come_back_for_a_wake(tmp_path):
+    m = start(tmp_path, 24, "127.209.0.0", "--idle-after", "0.3", "--selfcheck", "--mem", "16M")
+    try:
+        serve_every_vm(m, range(24))
+        assert wait_for(lambda: totals(m)["hibernated"] == 24, timeout=20)
+        cells = children(m.proc.pid)
+        # Sleeping VMs keep no process: each cell is its front alone.
+        assert wait_for(lambda: all(children(c) == [] for c in cells), timeout=10)
+        # A wake starts the VM's holder again, and the VM answers from its memory intact.
+        for round in range(3):
+            vm = 5 + round
+            assert get(m.addr(vm)).body == SMALL
+            assert sum(len(children(c)) for c in cells) == 1
+            assert wait_for(lambda: all(children(c) == [] for c in cells), timeout=10)
+        # Every holder comes back for its VMs, several at once.
+        serve_every_vm(m, range(24))
+        t = totals(m)
+        assert t["selfcheck_errors"] == 0 and t["wake_failures"] == 0, t
+        assert t["selfcheck_pages"] > 0
+    finally:
+        assert m.stop() == 0, m.stderr()
+
+
 def test_a_vm_destroyed_while_asleep_is_gone_and_its_neighbours_wake(tmp_path):
     m = start(tmp_path, 6, "127.153.0.0", "--idle-after", "0.3")
     try:

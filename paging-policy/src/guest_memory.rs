@@ -66,7 +66,7 @@ pub fn check_sealed(memfd: BorrowedFd<'_>, len: usize) -> Result<(), PagerError>
 }
 
 /// Whether `fd` is a userfaultfd.
-fn is_userfaultfd(fd: BorrowedFd<'_>) -> bool {
+pub(crate) fn is_userfaultfd(fd: BorrowedFd<'_>) -> bool {
     std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
         .is_ok_and(|target| target.as_os_str() == "anon_inode:[userfaultfd]")
 }

@@ -381,6 +381,18 @@ impl Ledger {
         self.policy_err()
     }
 
+    /// Takes every resident block of `vm` as dirty: its memory is now
+    /// mapped by a new process (a restarted holder) whose mapping carries
+    /// none of the write protection that told clean blocks from written
+    /// ones, so a write to one would not be seen.
+    pub fn assume_dirty(&mut self, vm: VmId) {
+        if let Some(v) = self.vm_mut(vm) {
+            for b in v.blocks.iter_mut().filter(|b| b.state == State::Resident) {
+                b.dirty = true;
+            }
+        }
+    }
+
     /// True when the block is resident (settled).
     pub fn is_resident(&self, vm: VmId, block: BlockId) -> bool {
         self.vm(vm)

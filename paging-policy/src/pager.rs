@@ -87,6 +87,11 @@ pub const HIBERNATE_CHUNK: usize = 64;
 /// How long a fault waiting for room re-checks for a fatal error.
 const WAIT_SLICE: Duration = Duration::from_millis(50);
 
+/// Longest [`Pager::reattach_space`] waits for an operation in flight on
+/// the old descriptor (an eviction of a part of a VM, a few milliseconds;
+/// more behind a modeled disk).
+pub const REATTACH_WAIT: Duration = Duration::from_secs(5);
+
 /// epoll key of the stop eventfd (spaces use their id).
 const STOP_KEY: u64 = u64::MAX;
 
@@ -607,6 +612,87 @@ impl Pager {
         self.lock().spaces.remove(&space);
     }
 
+    /// Gives `space` the userfaultfd of a new process that maps the same
+    /// memfd at the same address: its holder was started again after the
+    /// last one left with every VM of it asleep. Its VMs, their blocks and
+    /// their swap stay as they are, except that their resident blocks are
+    /// taken as dirty (see [`Ledger::assume_dirty`]).
+    ///
+    /// Returns once nothing in flight still uses the old descriptor (an
+    /// eviction holds its space from write-protect to hole punch), so from
+    /// then on every write-protect, copy and wake reaches the new process:
+    /// the caller lets the space's VMs run only after this returns. Refused
+    /// with [`PagerError::BadSpace`] if `uffd` is not a userfaultfd, the
+    /// space is unknown or failed, or the old descriptor stays in use past
+    /// [`REATTACH_WAIT`].
+    pub fn reattach_space(&self, space: SpaceId, uffd: OwnedFd) -> Result<(), PagerError> {
+        let refused = |why: &str| PagerError::BadSpace {
+            reason: format!("reattach space {space}: {why}"),
+        };
+        if !crate::guest_memory::is_userfaultfd(std::os::fd::AsFd::as_fd(&uffd)) {
+            return Err(refused("the descriptor is not a userfaultfd"));
+        }
+        keep_private(&uffd, true)?;
+        let mut old = {
+            let mut st = self.lock();
+            let old = match st.spaces.get(&space) {
+                Some(old) if !old.failed.load(Ordering::SeqCst) => Arc::clone(old),
+                Some(_) => return Err(refused("it failed")),
+                None => return Err(refused("no such space")),
+            };
+            let new = Arc::new(Space {
+                id: space,
+                uffd: Uffd::from_fd(uffd),
+                memfd: old
+                    .memfd
+                    .try_clone()
+                    .map_err(|e| refused(&format!("its memfd: {e}")))?,
+                base: old.base,
+                len: old.len,
+                gone: AtomicBool::new(false),
+                failed: AtomicBool::new(false),
+            });
+            let vms: Vec<VmId> = st
+                .regions
+                .range((space, 0)..=(space, usize::MAX))
+                .map(|(_, &(vm, _))| vm)
+                .collect();
+            for vm in vms {
+                if let Some(place) = st.places.get_mut(&vm) {
+                    place.space = Arc::clone(&new);
+                }
+                st.ledger.assume_dirty(vm);
+            }
+            // Faults on the new descriptor wait in it until it is read.
+            epoll_ctl(
+                &self.epoll,
+                libc::EPOLL_CTL_DEL,
+                old.uffd.as_raw_fd(),
+                space as u64,
+            )?;
+            epoll_ctl(
+                &self.epoll,
+                libc::EPOLL_CTL_ADD,
+                new.uffd.as_raw_fd(),
+                space as u64,
+            )?;
+            st.spaces.insert(space, new);
+            old
+        };
+        let started = Instant::now();
+        loop {
+            match Arc::try_unwrap(old) {
+                // The last user is gone: the old descriptors close here.
+                Ok(_) => return Ok(()),
+                Err(still) if started.elapsed() < REATTACH_WAIT => {
+                    old = still;
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                Err(_) => return Err(refused("the old descriptor stayed in use")),
+            }
+        }
+    }
+
     /// Tells the policy that a VM served a request (the clock's reference
     /// bit). Cheap; densevm calls it once per request.
     pub fn note_access(&self, vm: u32) {
@@ -877,15 +963,17 @@ impl Pager {
             st.addrs(&s.wakes, self.block, &mut s.addrs);
             drop(st);
             self.room.notify_all();
-            self.wake(&s.addrs);
+            self.wake(&mut s.addrs);
         }
         Ok(())
     }
 
-    fn wake(&self, addrs: &[WakeAddr]) {
-        for (space, a) in addrs {
+    /// Wakes the faults waiting on `addrs`, and forgets them: no space is
+    /// kept alive past its use (see [`Pager::reattach_space`]).
+    fn wake(&self, addrs: &mut Vec<WakeAddr>) {
+        for (space, a) in addrs.drain(..) {
             // A failed wake means the range is gone (VM destroyed).
-            let _ = space.uffd.wake(*a, self.block);
+            let _ = space.uffd.wake(a, self.block);
         }
     }
 
@@ -910,7 +998,7 @@ impl Pager {
             Classified::Gone | Classified::Defer => Ok(()),
             Classified::Stale => {
                 drop(st);
-                self.wake(&[(Arc::clone(space), baddr)]);
+                self.wake(&mut vec![(Arc::clone(space), baddr)]);
                 Ok(())
             }
             Classified::Unprotect => {
@@ -922,7 +1010,7 @@ impl Pager {
                 st.addrs(&s.wakes, self.block, &mut s.addrs);
                 drop(st);
                 self.room.notify_all();
-                self.wake(&s.addrs);
+                self.wake(&mut s.addrs);
                 Ok(())
             }
             Classified::FaultIn => {
@@ -977,7 +1065,7 @@ impl Pager {
                     st.addrs(&s.wakes, self.block, &mut s.addrs);
                     drop(st);
                     self.room.notify_all();
-                    self.wake(&s.addrs);
+                    self.wake(&mut s.addrs);
                     s.plan = plan;
                     return Ok(());
                 }
@@ -999,7 +1087,7 @@ impl Pager {
                     st.addrs(&s.wakes, self.block, &mut s.addrs);
                     drop(st);
                     self.room.notify_all();
-                    self.wake(&s.addrs);
+                    self.wake(&mut s.addrs);
                     st = self.lock();
                 }
             }
@@ -1077,7 +1165,18 @@ impl Pager {
                     .uffd
                     .copy(dst, buf[i * bs..].as_ptr(), (j - i) * bs, !plan[i].dirty)
             };
-            self.tolerate(&place.space, copied)?;
+            match copied {
+                // Its process is gone (a holder that left with its VMs
+                // asleep, a prefetch that came after): the blocks go to the
+                // memfd itself, so the memory holds what the ledger says.
+                Err(e) if place.space.gone.load(Ordering::SeqCst) || space_gone(&e) => {
+                    place.space.gone.store(true, Ordering::SeqCst);
+                    let at = place.offset(plan[i].block, bs);
+                    let written = pwrite_all(&place.space.memfd, &buf[i * bs..j * bs], at);
+                    self.tolerate(&place.space, written)?;
+                }
+                other => self.tolerate(&place.space, other)?,
+            }
         }
         Ok(())
     }
@@ -1241,6 +1340,19 @@ fn keep_private(fd: &OwnedFd, nonblocking: bool) -> Result<(), PagerError> {
 }
 
 /// Reads guest memory at `offset` of a space's memfd.
+/// Writes all of `buf` into the memfd at `offset`.
+fn pwrite_all(memfd: &OwnedFd, buf: &[u8], offset: usize) -> Result<(), PagerError> {
+    use std::os::unix::fs::FileExt;
+    // SAFETY: a borrowed view of the memfd, never closed through it.
+    let file =
+        std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(memfd.as_raw_fd()) });
+    file.write_all_at(buf, offset as u64)
+        .map_err(|source| PagerError::Mm {
+            op: "pwrite(guest memory)",
+            source,
+        })
+}
+
 fn pread_exact(memfd: &OwnedFd, buf: &mut [u8], offset: usize) -> Result<(), PagerError> {
     let mut done = 0;
     while done < buf.len() {

@@ -17,7 +17,7 @@ use crate::cell::vmtable::{DeadVm, VmEntry, VmState, VmTable};
 use crate::config::Hibernation;
 use crate::guest::abi;
 use crate::holder::builder::BuildContext;
-use crate::holder::{FromHolder, Holder};
+use crate::holder::{self, FromHolder, Holder, Presence};
 use crate::link::framing::{FrameError, LineStream};
 use crate::link::pager_link::PagerLink;
 use crate::link::protocol::{FromCell, Request, ToCell, MAX_LINK_LINE};
@@ -40,6 +40,8 @@ const KIND_DOORBELL: usize = 3;
 const KIND_CONN: usize = 4;
 /// Longest a holder may take to stop its VMs and exit at shutdown.
 const HOLDER_TEARDOWN: Duration = Duration::from_secs(30);
+/// Longest a holder that left, its link closed, may take to exit.
+const HOLDER_EXIT: Duration = Duration::from_secs(2);
 /// Longest a served-request count waits before it is reported to the pager.
 const ACCESS_REPORT_DELAY: Duration = Duration::from_millis(20);
 /// Doorbells in a row that brought nothing (no record retired, no rx byte
@@ -145,6 +147,42 @@ impl ParentLink {
         let line = serde_json::to_vec(message).expect("cell messages serialize");
         self.link.queue(&line);
         let _ = self.link.flush();
+    }
+
+    /// Sends `message` with descriptor `fd` attached to its first byte,
+    /// after everything queued before it (waiting up to `within` for the
+    /// socket to take that).
+    fn send_with_fd(
+        &mut self,
+        message: &FromCell,
+        fd: &OwnedFd,
+        within: Duration,
+    ) -> io::Result<()> {
+        let deadline = Instant::now() + within;
+        while !self.link.flush()? {
+            if Instant::now() >= deadline {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "parent link full"));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        let mut line = serde_json::to_vec(message).expect("cell messages serialize");
+        line.push(b'\n');
+        let raw = self.link.stream.as_raw_fd();
+        // SAFETY: a borrowed view of our own socket, never closed through it.
+        let socket = std::mem::ManuallyDrop::new(unsafe {
+            <std::os::unix::net::UnixStream as std::os::fd::FromRawFd>::from_raw_fd(raw)
+        });
+        let sent = vmm_sys_util::sock_ctrl_msg::ScmSocket::send_with_fds(
+            &*socket,
+            &[&line[..]],
+            &[fd.as_raw_fd()],
+        )
+        .map_err(|e| io::Error::from_raw_os_error(e.errno()))?;
+        if sent != line.len() {
+            // A line cut after its descriptor went would be misread.
+            return Err(io::Error::other("parent link took part of a line"));
+        }
+        Ok(())
     }
 
     /// Sends the batched counts if they have waited long enough (or `now`).
@@ -417,7 +455,7 @@ impl CellLoop {
         let busy: Vec<bool> = self
             .holders
             .iter_mut()
-            .map(|h| h.dead.is_none() && h.busy(crate::cell::cpu_governor::LOOK_SHARE))
+            .map(|h| h.present() && h.busy(crate::cell::cpu_governor::LOOK_SHARE))
             .collect();
         let per_holder = self.ctx.ram_slots_per_holder;
         let (entries, seen) = (self.vms.entries(), &self.seen);
@@ -680,6 +718,10 @@ impl CellLoop {
         for index in chosen {
             self.hibernate(index);
         }
+        // Holders of VMs created asleep, which never woke, leave too.
+        for h in 0..self.holders.len() {
+            self.retire_if_all_asleep(h);
+        }
     }
 
     /// Asks VM `index`'s guest to park at a safe point; [`Self::parked`]
@@ -738,6 +780,108 @@ impl CellLoop {
         self.parent.send(&FromCell::Hibernated { vm: id });
         if in_use {
             self.wake(index);
+        } else {
+            self.retire_if_all_asleep(index / self.ctx.ram_slots_per_holder);
+        }
+    }
+
+    /// Lets holder `h` leave if every VM of it sleeps (or is gone) and none
+    /// is being stopped: a sleeping VM then costs no process.
+    fn retire_if_all_asleep(&mut self, h: usize) {
+        let Some(holder) = self.holders.get(h).filter(|h| h.present()) else {
+            return;
+        };
+        let slots = holder.slots();
+        let asleep = slots
+            .clone()
+            .all(|index| match self.vms.entries().get(index) {
+                Some(VmEntry::Live(vm)) => matches!(vm.sleep, Sleep::Asleep | Sleep::Unbooted),
+                _ => true,
+            });
+        let stopping = self
+            .stopping
+            .keys()
+            .any(|&id| slots.contains(&self.ctx.slot_of(id)));
+        if asleep && !stopping && holder.pending.is_empty() {
+            self.holders[h].leave();
+        }
+    }
+
+    /// Starts holder `h` again for the wakes waiting on it, and hands its
+    /// userfaultfd to the parent's pager; the wakes go once the parent
+    /// answers ([`Self::holder_attached`]).
+    fn restart_holder(&mut self, h: usize) {
+        let per_holder = self.ctx.ram_slots_per_holder;
+        let own = h * per_holder..((h + 1) * per_holder).min(self.doorbells.len());
+        let eventfds = own
+            .clone()
+            .map(|slot| {
+                let irq = match self.vms.entries().get(slot) {
+                    Some(VmEntry::Live(vm)) => vm.irq.try_clone(),
+                    _ => match &self.irqs[slot] {
+                        Some(irq) => irq.try_clone(),
+                        None => EventFd::new(libc::EFD_NONBLOCK),
+                    },
+                }?;
+                Ok((irq, self.doorbells[slot].try_clone()?))
+            })
+            .collect::<io::Result<Vec<(EventFd, EventFd)>>>();
+        let started = eventfds.map_err(holder::HolderError::Link).and_then(|fds| {
+            let (irqs, doorbells): (Vec<EventFd>, Vec<EventFd>) = fds.into_iter().unzip();
+            let parent_link = self.parent.link.stream.as_raw_fd();
+            holder::restart(&mut self.ctx, h, &irqs, &doorbells, parent_link)
+        });
+        let (mut holder, uffd) = match started {
+            Ok(started) => started,
+            Err(e) => return self.fail_waiting(h, format!("restart holder {h}: {e}")),
+        };
+        holder.waiting = std::mem::take(&mut self.holders[h].waiting);
+        let registered = self.poll.registry().register(
+            &mut mio::unix::SourceFd(&holder.link.as_raw_fd()),
+            token(KIND_HOLDER, h),
+            Interest::READABLE,
+        );
+        self.holders[h] = holder;
+        let told = registered.and_then(|()| {
+            self.parent.send_with_fd(
+                &FromCell::HolderStarted { holder: h as u32 },
+                &uffd,
+                HOLDER_TEARDOWN,
+            )
+        });
+        if let Err(e) = told {
+            self.holders[h].leave();
+            self.fail_waiting(h, format!("hand holder {h} to the pager: {e}"));
+        }
+    }
+
+    /// The parent attached restarted holder `h` to the pager (or could
+    /// not, `error`): its waiting wakes go (or fail).
+    fn holder_attached(&mut self, h: usize, error: Option<String>) {
+        let Some(holder) = self.holders.get_mut(h) else {
+            return;
+        };
+        if holder.presence != Presence::Returning || holder.dead.is_some() {
+            return;
+        }
+        if let Some(error) = error {
+            holder.leave();
+            return self.fail_waiting(h, format!("attach holder {h}: {error}"));
+        }
+        holder.presence = Presence::Present;
+        for (index, boot) in std::mem::take(&mut holder.waiting) {
+            let Some(id) = self.vms.live(index).map(|vm| vm.id) else {
+                continue;
+            };
+            self.send_wake(index, id, boot);
+        }
+    }
+
+    /// The wakes waiting for holder `h` fail with `why`.
+    fn fail_waiting(&mut self, h: usize, why: String) {
+        crate::log!("densevm: cell {}: {why}", self.cell);
+        for (index, _) in std::mem::take(&mut self.holders[h].waiting) {
+            self.wake_failed(index, why.clone());
         }
     }
 
@@ -807,6 +951,27 @@ impl CellLoop {
         else {
             return;
         };
+        let h = index / self.ctx.ram_slots_per_holder;
+        if let Some(holder) = self.holders.get_mut(h).filter(|h| h.dead.is_none()) {
+            if holder.presence != Presence::Present {
+                // Its holder left (or is leaving, or coming back): the wake
+                // waits for it to be present.
+                holder.waiting.push((index, boot));
+                if let Some(vm) = self.vms.live(index) {
+                    vm.sleep = Sleep::Waking(Instant::now());
+                }
+                if holder.presence == Presence::Away {
+                    self.restart_holder(h);
+                }
+                return;
+            }
+        }
+        self.send_wake(index, id, boot);
+    }
+
+    /// Asks VM `index`'s present holder to wake it (`boot`: for the first
+    /// time).
+    fn send_wake(&mut self, index: usize, id: u32, boot: bool) {
         match self.holder_of(index).map(|h| h.wake(id, boot)) {
             Some(Ok(())) => {
                 if let Some(vm) = self.vms.live(index) {
@@ -838,7 +1003,11 @@ impl CellLoop {
             self.wake_failed(index, why);
             return;
         };
-        vm.vcpu.rebind(tid);
+        let pid = self.holders[index / self.ctx.ram_slots_per_holder].pid;
+        let Some(vm) = self.vms.live(index) else {
+            return;
+        };
+        vm.vcpu.rebind(pid, tid);
         vm.sleep = Sleep::Awake;
         self.governor.new_thread(index);
         vm.last_active = Instant::now();
@@ -853,13 +1022,22 @@ impl CellLoop {
         self.kill_vm(index, VmState::Crashed, format!("wake failed: {why}"));
     }
 
-    /// Holder `h` is gone: its VMs crashed with it.
+    /// Holder `h` is gone: left as asked, or crashed, its VMs with it.
     fn holder_gone(&mut self, h: usize) {
         let holder = &mut self.holders[h];
         let _ = self
             .poll
             .registry()
             .deregister(&mut mio::unix::SourceFd(&holder.link.as_raw_fd()));
+        if holder.presence == Presence::Leaving {
+            // Its link closes as it exits: a moment, or it is killed.
+            holder.reap(HOLDER_EXIT);
+            holder.presence = Presence::Away;
+            if !holder.waiting.is_empty() {
+                self.restart_holder(h);
+            }
+            return;
+        }
         let how = holder.reap(Duration::ZERO);
         let reason = format!("holder {h} (pid {}) {how}", holder.pid);
         holder.dead = Some(reason.clone());
@@ -879,10 +1057,11 @@ impl CellLoop {
         }
     }
 
+    /// VM `index`'s holder, if its process is there to take requests.
     fn holder_of(&self, index: usize) -> Option<&Holder> {
         self.holders
             .get(index / self.ctx.ram_slots_per_holder)
-            .filter(|h| h.dead.is_none())
+            .filter(|h| h.present())
     }
 
     /// Stops a VM, closes its listener and connections, tells the pager, and
@@ -942,6 +1121,13 @@ impl CellLoop {
                     req: ToCell::Shutdown,
                     ..
                 }) => return Some(Exit::Shutdown),
+                Ok(Request {
+                    req: ToCell::HolderAttached { holder, error },
+                    ..
+                }) => {
+                    self.holder_attached(holder as usize, error);
+                    continue;
+                }
                 Ok(Request { id, req }) => (id, self.handle(req)),
                 Err(e) => {
                     crate::log!("densevm: cell link: bad request: {e}");
@@ -956,7 +1142,9 @@ impl CellLoop {
 
     fn handle(&mut self, request: ToCell) -> Value {
         match request {
-            ToCell::Go | ToCell::Shutdown => json!({ "error": "not expected now" }),
+            ToCell::Go | ToCell::Shutdown | ToCell::HolderAttached { .. } => {
+                json!({ "error": "not expected now" })
+            }
             ToCell::Stats { per_vm } => {
                 let mut reply =
                     stats::collect(self.vms.entries(), self.proxy.len(), &self.governor, per_vm);
@@ -1157,10 +1345,11 @@ impl CellLoop {
     /// Stops every VM: each holder destroys its own and exits.
     pub fn shutdown(&mut self) {
         self.parent.report_access(true);
-        for holder in self.holders.iter().filter(|h| h.dead.is_none()) {
+        let running = |h: &Holder| h.dead.is_none() && h.presence != Presence::Away;
+        for holder in self.holders.iter().filter(|h| running(h)) {
             holder.shutdown();
         }
-        for holder in self.holders.iter_mut().filter(|h| h.dead.is_none()) {
+        for holder in self.holders.iter_mut().filter(|h| running(h)) {
             holder.reap(HOLDER_TEARDOWN);
         }
         self.vms.drain_live();

@@ -231,8 +231,9 @@ impl RemoteVcpu {
         self.tid = 0;
     }
 
-    /// The VM runs again on thread `tid` (woken).
-    pub fn rebind(&mut self, tid: i32) {
+    /// The VM runs again on thread `tid` of holder `pid` (woken).
+    pub fn rebind(&mut self, pid: i32, tid: i32) {
+        self.pid = pid;
         self.tid = tid;
     }
 
@@ -296,6 +297,21 @@ pub struct ThreadTimes {
     pub runnable: Duration,
 }
 
+/// Whether a holder's process is there for its VMs. A holder whose VMs all
+/// sleep leaves, so that sleeping VMs cost no process, thread or page
+/// table; a wake of one of them starts it again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Presence {
+    /// Running: its VMs' vCPUs are its.
+    Present,
+    /// Asked to leave (every VM of it asleep): its exit is not a crash.
+    Leaving,
+    /// Gone on purpose, every VM of it asleep.
+    Away,
+    /// Started again; its VMs wait until the pager has its userfaultfd.
+    Returning,
+}
+
 /// A holder as the front holds it.
 pub struct Holder {
     /// Its pid.
@@ -304,8 +320,12 @@ pub struct Holder {
     pub link: UnixDatagram,
     first_slot: u32,
     slots: u32,
-    /// Why it is gone, once it is.
+    /// Why it is gone, once it crashed.
     pub dead: Option<String>,
+    /// Whether its process is there.
+    pub presence: Presence,
+    /// Wakes waiting for it to be present: (VM index in the cell, boot).
+    pub waiting: Vec<(usize, bool)>,
     /// Messages read while waiting for an answer, for the event loop.
     pub pending: Vec<Record>,
     /// The process's CPU time at the last [`Holder::busy`], and when.
@@ -313,6 +333,11 @@ pub struct Holder {
 }
 
 impl Holder {
+    /// Whether it runs and has not crashed: requests may be sent to it.
+    pub fn present(&self) -> bool {
+        self.dead.is_none() && self.presence == Presence::Present
+    }
+
     /// The cell's slots it owns.
     pub fn slots(&self) -> std::ops::Range<usize> {
         self.first_slot as usize..(self.first_slot + self.slots) as usize
@@ -351,6 +376,12 @@ impl Holder {
     /// Asks the holder to stop everything and exit.
     pub fn shutdown(&self) {
         let _ = self.send(&ToHolder::Shutdown);
+    }
+
+    /// Asks the holder, all of whose VMs sleep, to leave.
+    pub fn leave(&mut self) {
+        self.shutdown();
+        self.presence = Presence::Leaving;
     }
 
     /// Reads every record waiting; `Ok(None)` once the holder closed its end.
@@ -575,6 +606,14 @@ pub struct HolderInputs<'a> {
     pub parent_link: RawFd,
 }
 
+/// A holder's slots' irq and doorbell eventfds, in slot order from its
+/// first slot.
+#[derive(Clone, Copy)]
+struct Wiring<'a> {
+    irqs: &'a [EventFd],
+    doorbells: &'a [EventFd],
+}
+
 /// Forks the cell's holders, one per part of `ctx.ram`, and waits until
 /// each has registered its guest RAM. Returns the holders and, per holder,
 /// its userfaultfd for the pager. Call while the process has one thread.
@@ -582,94 +621,143 @@ pub fn fork_all(inputs: HolderInputs) -> Result<(Vec<Holder>, Vec<OwnedFd>), Hol
     if !single_threaded() {
         return Err(HolderError::Threaded);
     }
-    let front = std::process::id() as i32;
     let per_holder = inputs.ctx.ram_slots_per_holder as u32;
     let parts = inputs.ctx.ram.parts();
     let mut holders: Vec<Holder> = Vec::with_capacity(parts);
     for index in 0..parts {
-        let (ours, theirs) = seqpacket_pair().map_err(HolderError::Link)?;
         let first_slot = index as u32 * per_holder;
         let slots = per_holder.min(inputs.irqs.len() as u32 - first_slot);
-        // SAFETY: the process has a single thread (checked above), so the
-        // child may run anything.
-        match unsafe { libc::fork() } {
-            -1 => return Err(HolderError::Fork(std::io::Error::last_os_error())),
-            0 => {
-                drop(ours);
-                // The front's ends of the earlier holders' links.
-                holders.clear();
-                // SAFETY: the parent link is the front's, not ours.
-                unsafe { libc::close(inputs.parent_link) };
-                let code = run(
-                    inputs.ctx,
-                    index,
-                    first_slot,
-                    slots,
-                    theirs,
-                    inputs.irqs,
-                    inputs.doorbells,
-                    front,
-                );
-                std::process::exit(code);
-            }
-            pid => {
-                drop(theirs);
-                holders.push(Holder {
-                    pid,
-                    link: ours,
-                    first_slot,
-                    slots,
-                    dead: None,
-                    pending: Vec::new(),
-                    last_cpu: None,
-                });
-            }
-        }
+        let own = first_slot as usize..(first_slot + slots) as usize;
+        let wiring = Wiring {
+            irqs: &inputs.irqs[own.clone()],
+            doorbells: &inputs.doorbells[own],
+        };
+        let holder = spawn(
+            inputs.ctx,
+            index,
+            first_slot,
+            wiring,
+            inputs.parent_link,
+            &mut holders,
+        )?;
+        holders.push(holder);
     }
     let mut uffds = Vec::with_capacity(parts);
     for holder in &mut holders {
+        uffds.push(holder.wait_ready()?);
+    }
+    Ok((holders, uffds))
+}
+
+/// Starts holder `index` again, its predecessor having left with every VM
+/// of it asleep (`irqs` and `doorbells`: its slots' eventfds, in slot
+/// order), and waits until it has registered its guest RAM. Returns it
+/// (`Returning`) and its userfaultfd for the pager. Call while the process
+/// has one thread.
+pub fn restart(
+    ctx: &mut BuildContext,
+    index: usize,
+    irqs: &[EventFd],
+    doorbells: &[EventFd],
+    parent_link: RawFd,
+) -> Result<(Holder, OwnedFd), HolderError> {
+    if !single_threaded() {
+        return Err(HolderError::Threaded);
+    }
+    let first_slot = index as u32 * ctx.ram_slots_per_holder as u32;
+    let wiring = Wiring { irqs, doorbells };
+    let mut holder = spawn(ctx, index, first_slot, wiring, parent_link, &mut Vec::new())?;
+    holder.presence = Presence::Returning;
+    let uffd = holder.wait_ready();
+    match uffd {
+        Ok(uffd) => Ok((holder, uffd)),
+        Err(e) => {
+            // SAFETY: our own child, not yet reaped.
+            unsafe { libc::kill(holder.pid, libc::SIGKILL) };
+            holder.reap(Duration::from_secs(2));
+            Err(e)
+        }
+    }
+}
+
+/// Forks holder `index` for the slots from `first_slot` that `wiring`
+/// covers. `earlier` are the front's handles on holders forked before it:
+/// the child drops them (their links are not its).
+fn spawn(
+    ctx: &mut BuildContext,
+    index: usize,
+    first_slot: u32,
+    wiring: Wiring,
+    parent_link: RawFd,
+    earlier: &mut Vec<Holder>,
+) -> Result<Holder, HolderError> {
+    let front = std::process::id() as i32;
+    let (ours, theirs) = seqpacket_pair().map_err(HolderError::Link)?;
+    let slots = wiring.irqs.len() as u32;
+    // SAFETY: the caller checked that the process has a single thread, so
+    // the child may run anything.
+    match unsafe { libc::fork() } {
+        -1 => Err(HolderError::Fork(std::io::Error::last_os_error())),
+        0 => {
+            drop(ours);
+            earlier.clear();
+            // SAFETY: the parent link is the front's, not ours.
+            unsafe { libc::close(parent_link) };
+            let code = run(ctx, index, first_slot, theirs, wiring, front);
+            std::process::exit(code);
+        }
+        pid => Ok(Holder {
+            pid,
+            link: ours,
+            first_slot,
+            slots,
+            dead: None,
+            presence: Presence::Present,
+            waiting: Vec::new(),
+            pending: Vec::new(),
+            last_cpu: None,
+        }),
+    }
+}
+
+impl Holder {
+    /// Waits until the holder reports its guest RAM registered; returns
+    /// its userfaultfd.
+    fn wait_ready(&mut self) -> Result<OwnedFd, HolderError> {
         let deadline = Instant::now() + deadline::HOLDER_START;
         loop {
             wait_fd(
-                holder.link.as_raw_fd(),
+                self.link.as_raw_fd(),
                 libc::POLLIN,
                 deadline.saturating_duration_since(Instant::now()),
             );
-            holder
-                .link
-                .set_nonblocking(true)
-                .map_err(HolderError::Link)?;
+            self.link.set_nonblocking(true).map_err(HolderError::Link)?;
             let received =
-                receive::<FromHolder>(&holder.link).map_err(|source| HolderError::Read {
-                    pid: holder.pid,
+                receive::<FromHolder>(&self.link).map_err(|source| HolderError::Read {
+                    pid: self.pid,
                     source,
                 })?;
             match received {
                 Received::Record(FromHolder::Ready, mut fds) if fds.len() == 1 => {
-                    uffds.push(fds.pop().expect("one descriptor"));
-                    break;
+                    return Ok(fds.pop().expect("one descriptor"));
                 }
                 Received::Record(other, _) => {
                     return Err(HolderError::Unexpected {
-                        pid: holder.pid,
+                        pid: self.pid,
                         got: format!("{other:?}"),
                     })
                 }
                 Received::Closed => {
-                    let how = holder.reap(Duration::from_secs(2));
-                    return Err(HolderError::Ended {
-                        pid: holder.pid,
-                        how,
-                    });
+                    let how = self.reap(Duration::from_secs(2));
+                    return Err(HolderError::Ended { pid: self.pid, how });
                 }
                 Received::Nothing if Instant::now() >= deadline => {
-                    return Err(HolderError::DidNotStart(holder.pid))
+                    return Err(HolderError::DidNotStart(self.pid))
                 }
                 Received::Nothing => {}
             }
         }
     }
-    Ok((holders, uffds))
 }
 
 /// Whether the calling process has one thread (the kernel's count).
@@ -682,17 +770,15 @@ fn single_threaded() -> bool {
 }
 
 /// The holder process: returns its exit code.
-#[allow(clippy::too_many_arguments)]
 fn run(
     ctx: &mut BuildContext,
     index: usize,
     first_slot: u32,
-    slots: u32,
     link: UnixDatagram,
-    irqs: &[EventFd],
-    doorbells: &[EventFd],
+    wiring: Wiring,
     front: i32,
 ) -> i32 {
+    let slots = wiring.irqs.len() as u32;
     // SAFETY: plain prctl/getppid on our own process.
     unsafe {
         libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
@@ -718,8 +804,8 @@ fn run(
             .filter_map(|slots| slots.part(index))
             .map(|part| part.memfd().as_raw_fd()),
     );
-    keep.extend(irqs[own.clone()].iter().map(AsRawFd::as_raw_fd));
-    keep.extend(doorbells[own.clone()].iter().map(AsRawFd::as_raw_fd));
+    keep.extend(wiring.irqs.iter().map(AsRawFd::as_raw_fd));
+    keep.extend(wiring.doorbells.iter().map(AsRawFd::as_raw_fd));
     if let Err(e) = close_all_but(&mut keep) {
         crate::log!("densevm: error: holder {index}: close inherited descriptors: {e}");
         return 1;
@@ -770,7 +856,7 @@ fn run(
         };
         match request {
             ToHolder::Build { first, count } => {
-                let (built, error) = build_all(ctx, first, count, irqs, doorbells, &own);
+                let (built, error) = build_all(ctx, first, count, wiring, &own);
                 let tids = built.iter().map(|vm| vm.vcpu.tid()).collect();
                 let stats: Vec<RawFd> = built
                     .iter()
@@ -816,7 +902,7 @@ fn run(
                     let _ = old.join();
                 }
                 let start = if boot { Start::Boot } else { Start::Resume };
-                let woken = wake(ctx, vm, start, pool.take(), (irqs, doorbells), &own, &held);
+                let woken = wake(ctx, vm, start, pool.take(), wiring, &own, &held);
                 let (tid, error) = match woken {
                     Ok(vcpu) => {
                         let tid = vcpu.vcpu.tid();
@@ -855,7 +941,7 @@ fn wake(
     vm: u32,
     start: Start,
     pooled: Option<VmFd>,
-    (irqs, doorbells): (&[EventFd], &[EventFd]),
+    wiring: Wiring,
     own: &std::ops::Range<usize>,
     held: &HashMap<u32, HeldVm>,
 ) -> Result<HeldVm, WakeError> {
@@ -872,11 +958,12 @@ fn wake(
     };
     let vcpu = builder::park_vcpu(ctx, vm)?;
     let parts = builder::Prebuilt { vcpu, kvm };
+    let at = slot - own.start;
     Ok(builder::build(
         ctx,
         vm,
         parts,
-        (&irqs[slot], &doorbells[slot]),
+        (&wiring.irqs[at], &wiring.doorbells[at]),
         start,
     )?)
 }
@@ -925,8 +1012,7 @@ fn build_all(
     ctx: &BuildContext,
     first: u32,
     count: u32,
-    irqs: &[EventFd],
-    doorbells: &[EventFd],
+    wiring: Wiring,
     own: &std::ops::Range<usize>,
 ) -> (Vec<HeldVm>, Option<String>) {
     let started = Instant::now();
@@ -968,9 +1054,9 @@ fn build_all(
                     .take()
                     .expect("each VM built once");
                 let id = first + index;
-                let slot = ctx.slot_of(id);
-                let wiring = (&irqs[slot], &doorbells[slot]);
-                let result = builder::build(ctx, id, prebuilt, wiring, Start::Boot);
+                let at = ctx.slot_of(id) - own.start;
+                let eventfds = (&wiring.irqs[at], &wiring.doorbells[at]);
+                let result = builder::build(ctx, id, prebuilt, eventfds, Start::Boot);
                 built.lock().expect("built")[index as usize] = Some(result);
             });
         }

@@ -1,6 +1,8 @@
 //! Descriptors passed between densevm's processes with SCM_RIGHTS: a cell's
-//! guest memory to the parent, a holder's VMs to its cell.
+//! guest memory to the parent (at its start, and a restarted holder's
+//! userfaultfd later, [`FdStream`]), a holder's VMs to its cell.
 
+use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
@@ -57,6 +59,87 @@ pub fn recv_with_fds(socket: &impl AsRawFd, buf: &mut [u8]) -> io::Result<(usize
     Ok((n as usize, fds))
 }
 
+/// Descriptors an [`FdStream`] keeps unclaimed; more are closed at once.
+pub const MAX_KEPT: usize = 4;
+
+/// The parent's end of a cell link: a stream socket whose reads keep the
+/// descriptors that came with the bytes, in order, for the message that
+/// claims them ([`FdStream::take_fd`]). A cell sends one with the line that
+/// needs it; a hostile cell that sends more gets them closed past
+/// [`MAX_KEPT`], and one that sends none gets a refusal.
+#[derive(Debug)]
+pub struct FdStream {
+    stream: mio::net::UnixStream,
+    received: VecDeque<OwnedFd>,
+}
+
+impl FdStream {
+    /// Wraps the parent's end of a cell link.
+    pub fn new(stream: mio::net::UnixStream) -> Self {
+        FdStream {
+            stream,
+            received: VecDeque::new(),
+        }
+    }
+
+    /// The oldest descriptor received and not yet claimed.
+    pub fn take_fd(&mut self) -> Option<OwnedFd> {
+        self.received.pop_front()
+    }
+}
+
+impl io::Read for FdStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let (n, fds) = recv_with_fds(&self.stream, buf)?;
+        for fd in fds {
+            if self.received.len() < MAX_KEPT {
+                self.received.push_back(fd);
+            }
+        }
+        Ok(n)
+    }
+}
+
+impl io::Write for FdStream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.stream.write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.stream.flush()
+    }
+}
+
+impl AsRawFd for FdStream {
+    fn as_raw_fd(&self) -> RawFd {
+        self.stream.as_raw_fd()
+    }
+}
+
+impl mio::event::Source for FdStream {
+    fn register(
+        &mut self,
+        registry: &mio::Registry,
+        token: mio::Token,
+        interests: mio::Interest,
+    ) -> io::Result<()> {
+        self.stream.register(registry, token, interests)
+    }
+
+    fn reregister(
+        &mut self,
+        registry: &mio::Registry,
+        token: mio::Token,
+        interests: mio::Interest,
+    ) -> io::Result<()> {
+        self.stream.reregister(registry, token, interests)
+    }
+
+    fn deregister(&mut self, registry: &mio::Registry) -> io::Result<()> {
+        self.stream.deregister(registry)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::recv_with_fds;
@@ -76,5 +159,23 @@ mod tests {
         // SAFETY: F_GETFD on a descriptor we own.
         let flags = unsafe { libc::fcntl(fds[0].as_raw_fd(), libc::F_GETFD) };
         assert_ne!(flags & libc::FD_CLOEXEC, 0);
+    }
+
+    #[test]
+    fn a_stream_keeps_what_came_with_its_bytes_up_to_its_bound() {
+        use super::{FdStream, MAX_KEPT};
+        use std::io::Read;
+        let (a, b) = UnixStream::pair().unwrap();
+        b.set_nonblocking(true).unwrap();
+        let mut ours = FdStream::new(mio::net::UnixStream::from_std(b));
+        let file = std::fs::File::open("/dev/null").unwrap();
+        let many = vec![file.as_raw_fd(); MAX_KEPT + 2];
+        a.send_with_fds(&[&b"x\n"[..]], &many).unwrap();
+        let mut buf = [0u8; 16];
+        assert_eq!(ours.read(&mut buf).unwrap(), 2);
+        for _ in 0..MAX_KEPT {
+            assert!(ours.take_fd().is_some());
+        }
+        assert!(ours.take_fd().is_none(), "kept past its bound");
     }
 }

@@ -145,6 +145,15 @@ pub enum ToCell {
     },
     /// Stop every VM and exit.
     Shutdown,
+    /// A notice, not answered: the restarted holder `holder` of
+    /// [`FromCell::HolderStarted`] is attached to the pager (`error`: why
+    /// not); its VMs may run.
+    HolderAttached {
+        /// Its index in the cell.
+        holder: u32,
+        /// Why the pager refused it.
+        error: Option<String>,
+    },
 }
 
 /// A message from a cell.
@@ -179,6 +188,14 @@ pub enum FromCell {
     Waking {
         /// Its id.
         vm: u32,
+    },
+    /// Holder `holder`, which had left with all its VMs asleep, was
+    /// started again to wake one: its userfaultfd comes with this line. The
+    /// parent attaches it to the pager in place of the old one and answers
+    /// with [`ToCell::HolderAttached`].
+    HolderStarted {
+        /// Its index in the cell.
+        holder: u32,
     },
     /// The answer to the request in flight.
     Reply {

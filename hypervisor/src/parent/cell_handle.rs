@@ -8,7 +8,7 @@
 
 use super::steering::{Steering, SteeringError};
 use crate::config::CellSettings;
-use crate::link::fds::{self, recv_with_fds};
+use crate::link::fds::{self, recv_with_fds, FdStream};
 use crate::link::framing::{FrameError, LineStream};
 use crate::link::protocol::{
     deadline, CellConfig, FromCell, Hello, Request, ToCell, MAX_LINK_LINE,
@@ -279,7 +279,7 @@ impl PendingCell {
             });
         match handed {
             Ok((spaces, holder_vms)) => {
-                let link = mio::net::UnixStream::from_std(self.link);
+                let link = FdStream::new(mio::net::UnixStream::from_std(self.link));
                 Ok(Cell {
                     index: self.index,
                     pid: self.child.id(),
@@ -553,7 +553,7 @@ pub struct Cell {
     pub pid: u32,
     child: Child,
     /// The link (registered with the parent's event loop), until the cell ends.
-    pub link: Option<LineStream<mio::net::UnixStream>>,
+    pub link: Option<LineStream<FdStream>>,
     /// Its holders' guest memory in the pager, until it is detached.
     pub spaces: Vec<SpaceId>,
     /// VMs per holder: slot `i` is in `spaces[i / holder_vms]`.
@@ -604,6 +604,22 @@ impl Cell {
         link.queue(&line);
         link.flush()?;
         Ok(id)
+    }
+
+    /// Queues a notice (a request that gets no reply, id 0) and writes what
+    /// the socket takes.
+    pub fn notify(&mut self, notice: &ToCell) -> Result<(), FrameError> {
+        let Some(link) = self.link.as_mut() else {
+            return Err(FrameError::Closed);
+        };
+        let line = serde_json::to_vec(&Request {
+            id: 0,
+            req: notice.clone(),
+        })
+        .expect("requests serialize");
+        link.queue(&line);
+        link.flush()?;
+        Ok(())
     }
 
     /// Waits for the process to end after its link closed (or kills it after

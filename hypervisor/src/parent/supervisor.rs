@@ -451,6 +451,23 @@ impl Supervisor {
                     "reported VM {vm} hibernated or woken, which it does not hold"
                 )))
             }
+            FromCell::HolderStarted { holder } => {
+                let space = cell.spaces.get(holder as usize).copied();
+                let uffd = cell.link.as_mut().and_then(|link| link.stream.take_fd());
+                let (Some(space), Some(uffd)) = (space, uffd) else {
+                    return Err(CellFault::Hostile(format!(
+                        "restarted holder {holder} without a space or its userfaultfd"
+                    )));
+                };
+                let error = self
+                    .pager
+                    .reattach_space(space, uffd)
+                    .err()
+                    .map(|e| e.to_string());
+                if let Err(e) = cell.notify(&ToCell::HolderAttached { holder, error }) {
+                    self.end_cell(index, End::Link(e));
+                }
+            }
             FromCell::Reply { id, reply } => return Ok(Some((id, reply))),
             FromCell::Failed { error } if cell.booted.is_none() && self.ready_line.is_some() => {
                 return Err(CellFault::BootFailed(quote(&error)))
