@@ -92,10 +92,10 @@ enum AdoptFailure {
     /// The VM's slot has no irq eventfd left.
     #[error("VM {0}: no irq")]
     NoIrq(u32),
-    /// Its listener, memory or statistics.
+    /// Its memory or statistics.
     #[error(transparent)]
     Adopt(#[from] AdoptError),
-    /// Its listener could not be registered with the loop.
+    /// It could not be registered with the loop.
     #[error("VM {vm}: {source}")]
     Register {
         /// VM index.
@@ -212,7 +212,8 @@ impl PagerLink for ParentLink {
 pub struct CellLoop {
     poll: Poll,
     ctx: BuildContext,
-    doorbells: Vec<EventFd>,
+    /// Each slot's doorbell while its VM is awake (or booting).
+    doorbells: Vec<Option<EventFd>>,
     irqs: Vec<Option<EventFd>>,
     holders: Vec<Holder>,
     listener: mio::net::TcpListener,
@@ -306,7 +307,7 @@ impl CellLoop {
             poll,
             vms: VmTable::new(setup.ctx.first_id),
             ctx: setup.ctx,
-            doorbells: setup.doorbells,
+            doorbells: setup.doorbells.into_iter().map(Some).collect(),
             irqs: setup.irqs,
             holders: setup.holders,
             listener,
@@ -530,7 +531,9 @@ impl CellLoop {
         // A storm: stop listening to this doorbell for a while.
         bell.idle_rings = 0;
         bell.backoff = (bell.backoff * 2).clamp(DOORBELL_BACKOFF_MIN, DOORBELL_BACKOFF_MAX);
-        let fd = self.doorbells[index].as_raw_fd();
+        let Some(fd) = self.doorbells[index].as_ref().map(AsRawFd::as_raw_fd) else {
+            return;
+        };
         if self
             .poll
             .registry()
@@ -551,7 +554,10 @@ impl CellLoop {
                 continue;
             }
             self.bells[index].deferred_until = None;
-            if register_doorbell(&self.poll, &self.doorbells[index], index).is_err() {
+            let Some(doorbell) = &self.doorbells[index] else {
+                continue;
+            };
+            if register_doorbell(&self.poll, doorbell, index).is_err() {
                 self.kill_vm(
                     index,
                     VmState::Crashed,
@@ -731,7 +737,7 @@ impl CellLoop {
             return;
         };
         vm.command(abi::CMD_PARK);
-        let _ = vm.irq.write(1);
+        vm.kick();
         vm.sleep = Sleep::Parking(Instant::now());
     }
 
@@ -767,7 +773,12 @@ impl CellLoop {
         }
         vm.sleep = Sleep::Asleep;
         vm.vcpu.release();
+        vm.irq = None;
         self.governor.new_thread(index);
+        self.drop_doorbell(index);
+        let Some(vm) = self.vms.live(index) else {
+            return;
+        };
         let in_use = !vm.unused() || !vm.stream.drained(&vm.sys);
         // Requests that came meanwhile wait in the rings: those stay.
         if !in_use {
@@ -782,6 +793,36 @@ impl CellLoop {
             self.wake(index);
         } else {
             self.retire_if_all_asleep(index / self.ctx.ram_slots_per_holder);
+        }
+    }
+
+    /// Makes VM `index`'s irq and doorbell eventfds for a wake and listens
+    /// to the doorbell. The irq starts raised: the guest, resumed, looks at
+    /// its rings at once.
+    fn new_eventfds(&mut self, index: usize) -> io::Result<()> {
+        self.drop_doorbell(index);
+        let irq = EventFd::new(libc::EFD_NONBLOCK)?;
+        irq.write(1)?;
+        let doorbell = EventFd::new(libc::EFD_NONBLOCK)?;
+        register_doorbell(&self.poll, &doorbell, index)?;
+        self.doorbells[index] = Some(doorbell);
+        let Some(vm) = self.vms.live(index) else {
+            return Err(io::Error::other("VM gone"));
+        };
+        vm.irq = Some(irq);
+        Ok(())
+    }
+
+    /// Stops listening to VM `index`'s doorbell and closes it.
+    fn drop_doorbell(&mut self, index: usize) {
+        if let Some(doorbell) = self.doorbells.get_mut(index).and_then(Option::take) {
+            let _ = self
+                .poll
+                .registry()
+                .deregister(&mut mio::unix::SourceFd(&doorbell.as_raw_fd()));
+        }
+        if let Some(bell) = self.bells.get_mut(index) {
+            *bell = Bell::default();
         }
     }
 
@@ -812,25 +853,9 @@ impl CellLoop {
     /// answers ([`Self::holder_attached`]).
     fn restart_holder(&mut self, h: usize) {
         let per_holder = self.ctx.ram_slots_per_holder;
-        let own = h * per_holder..((h + 1) * per_holder).min(self.doorbells.len());
-        let eventfds = own
-            .clone()
-            .map(|slot| {
-                let irq = match self.vms.entries().get(slot) {
-                    Some(VmEntry::Live(vm)) => vm.irq.try_clone(),
-                    _ => match &self.irqs[slot] {
-                        Some(irq) => irq.try_clone(),
-                        None => EventFd::new(libc::EFD_NONBLOCK),
-                    },
-                }?;
-                Ok((irq, self.doorbells[slot].try_clone()?))
-            })
-            .collect::<io::Result<Vec<(EventFd, EventFd)>>>();
-        let started = eventfds.map_err(holder::HolderError::Link).and_then(|fds| {
-            let (irqs, doorbells): (Vec<EventFd>, Vec<EventFd>) = fds.into_iter().unzip();
-            let parent_link = self.parent.link.stream.as_raw_fd();
-            holder::restart(&mut self.ctx, h, &irqs, &doorbells, parent_link)
-        });
+        let slots = per_holder.min(self.doorbells.len() - h * per_holder) as u32;
+        let parent_link = self.parent.link.stream.as_raw_fd();
+        let started = holder::restart(&mut self.ctx, h, slots, parent_link);
         let (mut holder, uffd) = match started {
             Ok(started) => started,
             Err(e) => return self.fail_waiting(h, format!("restart holder {h}: {e}")),
@@ -972,7 +997,24 @@ impl CellLoop {
     /// Asks VM `index`'s present holder to wake it (`boot`: for the first
     /// time).
     fn send_wake(&mut self, index: usize, id: u32, boot: bool) {
-        match self.holder_of(index).map(|h| h.wake(id, boot)) {
+        if self.holder_of(index).is_none() {
+            return;
+        }
+        if let Err(e) = self.new_eventfds(index) {
+            return self.wake_failed(index, format!("its eventfds: {e}"));
+        }
+        let irq = match self.vms.entries().get(index) {
+            Some(VmEntry::Live(vm)) => vm.irq.as_ref(),
+            _ => None,
+        };
+        let holder = self.holders.get(index / self.ctx.ram_slots_per_holder);
+        let sent = match (holder, irq, self.doorbells[index].as_ref()) {
+            (Some(holder), Some(irq), Some(doorbell)) => {
+                Some(holder.wake(id, boot, (irq, doorbell)))
+            }
+            _ => None,
+        };
+        match sent {
             Some(Ok(())) => {
                 if let Some(vm) = self.vms.live(index) {
                     vm.sleep = Sleep::Waking(Instant::now());
@@ -1187,7 +1229,7 @@ impl CellLoop {
                         } else {
                             abi::CMD_CRASH
                         });
-                        let _ = vm_ref.irq.write(1);
+                        vm_ref.kick();
                         json!({ "ok": true, "vm": vm })
                     }
                     None => json!({ "error": format!("no running VM {vm}") }),
@@ -1244,20 +1286,20 @@ impl CellLoop {
     fn create_asleep(&mut self, first: u32, count: u32) -> Value {
         for id in first..first + count {
             let index = self.ctx.slot_of(id);
-            let Some(h) = self
-                .holder_of(index)
-                .map(|_| index / self.ctx.ram_slots_per_holder)
-            else {
+            // A holder that left (its VMs asleep) comes back for a wake.
+            let h = index / self.ctx.ram_slots_per_holder;
+            let Some(h) = self.holders.get(h).filter(|h| h.dead.is_none()).map(|_| h) else {
                 let error = format!("create: VM {id}: no live holder for it");
                 return json!({ "error": error, "created": self.create_reply(first)["created"] });
             };
-            let adopted = self.irqs[index]
-                .take()
-                .ok_or(AdoptFailure::NoIrq(id))
-                .and_then(|irq| {
-                    let mut vcpu = self.holders[h].vcpu(0);
-                    vcpu.release();
-                    let mut vm = microvm::adopt(&self.ctx, id, vcpu, irq, None)?;
+            // It keeps no eventfd asleep: its first wake makes them.
+            self.irqs[index] = None;
+            self.drop_doorbell(index);
+            let mut vcpu = self.holders[h].vcpu(0);
+            vcpu.release();
+            let adopted = microvm::adopt(&self.ctx, id, vcpu, None, None)
+                .map_err(AdoptFailure::from)
+                .and_then(|mut vm| {
                     vm.sleep = Sleep::Unbooted;
                     self.adopt(vm)
                         .map_err(|source| AdoptFailure::Register { vm: id, source })
@@ -1337,7 +1379,7 @@ impl CellLoop {
         let slot = self.ctx.slot_of(id);
         let irq = self.irqs[slot].take().ok_or(AdoptFailure::NoIrq(id))?;
         let vcpu = self.holders[h].vcpu(tid);
-        let vm = microvm::adopt(&self.ctx, id, vcpu, irq, stats_fd)?;
+        let vm = microvm::adopt(&self.ctx, id, vcpu, Some(irq), stats_fd)?;
         self.adopt(vm)
             .map_err(|source| AdoptFailure::Register { vm: id, source })
     }

@@ -85,8 +85,9 @@ pub struct MicroVm {
     pub id: u32,
     /// Where it serves (the cell's socket gets its connections).
     pub addr: SocketAddrV4,
-    /// Host-to-guest interrupt.
-    pub irq: EventFd,
+    /// Host-to-guest interrupt, while it is awake (a sleeping VM keeps no
+    /// eventfd; its wake makes new ones).
+    pub irq: Option<EventFd>,
     /// Host side of the stream device.
     pub stream: StreamDevice,
     /// Connection (slab key) on each slot.
@@ -144,6 +145,13 @@ pub enum Sleep {
 }
 
 impl MicroVm {
+    /// Interrupts the guest, if it is awake.
+    pub fn kick(&self) {
+        if let Some(irq) = &self.irq {
+            let _ = irq.write(1);
+        }
+    }
+
     /// Whether nothing of it is in use: no connection, none waiting or
     /// lingering.
     pub fn unused(&self) -> bool {
@@ -184,7 +192,7 @@ pub fn adopt(
     ctx: &BuildContext,
     id: u32,
     vcpu: RemoteVcpu,
-    irq: EventFd,
+    irq: Option<EventFd>,
     stats_fd: Option<OwnedFd>,
 ) -> Result<MicroVm, AdoptError> {
     let slot = ctx.slot_of(id);

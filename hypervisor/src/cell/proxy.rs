@@ -580,7 +580,7 @@ fn wait_for_room(vm: &mut MicroVm, key: usize) {
 pub fn kick(vms: &mut VmTable, index: usize) {
     let Some(vm) = vms.live(index) else { return };
     if vm.stream.take_kick(&vm.sys) {
-        let _ = vm.irq.write(1);
+        vm.kick();
     }
 }
 

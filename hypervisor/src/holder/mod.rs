@@ -28,7 +28,7 @@ use builder::{BuildContext, BuildError, HeldVm, Start};
 use kvm_ioctls::VmFd;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixDatagram;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -47,6 +47,12 @@ pub enum WakeError {
     /// The VM already has a vCPU.
     #[error("VM {vm} is awake")]
     Awake {
+        /// VM index.
+        vm: u32,
+    },
+    /// The wake came without the VM's irq and doorbell eventfds.
+    #[error("VM {vm}: woken without its eventfds")]
+    NoEventfds {
         /// VM index.
         vm: u32,
     },
@@ -368,9 +374,28 @@ impl Holder {
     }
 
     /// Asks for hibernated VM `vm` to be woken (`boot`: booted, it never
-    /// ran); `Woken` answers.
-    pub fn wake(&self, vm: u32, boot: bool) -> std::io::Result<()> {
-        self.send(&ToHolder::Wake { vm, boot })
+    /// ran) with its new irq and doorbell eventfds; `Woken` answers.
+    pub fn wake(
+        &self,
+        vm: u32,
+        boot: bool,
+        (irq, doorbell): (&EventFd, &EventFd),
+    ) -> std::io::Result<()> {
+        let record =
+            serde_json::to_vec(&ToHolder::Wake { vm, boot }).expect("holder requests serialize");
+        loop {
+            match self
+                .link
+                .send_with_fds(&[&record[..]], &[irq.as_raw_fd(), doorbell.as_raw_fd()])
+            {
+                Ok(_) => return Ok(()),
+                Err(e) if e.errno() == libc::EINTR => continue,
+                Err(e) if e.errno() == libc::EAGAIN => {
+                    wait_fd(self.link.as_raw_fd(), libc::POLLOUT, Duration::from_secs(1))
+                }
+                Err(e) => return Err(std::io::Error::from_raw_os_error(e.errno())),
+            }
+        }
     }
 
     /// Asks the holder to stop everything and exit.
@@ -606,13 +631,17 @@ pub struct HolderInputs<'a> {
     pub parent_link: RawFd,
 }
 
-/// A holder's slots' irq and doorbell eventfds, in slot order from its
-/// first slot.
+/// A holder's slots' irq and doorbell eventfds at its first fork, in slot
+/// order from its first slot. A holder started again inherits none: every
+/// VM of it sleeps, and each wake brings the VM's new ones.
 #[derive(Clone, Copy)]
-struct Wiring<'a> {
+struct Inherited<'a> {
     irqs: &'a [EventFd],
     doorbells: &'a [EventFd],
 }
+
+/// Each slot's irq and doorbell eventfds while its VM is awake (or booting).
+type Eventfds = Vec<Option<(EventFd, EventFd)>>;
 
 /// Forks the cell's holders, one per part of `ctx.ram`, and waits until
 /// each has registered its guest RAM. Returns the holders and, per holder,
@@ -628,15 +657,14 @@ pub fn fork_all(inputs: HolderInputs) -> Result<(Vec<Holder>, Vec<OwnedFd>), Hol
         let first_slot = index as u32 * per_holder;
         let slots = per_holder.min(inputs.irqs.len() as u32 - first_slot);
         let own = first_slot as usize..(first_slot + slots) as usize;
-        let wiring = Wiring {
+        let inherited = Inherited {
             irqs: &inputs.irqs[own.clone()],
             doorbells: &inputs.doorbells[own],
         };
         let holder = spawn(
             inputs.ctx,
-            index,
-            first_slot,
-            wiring,
+            (index, first_slot, slots),
+            Some(inherited),
             inputs.parent_link,
             &mut holders,
         )?;
@@ -649,24 +677,22 @@ pub fn fork_all(inputs: HolderInputs) -> Result<(Vec<Holder>, Vec<OwnedFd>), Hol
     Ok((holders, uffds))
 }
 
-/// Starts holder `index` again, its predecessor having left with every VM
-/// of it asleep (`irqs` and `doorbells`: its slots' eventfds, in slot
-/// order), and waits until it has registered its guest RAM. Returns it
-/// (`Returning`) and its userfaultfd for the pager. Call while the process
-/// has one thread.
+/// Starts holder `index` again (for `slots` slots), its predecessor having
+/// left with every VM of it asleep, and waits until it has registered its
+/// guest RAM. Returns it (`Returning`) and its userfaultfd for the pager.
+/// Call while the process has one thread.
 pub fn restart(
     ctx: &mut BuildContext,
     index: usize,
-    irqs: &[EventFd],
-    doorbells: &[EventFd],
+    slots: u32,
     parent_link: RawFd,
 ) -> Result<(Holder, OwnedFd), HolderError> {
     if !single_threaded() {
         return Err(HolderError::Threaded);
     }
     let first_slot = index as u32 * ctx.ram_slots_per_holder as u32;
-    let wiring = Wiring { irqs, doorbells };
-    let mut holder = spawn(ctx, index, first_slot, wiring, parent_link, &mut Vec::new())?;
+    let at = (index, first_slot, slots);
+    let mut holder = spawn(ctx, at, None, parent_link, &mut Vec::new())?;
     holder.presence = Presence::Returning;
     let uffd = holder.wait_ready();
     match uffd {
@@ -680,20 +706,18 @@ pub fn restart(
     }
 }
 
-/// Forks holder `index` for the slots from `first_slot` that `wiring`
-/// covers. `earlier` are the front's handles on holders forked before it:
-/// the child drops them (their links are not its).
+/// Forks holder `index` for `slots` slots from `first_slot`. `earlier` are
+/// the front's handles on holders forked before it: the child drops them
+/// (their links are not its).
 fn spawn(
     ctx: &mut BuildContext,
-    index: usize,
-    first_slot: u32,
-    wiring: Wiring,
+    (index, first_slot, slots): (usize, u32, u32),
+    inherited: Option<Inherited>,
     parent_link: RawFd,
     earlier: &mut Vec<Holder>,
 ) -> Result<Holder, HolderError> {
     let front = std::process::id() as i32;
     let (ours, theirs) = seqpacket_pair().map_err(HolderError::Link)?;
-    let slots = wiring.irqs.len() as u32;
     // SAFETY: the caller checked that the process has a single thread, so
     // the child may run anything.
     match unsafe { libc::fork() } {
@@ -703,7 +727,7 @@ fn spawn(
             earlier.clear();
             // SAFETY: the parent link is the front's, not ours.
             unsafe { libc::close(parent_link) };
-            let code = run(ctx, index, first_slot, theirs, wiring, front);
+            let code = run(ctx, (index, first_slot, slots), theirs, inherited, front);
             std::process::exit(code);
         }
         pid => Ok(Holder {
@@ -772,13 +796,11 @@ fn single_threaded() -> bool {
 /// The holder process: returns its exit code.
 fn run(
     ctx: &mut BuildContext,
-    index: usize,
-    first_slot: u32,
+    (index, first_slot, slots): (usize, u32, u32),
     link: UnixDatagram,
-    wiring: Wiring,
+    inherited: Option<Inherited>,
     front: i32,
 ) -> i32 {
-    let slots = wiring.irqs.len() as u32;
     // SAFETY: plain prctl/getppid on our own process.
     unsafe {
         libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
@@ -804,8 +826,26 @@ fn run(
             .filter_map(|slots| slots.part(index))
             .map(|part| part.memfd().as_raw_fd()),
     );
-    keep.extend(wiring.irqs.iter().map(AsRawFd::as_raw_fd));
-    keep.extend(wiring.doorbells.iter().map(AsRawFd::as_raw_fd));
+    let mut eventfds: Eventfds = match inherited {
+        Some(inherited) => inherited
+            .irqs
+            .iter()
+            .zip(inherited.doorbells)
+            .map(|(irq, doorbell)| {
+                keep.extend([irq.as_raw_fd(), doorbell.as_raw_fd()]);
+                // SAFETY: the front's objects for these descriptors are never
+                // dropped here (the holder ends with process::exit): these
+                // are their only owners in this process.
+                Some(unsafe {
+                    (
+                        EventFd::from_raw_fd(irq.as_raw_fd()),
+                        EventFd::from_raw_fd(doorbell.as_raw_fd()),
+                    )
+                })
+            })
+            .collect(),
+        None => (0..slots).map(|_| None).collect(),
+    };
     if let Err(e) = close_all_but(&mut keep) {
         crate::log!("densevm: error: holder {index}: close inherited descriptors: {e}");
         return 1;
@@ -849,14 +889,14 @@ fn run(
     let mut reaping: HashMap<u32, std::thread::JoinHandle<()>> = HashMap::new();
     let mut reaped_pools: Vec<std::thread::JoinHandle<()>> = Vec::new();
     loop {
-        let request = match receive::<ToHolder>(&link) {
-            Ok(Received::Record(request, _)) => request,
+        let (request, fds) = match receive::<ToHolder>(&link) {
+            Ok(Received::Record(request, fds)) => (request, fds),
             Ok(Received::Nothing) => continue,
             Ok(Received::Closed) | Err(_) => break,
         };
         match request {
             ToHolder::Build { first, count } => {
-                let (built, error) = build_all(ctx, first, count, wiring, &own);
+                let (built, error) = build_all(ctx, first, count, &eventfds, &own);
                 let tids = built.iter().map(|vm| vm.vcpu.tid()).collect();
                 let stats: Vec<RawFd> = built
                     .iter()
@@ -874,6 +914,7 @@ fn run(
                 if let Some(mut stopped) = held.remove(&vm) {
                     stopped.release();
                 }
+                forget_eventfds(ctx, &mut eventfds, &own, vm);
                 let record = serde_json::to_vec(&FromHolder::Stopped { vm }).expect("serializes");
                 let _ = link.send(&record);
             }
@@ -882,6 +923,8 @@ fn run(
                 if let Some(kvm) = held.remove(&vm).and_then(HeldVm::stop_for_good) {
                     reaping.insert(vm, std::thread::spawn(move || drop(kvm)));
                 }
+                // Its KVM VM keeps what it registered; its next wake brings new ones.
+                forget_eventfds(ctx, &mut eventfds, &own, vm);
                 let record =
                     serde_json::to_vec(&FromHolder::Hibernated { vm }).expect("serializes");
                 let _ = link.send(&record);
@@ -902,7 +945,18 @@ fn run(
                     let _ = old.join();
                 }
                 let start = if boot { Start::Boot } else { Start::Resume };
-                let woken = wake(ctx, vm, start, pool.take(), wiring, &own, &held);
+                if let (Ok([irq, doorbell]), Some(at)) =
+                    (<[OwnedFd; 2]>::try_from(fds), slot_in(ctx, &own, vm))
+                {
+                    // SAFETY: descriptors just received, owned by nothing else.
+                    eventfds[at] = Some(unsafe {
+                        (
+                            EventFd::from_raw_fd(irq.into_raw_fd()),
+                            EventFd::from_raw_fd(doorbell.into_raw_fd()),
+                        )
+                    });
+                }
+                let woken = wake(ctx, vm, start, pool.take(), &eventfds, &own, &held);
                 let (tid, error) = match woken {
                     Ok(vcpu) => {
                         let tid = vcpu.vcpu.tid();
@@ -927,6 +981,26 @@ fn run(
     0
 }
 
+/// VM `vm`'s index among the holder's slots `own`, if it is one of them.
+fn slot_in(ctx: &BuildContext, own: &std::ops::Range<usize>, vm: u32) -> Option<usize> {
+    (vm >= ctx.first_id)
+        .then(|| ctx.slot_of(vm))
+        .filter(|slot| own.contains(slot))
+        .map(|slot| slot - own.start)
+}
+
+/// Closes VM `vm`'s eventfds (it sleeps, or is gone).
+fn forget_eventfds(
+    ctx: &BuildContext,
+    eventfds: &mut Eventfds,
+    own: &std::ops::Range<usize>,
+    vm: u32,
+) {
+    if let Some(at) = slot_in(ctx, own, vm) {
+        eventfds[at] = None;
+    }
+}
+
 /// Makes the pool's empty KVM VM if it has none (`vm` names it in errors).
 fn fill_pool(ctx: &BuildContext, pool: &mut Option<VmFd>, vm: u32) {
     if pool.is_none() {
@@ -941,7 +1015,7 @@ fn wake(
     vm: u32,
     start: Start,
     pooled: Option<VmFd>,
-    wiring: Wiring,
+    eventfds: &Eventfds,
     own: &std::ops::Range<usize>,
     held: &HashMap<u32, HeldVm>,
 ) -> Result<HeldVm, WakeError> {
@@ -958,14 +1032,10 @@ fn wake(
     };
     let vcpu = builder::park_vcpu(ctx, vm)?;
     let parts = builder::Prebuilt { vcpu, kvm };
-    let at = slot - own.start;
-    Ok(builder::build(
-        ctx,
-        vm,
-        parts,
-        (&wiring.irqs[at], &wiring.doorbells[at]),
-        start,
-    )?)
+    let (irq, doorbell) = eventfds[slot - own.start]
+        .as_ref()
+        .ok_or(WakeError::NoEventfds { vm })?;
+    Ok(builder::build(ctx, vm, parts, (irq, doorbell), start)?)
 }
 
 /// Closes every descriptor of the process but those in `keep`
@@ -1012,7 +1082,7 @@ fn build_all(
     ctx: &BuildContext,
     first: u32,
     count: u32,
-    wiring: Wiring,
+    eventfds: &Eventfds,
     own: &std::ops::Range<usize>,
 ) -> (Vec<HeldVm>, Option<String>) {
     let started = Instant::now();
@@ -1025,6 +1095,15 @@ fn build_all(
     let ids = first..first + count;
     if let Some(id) = ids.clone().find(|&id| !own.contains(&ctx.slot_of(id))) {
         return (Vec::new(), Some(format!("VM {id} is not this holder's")));
+    }
+    if let Some(id) = ids
+        .clone()
+        .find(|&id| eventfds[ctx.slot_of(id) - own.start].is_none())
+    {
+        return (
+            Vec::new(),
+            Some(format!("VM {id}: no eventfds to build it with")),
+        );
     }
     // Every KVM VM is created before any vCPU maps its run page: creating
     // one visits every VMA, so this keeps the boot linear in the VM count.
@@ -1054,9 +1133,10 @@ fn build_all(
                     .take()
                     .expect("each VM built once");
                 let id = first + index;
-                let at = ctx.slot_of(id) - own.start;
-                let eventfds = (&wiring.irqs[at], &wiring.doorbells[at]);
-                let result = builder::build(ctx, id, prebuilt, eventfds, Start::Boot);
+                let (irq, doorbell) = eventfds[ctx.slot_of(id) - own.start]
+                    .as_ref()
+                    .expect("checked before the threads started");
+                let result = builder::build(ctx, id, prebuilt, (irq, doorbell), Start::Boot);
                 built.lock().expect("built")[index as usize] = Some(result);
             });
         }
