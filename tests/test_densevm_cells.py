@@ -13,7 +13,7 @@ import pytest
 from conftest import release_binary
 from scalebench.scaling import children
 from scalebench.webobject import LARGE, SMALL
-from support.densevm import get, kvm_available, start, wait_for
+from support.densevm import fd_targets, get, kvm_available, start, wait_for
 
 pytestmark = pytest.mark.skipif(
     not kvm_available(), reason="/dev/kvm is absent or not accessible on this host"
@@ -360,15 +360,7 @@ def listening_sockets(pids: list[int]) -> int:
                 fields = line.split()
                 if fields[3] == "0A":
                     listening.add(fields[9])
-    held = set()
-    for pid in pids:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except FileNotFoundError:
-                continue
-            if target.startswith("socket:["):
-                held.add(target[8:-1])
+    held = {t[8:-1] for t in fd_targets(pids) if t.startswith("socket:[")}
     return len(listening & held)
 
 

@@ -15,7 +15,7 @@ import pytest
 from conftest import release_binary
 from scalebench.scaling import children
 from scalebench.webobject import SMALL
-from support.densevm import get, kvm_available, start, wait_for
+from support.densevm import fd_targets, get, kvm_available, start, wait_for
 
 pytestmark = pytest.mark.skipif(
     not kvm_available(), reason="/dev/kvm is absent or not accessible on this host"
@@ -37,14 +37,9 @@ def threads(pids: list[int]) -> int:
 def kvm_objects(pids: list[int]) -> dict[str, int]:
     """The KVM VMs and vCPUs the processes hold descriptors of."""
     counts = {"kvm-vm": 0, "kvm-vcpu": 0}
-    for pid in pids:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except FileNotFoundError:
-                continue
-            for kind in counts:
-                counts[kind] += target.startswith(f"anon_inode:{kind}")
+    for target in fd_targets(pids):
+        for kind in counts:
+            counts[kind] += target.startswith(f"anon_inode:{kind}")
     return counts
 
 

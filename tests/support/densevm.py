@@ -152,3 +152,20 @@ def get(addr: tuple[str, int], path: str = "/") -> Response:
         return client.response()
     finally:
         client.close()
+
+
+def fd_targets(pids: list[int]) -> list[str]:
+    """What every descriptor of the processes `pids` points at (`socket:[123]`,
+    `anon_inode:kvm-vm`, a path); processes and descriptors gone meanwhile are skipped."""
+    targets = []
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except FileNotFoundError:
+            continue
+        for fd in fds:
+            try:
+                targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except FileNotFoundError:
+                continue
+    return targets

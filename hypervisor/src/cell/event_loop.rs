@@ -109,8 +109,8 @@ enum AdoptFailure {
 pub struct CellLoopSetup {
     /// Shared build context.
     pub ctx: BuildContext,
-    /// Doorbell eventfds, one per slot.
-    pub doorbells: Vec<EventFd>,
+    /// Each slot's doorbell eventfd, if made at the start.
+    pub doorbells: Vec<Option<EventFd>>,
     /// Each slot's irq eventfd, until its VM takes it.
     pub irqs: Vec<Option<EventFd>>,
     /// The holders, one per `ctx.ram_slots_per_holder` slots.
@@ -291,7 +291,9 @@ impl CellLoop {
         poll.registry()
             .register(&mut link, LINK, Interest::READABLE)?;
         for (index, evt) in setup.doorbells.iter().enumerate() {
-            register_doorbell(&poll, evt, index)?;
+            if let Some(evt) = evt {
+                register_doorbell(&poll, evt, index)?;
+            }
         }
         for (index, holder) in setup.holders.iter().enumerate() {
             poll.registry().register(
@@ -307,7 +309,7 @@ impl CellLoop {
             poll,
             vms: VmTable::new(setup.ctx.first_id),
             ctx: setup.ctx,
-            doorbells: setup.doorbells.into_iter().map(Some).collect(),
+            doorbells: setup.doorbells,
             irqs: setup.irqs,
             holders: setup.holders,
             listener,

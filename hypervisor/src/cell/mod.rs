@@ -152,11 +152,19 @@ fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
     };
     config::ensure_fd_budget(config.capacity, settings.fds_per_vm)?;
     let mut ctx = build_context(&config)?;
-    let irqs = eventfds(config.capacity, "irq eventfds")?;
-    let doorbells = eventfds(config.capacity, "doorbell eventfds")?;
+    // Without hibernation every VM boots on eventfds made here, before the
+    // fork; with it, every VM is created asleep and each wake makes its own.
+    let (irqs, doorbells) = match settings.hibernation {
+        Some(_) => (Vec::new(), Vec::new()),
+        None => (
+            eventfds(config.capacity, "irq eventfds")?,
+            eventfds(config.capacity, "doorbell eventfds")?,
+        ),
+    };
     // The process still has one thread: the holders may be forked.
     let (holders, uffds) = holder::fork_all(HolderInputs {
         ctx: &mut ctx,
+        capacity: config.capacity,
         irqs: &irqs,
         doorbells: &doorbells,
         parent_link: link.as_raw_fd(),
@@ -204,8 +212,8 @@ fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
     let (first_id, count) = (ctx.first_id, config.count);
     let setup = CellLoopSetup {
         ctx,
-        doorbells,
-        irqs: irqs.into_iter().map(Some).collect(),
+        doorbells: per_slot(doorbells, config.capacity),
+        irqs: per_slot(irqs, config.capacity),
         holders,
         listener,
         link: link.try_clone().map_err(|source| CellError::Io {
@@ -243,6 +251,13 @@ fn eventfds(count: u32, what: &'static str) -> Result<Vec<EventFd>, CellError> {
         .map(|_| EventFd::new(EFD_NONBLOCK))
         .collect::<Result<Vec<_>, _>>()
         .map_err(|source| CellError::Io { what, source })
+}
+
+/// One entry per slot of a cell of `capacity`: `made`, then none.
+fn per_slot(made: Vec<EventFd>, capacity: u32) -> Vec<Option<EventFd>> {
+    let mut slots: Vec<Option<EventFd>> = made.into_iter().map(Some).collect();
+    slots.resize_with(capacity as usize, || None);
+    slots
 }
 
 /// Tells the parent why the cell cannot go on; returns the error.

@@ -623,9 +623,11 @@ fn seqpacket_pair() -> std::io::Result<(UnixDatagram, UnixDatagram)> {
 pub struct HolderInputs<'a> {
     /// The cell's build context.
     pub ctx: &'a mut BuildContext,
-    /// One irq eventfd per slot.
+    /// Its slots.
+    pub capacity: u32,
+    /// One irq eventfd per slot, or none (every VM created asleep).
     pub irqs: &'a [EventFd],
-    /// One doorbell eventfd per slot.
+    /// One doorbell eventfd per slot, or none.
     pub doorbells: &'a [EventFd],
     /// Descriptor of the front's link to its parent, closed in holders.
     pub parent_link: RawFd,
@@ -655,16 +657,16 @@ pub fn fork_all(inputs: HolderInputs) -> Result<(Vec<Holder>, Vec<OwnedFd>), Hol
     let mut holders: Vec<Holder> = Vec::with_capacity(parts);
     for index in 0..parts {
         let first_slot = index as u32 * per_holder;
-        let slots = per_holder.min(inputs.irqs.len() as u32 - first_slot);
+        let slots = per_holder.min(inputs.capacity - first_slot);
         let own = first_slot as usize..(first_slot + slots) as usize;
         let inherited = Inherited {
-            irqs: &inputs.irqs[own.clone()],
-            doorbells: &inputs.doorbells[own],
+            irqs: inputs.irqs.get(own.clone()).unwrap_or_default(),
+            doorbells: inputs.doorbells.get(own).unwrap_or_default(),
         };
         let holder = spawn(
             inputs.ctx,
             (index, first_slot, slots),
-            Some(inherited),
+            Some(inherited).filter(|i| !i.irqs.is_empty()),
             inputs.parent_link,
             &mut holders,
         )?;
