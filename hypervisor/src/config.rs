@@ -226,13 +226,15 @@ impl Hibernation {
 }
 
 impl CellSettings {
-    /// The address VM `id` listens on.
+    /// The address VM `id` serves on.
     pub fn addr_of(&self, id: u32) -> std::net::SocketAddrV4 {
-        std::net::SocketAddrV4::new(
-            Ipv4Addr::from(u32::from(self.addr_base).wrapping_add(id)),
-            self.port,
-        )
+        std::net::SocketAddrV4::new(vm_addr(self.addr_base, id), self.port)
     }
+}
+
+/// VM `id`'s IP address, VM 0's being `addr_base`.
+pub fn vm_addr(addr_base: Ipv4Addr, id: u32) -> Ipv4Addr {
+    Ipv4Addr::from(u32::from(addr_base).wrapping_add(id))
 }
 
 /// What the cells run with, from checked flags and the guest's layout.

@@ -107,12 +107,9 @@ impl BuildContext {
         (id - self.first_id) as usize
     }
 
-    /// Address VM `id` listens on.
+    /// Address VM `id` serves on.
     pub fn addr_of(&self, id: u32) -> SocketAddrV4 {
-        SocketAddrV4::new(
-            Ipv4Addr::from(u32::from(self.addr_base).wrapping_add(id)),
-            self.port,
-        )
+        SocketAddrV4::new(crate::config::vm_addr(self.addr_base, id), self.port)
     }
 }
 

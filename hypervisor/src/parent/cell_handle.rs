@@ -440,7 +440,7 @@ impl PendingCell {
     }
 
     fn addr_of(&self, id: u32) -> Ipv4Addr {
-        Ipv4Addr::from(u32::from(self.addr_base).wrapping_add(id))
+        crate::config::vm_addr(self.addr_base, id)
     }
 
     fn exit_reason(&mut self) -> Option<String> {
