@@ -40,9 +40,12 @@ int steer(struct bpf_sk_lookup *ctx)
 	__u32 *slot = bpf_map_lookup_elem(&vm_cells, &addr);
 	if (!slot)
 		return SK_PASS;
+	// No socket (its cell is gone): the kernel's own lookup finds none and
+	// refuses. Passing, not dropping, also lets a later densevm on these
+	// addresses be reached while an exited one's program is still detaching.
 	struct bpf_sock *sk = bpf_map_lookup_elem(&cell_sockets, slot);
 	if (!sk)
-		return SK_DROP;
+		return SK_PASS;
 	bpf_sk_assign(ctx, sk, 0);
 	bpf_sk_release(sk);
 	// An earlier program (another densevm on the same addresses) chose first.
