@@ -27,9 +27,10 @@ const FD_HEADROOM: u64 = 1024 + HELD_PER_CELL as u64;
 /// Kernel memory a 1-vCPU KVM VM holds (docs/host-facts.md, "Costs of KVM operations"):
 /// a VM count the host cannot hold is refused up front.
 const KERNEL_BYTES_PER_VM: u64 = 600 << 10;
-/// Host memory a hibernated VM keeps (its system pages, records, listener,
-/// its share of its holder; experiments/bench/hibernation.py, rounded up).
-const ASLEEP_BYTES_PER_VM: u64 = 256 << 10;
+/// Host memory a hibernated VM keeps (its system pages and records in the
+/// cell and the parent): 35 KiB measured asleep at 2,000 and 4,000 VMs
+/// (experiments/bench/hibernation.py, 2026-11-28), rounded up.
+const ASLEEP_BYTES_PER_VM: u64 = 64 << 10;
 /// A request writes one word in every 4th working-set page by default.
 pub const DEFAULT_WS_WRITE_STRIDE: u32 = 4;
 

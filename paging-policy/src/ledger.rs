@@ -264,7 +264,8 @@ impl Ledger {
         self.vms.keys().copied()
     }
 
-    /// Registers a VM of `blocks` blocks, none resident.
+    /// Registers a VM of `blocks` blocks, none resident and no swap
+    /// committed to it yet ([`Ledger::commit_swap`]).
     pub fn register(&mut self, vm: VmId, blocks: u32) -> Result<(), PagerError> {
         if self.vm(vm).is_some() {
             return Err(PagerError::BadVm {
@@ -272,7 +273,6 @@ impl Ledger {
                 reason: "already registered".into(),
             });
         }
-        self.space.register(vm)?;
         self.vms.insert(
             vm,
             VmLedger {
@@ -299,6 +299,22 @@ impl Ledger {
         );
         self.policy.on_vm_registered(vm, blocks);
         self.policy_err()
+    }
+
+    /// Commits swap to a live registered VM before any of its blocks can be
+    /// resident (at its first fault), allocating it on the device with
+    /// `allocate` (see [`SwapSpace::commit`]); nothing for one already
+    /// committed, unknown or dying. Only a VM that has run needs swap, so a
+    /// host holds far more VMs asleep than its disk could back whole.
+    pub fn commit_swap(
+        &mut self,
+        vm: VmId,
+        allocate: impl FnOnce(u64) -> Result<(), PagerError>,
+    ) -> Result<(), PagerError> {
+        if self.vm(vm).is_none_or(|v| v.dying) {
+            return Ok(());
+        }
+        self.space.commit(vm, allocate)
     }
 
     /// Stops new work on a VM: its faults are ignored and the policy forgets
@@ -971,13 +987,20 @@ mod tests {
     const BLOCK: u64 = 4096;
     const VM_BLOCKS: u32 = 16;
 
+    /// Registers `vm` and commits its swap, as the pager does at its first
+    /// fault.
+    fn register(l: &mut Ledger, vm: VmId) {
+        l.register(vm, VM_BLOCKS).unwrap();
+        l.commit_swap(vm, |_| Ok(())).unwrap();
+    }
+
     /// Two VMs of 16 blocks under demand, a budget of 8 blocks.
     fn ledger(quota_blocks: Option<u64>) -> Ledger {
         let space = SwapSpace::new(SwapLayout::PerVm, 2 * 16 * BLOCK, BLOCK, 16 * BLOCK);
         let mut l = Ledger::new(Box::new(Demand::new()), space, BLOCK, 8 * BLOCK);
         l.set_vm_quota(quota_blocks.map(|b| b * BLOCK));
-        l.register(0, VM_BLOCKS).unwrap();
-        l.register(1, VM_BLOCKS).unwrap();
+        register(&mut l, 0);
+        register(&mut l, 1);
         l
     }
 
@@ -1228,7 +1251,7 @@ mod tests {
         let space = SwapSpace::new(SwapLayout::Log, 2 * 16 * BLOCK, BLOCK, 16 * BLOCK);
         let mut l = Ledger::new(Box::new(Demand::new()), space, BLOCK, 8 * BLOCK);
         l.set_vm_quota(Some(BLOCK));
-        l.register(0, VM_BLOCKS).unwrap();
+        register(&mut l, 0);
         assert!(!write_and_evict(&mut l, |v| v.sum = 9));
     }
 
@@ -1317,7 +1340,7 @@ mod tests {
     fn full_ledger_proposing(victims: Vec<(VmId, BlockId)>) -> Ledger {
         let space = SwapSpace::new(SwapLayout::PerVm, 2 * 16 * BLOCK, BLOCK, 16 * BLOCK);
         let mut l = Ledger::new(Box::new(Proposes(victims)), space, BLOCK, 2 * BLOCK);
-        l.register(0, VM_BLOCKS).unwrap();
+        register(&mut l, 0);
         for b in 0..2 {
             let mut p = Vec::new();
             l.plan_fault(0, b, false, &mut p).unwrap();
@@ -1377,12 +1400,12 @@ mod tests {
     fn swap_full_at_eviction_fails_only_the_victims_vm() {
         let space = SwapSpace::new(SwapLayout::Log, 8 * 16 * BLOCK, BLOCK, 16 * BLOCK);
         let mut l = Ledger::new(Box::new(Demand::new()), space, BLOCK, 8 * BLOCK);
-        l.register(0, VM_BLOCKS).unwrap();
-        l.register(1, VM_BLOCKS).unwrap();
+        register(&mut l, 0);
+        register(&mut l, 1);
         // Something else holds every byte the log may use.
         let all: Vec<BlockId> = (0..64).collect();
         let mut out = Vec::new();
-        l.space.place(999, &all, &mut out).unwrap();
+        l.space.place(1, &all, &mut out).unwrap();
         for b in 0..8 {
             swap_in(&mut l, 0, b, true, 0);
         }
@@ -1491,7 +1514,7 @@ mod tests {
     fn an_abandoned_hibernation_frees_its_swap_places_and_busy_blocks() {
         let space = SwapSpace::new(SwapLayout::Log, 2 * 2 * 16 * BLOCK, BLOCK, 16 * BLOCK);
         let mut l = Ledger::new(Box::new(Demand::new()), space, BLOCK, 8 * BLOCK);
-        l.register(0, VM_BLOCKS).unwrap();
+        register(&mut l, 0);
         for b in 0..4 {
             swap_in(&mut l, 0, b, true, 0);
         }
@@ -1546,7 +1569,7 @@ mod tests {
         let calls = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let space = SwapSpace::new(SwapLayout::PerVm, 2 * 16 * BLOCK, BLOCK, 16 * BLOCK);
         let mut l = Ledger::new(Box::new(Records(calls.clone())), space, BLOCK, 8 * BLOCK);
-        l.register(0, VM_BLOCKS).unwrap();
+        register(&mut l, 0);
         fault(&mut l, 0, 3);
         fault(&mut l, 0, 4);
         let planned = l.plan_hibernation(0).unwrap();

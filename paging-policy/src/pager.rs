@@ -520,16 +520,8 @@ impl Pager {
         if overlaps || st.places.contains_key(&vm) {
             return Err(bad("region overlaps a registered VM or id in use".into()));
         }
-        // Swap for every registered VM's whole RAM (twice, for the log's
-        // slack), allocated now rather than found missing mid-run.
-        let per_vm = self.vm_ram * swap_bytes_per_ram_byte(st.ledger.layout());
-        self.swap.reserve((st.places.len() as u64 + 1) * per_vm)?;
-        st.ledger
-            .register(vm, (len / self.block) as u32)
-            .map_err(|e| match e {
-                PagerError::SwapFull { .. } => bad(format!("refused, no room on swap for it: {e}")),
-                e => e,
-            })?;
+        // Its swap is committed at its first fault (`commit_swap`).
+        st.ledger.register(vm, (len / self.block) as u32)?;
         st.regions.insert((space.id, addr), (vm, len));
         st.places.insert(
             vm,
@@ -922,6 +914,9 @@ impl Pager {
         let Some(place) = st.places.get(&vm).cloned() else {
             return Ok(());
         };
+        if !self.commit_swap(&mut st, vm) {
+            return Ok(());
+        }
         let mut plan = std::mem::take(&mut s.plan);
         st.ledger.plan_wake(vm, &mut plan)?;
         if plan.is_empty() {
@@ -1032,9 +1027,31 @@ impl Pager {
         t0: Instant,
         s: &mut Scratch,
     ) -> Result<(), PagerError> {
+        if !self.commit_swap(&mut st, vm) {
+            return Ok(());
+        }
         let mut plan = std::mem::take(&mut s.plan);
         st.ledger.plan_fault(vm, block, write, &mut plan)?;
         self.bring_in(st, vm, &place, plan, t0, s)
+    }
+
+    /// Commits swap to `vm` before any block of it comes in (see
+    /// [`Ledger::commit_swap`]): a VM registered asleep and never woken
+    /// costs the disk nothing. The device is allocated under the lock, as
+    /// nothing may be placed where it is not (an fallocate of
+    /// [`crate::swap::RESERVE_STEP`] took under 1 ms here, once per 64
+    /// VMs of 4 MiB). A VM the disk has no room for fails alone, at its
+    /// first fault. Returns whether the fault may go on.
+    fn commit_swap(&self, st: &mut State, vm: VmId) -> bool {
+        match st.ledger.commit_swap(vm, |bytes| self.swap.reserve(bytes)) {
+            Ok(()) => true,
+            Err(e) => {
+                st.ledger
+                    .fail_vm(vm, format!("no swap for its memory: {e}"));
+                self.report_failed_vms(st);
+                false
+            }
+        }
     }
 
     /// Brings a planned fault-in (or wake prefetch) in: room first (waiting

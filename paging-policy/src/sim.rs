@@ -321,6 +321,9 @@ impl Simulator {
     fn fault(&mut self, vm: VmId, block: u32) -> Result<(), PagerError> {
         let bs = self.cfg.block_bytes;
         let mut plan = std::mem::take(&mut self.plan);
+        // As the pager does at a VM's first fault; the simulated device has
+        // nothing to allocate.
+        self.ledger.commit_swap(vm, |_| Ok(()))?;
         self.ledger.plan_fault(vm, block, false, &mut plan)?;
         for p in plan.iter_mut() {
             p.dirty = self.written[p.block as usize];

@@ -94,10 +94,10 @@ pub struct SwapSpace {
     next_slot: u64,
     log: LogSpace,
     /// End of the part of the device the log may use: grows by
-    /// [`swap_bytes_per_ram_byte`] x VM RAM with each registration that
-    /// needs it, up to the capacity, never shrinks. The pager reserves
-    /// (allocates) exactly this prefix of the swap file as VMs register, so
-    /// the log never writes where the filesystem could answer ENOSPC.
+    /// [`swap_bytes_per_ram_byte`] x VM RAM with each commit that needs it,
+    /// up to the capacity, never shrinks. The pager allocates exactly this
+    /// prefix of the swap file as VMs commit, so the log never writes where
+    /// the filesystem could answer ENOSPC.
     log_limit: u64,
 }
 
@@ -135,21 +135,34 @@ impl SwapSpace {
         self.layout
     }
 
-    /// Bytes of swap a VM needs under this layout (what [`Self::register`]
+    /// Bytes of swap a VM needs under this layout (what [`Self::commit`]
     /// checks the capacity for).
     pub fn bytes_per_vm(&self) -> u64 {
         self.slot_bytes * swap_bytes_per_ram_byte(self.layout)
     }
 
-    /// Reserves a VM's region (per-VM layout), or its share of the log:
-    /// registered VMs x [`Self::bytes_per_vm`] must fit in the capacity, or
-    /// the VM is refused here ([`PagerError::SwapFull`]) rather than found
-    /// out of space at an eviction.
-    pub fn register(&mut self, vm: u32) -> Result<(), PagerError> {
+    /// Whether `vm` has swap committed to it ([`Self::commit`]).
+    pub fn is_committed(&self, vm: u32) -> bool {
+        self.slots.contains_key(&vm)
+    }
+
+    /// Commits swap to a VM: its region (per-VM layout) or its share of the
+    /// log. Committed VMs x [`Self::bytes_per_vm`] must fit in the
+    /// capacity, or the VM is refused here ([`PagerError::SwapFull`])
+    /// rather than found out of space at an eviction. `allocate(bytes)` is
+    /// called first with the device's prefix that must then be allocated
+    /// (every region handed out, or the log's limit); its error leaves the
+    /// space as it was. Called at a VM's first fault, not at registration:
+    /// a VM created asleep and never woken costs no swap.
+    pub fn commit(
+        &mut self,
+        vm: u32,
+        allocate: impl FnOnce(u64) -> Result<(), PagerError>,
+    ) -> Result<(), PagerError> {
+        if self.slots.contains_key(&vm) {
+            return Ok(());
+        }
         if self.layout == SwapLayout::Log {
-            if self.slots.contains_key(&vm) {
-                return Ok(());
-            }
             let per_vm = self.bytes_per_vm();
             let need = (self.slots.len() as u64 + 1).saturating_mul(per_vm);
             if need > self.capacity {
@@ -159,6 +172,7 @@ impl SwapSpace {
                 });
             }
             if need > self.log_limit {
+                allocate(need)?;
                 self.log.release(self.log_limit, need - self.log_limit);
                 self.log.free_bytes += need - self.log_limit;
                 self.log_limit = need;
@@ -166,12 +180,9 @@ impl SwapSpace {
             self.slots.insert(vm, 0);
             return Ok(());
         }
-        let slot = match self.free_slots.pop() {
-            Some(s) => s,
-            None if (self.next_slot + 1) * self.slot_bytes <= self.capacity => {
-                self.next_slot += 1;
-                self.next_slot - 1
-            }
+        let slot = match self.free_slots.last() {
+            Some(&s) => s,
+            None if (self.next_slot + 1) * self.slot_bytes <= self.capacity => self.next_slot,
             None => {
                 return Err(PagerError::SwapFull {
                     needed: self.slot_bytes,
@@ -179,6 +190,14 @@ impl SwapSpace {
                 })
             }
         };
+        // Every slot below the high-water mark: a free slot whose first
+        // allocation failed is covered by the next one that succeeds.
+        allocate(self.next_slot.max(slot + 1) * self.slot_bytes)?;
+        if self.free_slots.last() == Some(&slot) {
+            self.free_slots.pop();
+        } else {
+            self.next_slot += 1;
+        }
         self.slots.insert(vm, slot);
         Ok(())
     }
@@ -193,12 +212,19 @@ impl SwapSpace {
     }
 
     /// Chooses swap offsets for `blocks` of `vm` about to be written, in
-    /// order; the log layout keeps them contiguous whenever it can.
+    /// order; the log layout keeps them contiguous whenever it can. A VM
+    /// without committed swap has no place ([`PagerError::SwapFull`]).
     pub fn place(&mut self, vm: u32, blocks: &[u32], out: &mut Vec<u64>) -> Result<(), PagerError> {
         out.clear();
+        let Some(&slot) = self.slots.get(&vm) else {
+            return Err(PagerError::SwapFull {
+                needed: blocks.len() as u64 * self.block,
+                capacity: self.capacity,
+            });
+        };
         match self.layout {
             SwapLayout::PerVm => {
-                let base = self.slots[&vm] * self.slot_bytes;
+                let base = slot * self.slot_bytes;
                 out.extend(blocks.iter().map(|&b| base + b as u64 * self.block));
             }
             SwapLayout::Log => {
@@ -255,30 +281,82 @@ impl SwapSpace {
 mod tests {
     use super::*;
 
+    fn commit(s: &mut SwapSpace, vm: u32) -> Result<(), PagerError> {
+        s.commit(vm, |_| Ok(()))
+    }
+
     #[test]
     fn per_vm_regions() {
         let mut s = SwapSpace::new(SwapLayout::PerVm, 2 << 20, 4096, 1 << 20);
-        s.register(7).unwrap();
-        s.register(9).unwrap();
-        assert!(s.register(10).is_err());
+        commit(&mut s, 7).unwrap();
+        commit(&mut s, 9).unwrap();
+        assert!(commit(&mut s, 10).is_err());
         let mut out = Vec::new();
         s.place(9, &[0, 3], &mut out).unwrap();
         assert_eq!(out, vec![1 << 20, (1 << 20) + 3 * 4096]);
         s.unregister(7);
-        s.register(10).unwrap();
+        commit(&mut s, 10).unwrap();
         s.place(10, &[1], &mut out).unwrap();
         assert_eq!(out, vec![4096]);
+    }
+
+    /// Swap is committed at a VM's first fault: until then it has no place,
+    /// and the device is asked to allocate only the prefix handed out. A
+    /// failed allocation leaves the space as it was, and the next commit
+    /// asks for the same prefix again.
+    #[test]
+    fn swap_is_committed_not_registered_and_a_failed_allocation_changes_nothing() {
+        let ram = 1 << 20;
+        for layout in [SwapLayout::PerVm, SwapLayout::Log] {
+            let per_vm = ram * swap_bytes_per_ram_byte(layout);
+            let mut s = SwapSpace::new(layout, 100 * per_vm, 4096, ram);
+            let mut out = Vec::new();
+            assert!(s.place(1, &[0], &mut out).is_err(), "{layout:?}");
+            let refused = || PagerError::SwapFull {
+                needed: 1,
+                capacity: 1,
+            };
+            let mut asked = Vec::new();
+            let e = s.commit(1, |b| {
+                asked.push(b);
+                Err(refused())
+            });
+            assert!(e.is_err() && !s.is_committed(1), "{layout:?}");
+            assert_eq!(s.used_bytes(), 0, "{layout:?}");
+            s.commit(2, |b| {
+                asked.push(b);
+                Ok(())
+            })
+            .unwrap();
+            s.commit(3, |b| {
+                asked.push(b);
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(asked, vec![per_vm, per_vm, 2 * per_vm], "{layout:?}");
+            assert!(s.is_committed(2) && s.is_committed(3));
+            assert_eq!(
+                s.used_bytes(),
+                if layout == SwapLayout::PerVm {
+                    2 * ram
+                } else {
+                    0
+                }
+            );
+            s.place(3, &[0], &mut out).unwrap();
+            assert!(out[0] < 2 * per_vm, "{layout:?}: {out:?}");
+        }
     }
 
     #[test]
     fn log_appends_reclaims_and_fills() {
         let mut s = SwapSpace::new(SwapLayout::Log, 8 * 4096, 4096, 4 * 4096);
-        s.register(1).unwrap();
+        commit(&mut s, 1).unwrap();
         let mut a = Vec::new();
         s.place(1, &[0, 1, 2], &mut a).unwrap();
         assert_eq!(a, vec![0, 4096, 8192]);
         let mut b = Vec::new();
-        s.place(2, &[5, 6, 7], &mut b).unwrap();
+        s.place(1, &[5, 6, 7], &mut b).unwrap();
         assert_eq!(b, vec![3 * 4096, 4 * 4096, 5 * 4096]);
         // Rewriting VM 1 releases its old copies; the log wraps and reuses.
         let mut c = Vec::new();
@@ -290,20 +368,20 @@ mod tests {
         s.release(&mut [3 * 4096]);
         s.release(&mut [5 * 4096]);
         let mut d = Vec::new();
-        s.place(3, &[0, 1, 2, 3], &mut d).unwrap();
+        s.place(1, &[0, 1, 2, 3], &mut d).unwrap();
         assert_eq!(d.len(), 4);
         assert_eq!(s.used_bytes(), 8 * 4096);
     }
 
     /// Issue 39 item 3: the log uses only the prefix reserved for the VMs
-    /// registered (never the unreserved rest of the file), and a VM that
-    /// would not fit is refused at registration.
+    /// committed (never the unreserved rest of the file), and a VM that
+    /// would not fit is refused at its commit.
     #[test]
-    fn log_capacity_is_checked_at_registration_and_used_as_reserved() {
+    fn log_capacity_is_checked_at_commit_and_used_as_reserved() {
         let vm_ram = 4 * 4096;
         // Room for three VMs' logs (2 x RAM each).
         let mut s = SwapSpace::new(SwapLayout::Log, 3 * 2 * vm_ram, 4096, vm_ram);
-        s.register(1).unwrap();
+        commit(&mut s, 1).unwrap();
         let mut out = Vec::new();
         s.place(1, &[0, 1, 2, 3, 4, 5, 6, 7], &mut out).unwrap();
         assert!(out.iter().all(|&o| o < 2 * vm_ram), "{out:?}");
@@ -311,11 +389,11 @@ mod tests {
             s.place(1, &[0], &mut out).is_err(),
             "one VM's share is full; the rest of the device is not its"
         );
-        s.register(2).unwrap();
-        s.register(3).unwrap();
-        let e = s.register(4).unwrap_err();
+        commit(&mut s, 2).unwrap();
+        commit(&mut s, 3).unwrap();
+        let e = commit(&mut s, 4).unwrap_err();
         assert!(matches!(e, PagerError::SwapFull { .. }), "{e}");
         s.unregister(3);
-        s.register(4).unwrap();
+        commit(&mut s, 4).unwrap();
     }
 }

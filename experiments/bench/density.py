@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""Density (issue 40): how many VMs one densevm registers, what each costs before and after
+it has run, and whether a sample of them serves.
+
+For each --vms N (several sizes in one run, so a cost that grows with N shows), densevm
+registers N VMs with --idle-after (every VM created asleep: no boot, no KVM object, no
+swap) under --max-live. Printed per N:
+  - registration: seconds from launch to ready;
+  - threads, descriptors and mappings of densevm's processes;
+  - host memory per VM: MemAvailable's drop from before densevm started, over N, with the
+    slab, page-table, kernel-stack, shmem, anon and vmalloc growth (page cache dropped
+    before each reading);
+  - swap: what the pager uses and what the swap file has allocated on disk;
+then --sample VMs spread over the N are sent one GET each at --rate a second (each boots
+on it: the first GET of a VM created asleep is its boot), every answer checked for the
+exact body of GET /, and once all sleep again the same figures per N and per VM served.
+
+Usage: experiments/bench/density.py [--vms 1000,60000] [--sample 300] [--rate 50]
+       [--max-live 2000] [--cell-vms 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "controller"))
+from scalebench.scaling import (  # noqa: E402
+    Build,
+    Session,
+    descendants,
+    dropped_meminfo,
+    wait_until_hibernated,
+)
+from scalebench.webobject import SMALL  # noqa: E402
+
+ADDR_BASE = "127.161.0.0"
+REQUEST = b"GET / HTTP/1.1\r\nHost: d\r\nConnection: close\r\n\r\n"
+GET_TIMEOUT_S = 30.0
+BREAKDOWN = ("Slab", "PageTables", "KernelStack", "Shmem", "AnonPages", "VmallocUsed")
+
+
+@dataclass
+class Host:
+    """What densevm holds of the host at one moment."""
+
+    threads: int
+    fds: int
+    maps: int
+    mem_kib_per_vm: float
+    breakdown: dict[str, float]
+    swap_used: int
+    swap_allocated: int
+
+
+def snapshot(session: Session, before: dict[str, int], n: int) -> Host:
+    threads = fds = maps = 0
+    for pid in descendants(session.proc.pid):
+        try:
+            threads += len(os.listdir(f"/proc/{pid}/task"))
+            fds += len(os.listdir(f"/proc/{pid}/fd"))
+            maps += len(Path(f"/proc/{pid}/maps").read_text().splitlines())
+        except FileNotFoundError:
+            continue
+    after = dropped_meminfo()
+    totals = session.totals()
+    drop = before["MemAvailable"] - after["MemAvailable"] - totals["resident_bytes"]
+    return Host(
+        threads,
+        fds,
+        maps,
+        drop / n / 1024,
+        {k: (after[k] - before[k]) / n / 1024 for k in BREAKDOWN},
+        totals["swap_used_bytes"],
+        swap_allocated(session.proc.pid, totals["swap_capacity_bytes"]),
+    )
+
+
+def swap_allocated(pid: int, capacity: int) -> int:
+    """Bytes on disk of densevm's swap file: nameless, found among the parent's descriptors
+    by its size."""
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        if st.st_size == capacity:
+            return st.st_blocks * 512
+    return 0
+
+
+def exact_get(addr: str) -> float | None:
+    """One GET /: seconds from connect to the last byte when the reply is 200 with exactly
+    the body of GET /, else None."""
+    t0 = time.perf_counter()
+    try:
+        with socket.create_connection((addr, 8080), timeout=GET_TIMEOUT_S) as s:
+            s.sendall(REQUEST)
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+    except OSError:
+        return None
+    head, _, body = data.partition(b"\r\n\r\n")
+    return time.perf_counter() - t0 if head.startswith(b"HTTP/1.1 200") and body == SMALL else None
+
+
+def paced(vms: list[int], rate: float) -> list[float | None]:
+    """One exact GET to each of `vms`, started `rate` a second however long answers take."""
+    base = ipaddress.IPv4Address(ADDR_BASE)
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        futures = []
+        start = time.monotonic()
+        for i, vm in enumerate(vms):
+            time.sleep(max(0.0, start + i / rate - time.monotonic()))
+            futures.append(pool.submit(exact_get, str(base + vm)))
+        return [f.result() for f in futures]
+
+
+def pct(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100)[int(q * 100) - 1] if len(values) > 1 else values[0]
+
+
+def run(n: int, args: argparse.Namespace, workdir: Path) -> None:
+    build = Build.in_dir(ROOT / "target" / "release")
+    flags = ("--mem", args.mem, "--idle-after", str(args.idle_after))
+    flags += ("--max-live", str(args.max_live), "--cell-vms", str(args.cell_vms))
+    before = dropped_meminfo()
+    t0 = time.monotonic()
+    with Session(build, workdir, n, ADDR_BASE, *flags) as session:
+        ready_s = time.monotonic() - t0
+        registered = snapshot(session, before, n)
+        sample = sorted({i * n // args.sample for i in range(min(args.sample, n))})
+        answers = paced(sample, args.rate)
+        wait_until_hibernated(session, n, timeout_s=120)
+        served = snapshot(session, before, n)
+        totals = session.totals()
+    ok = [t * 1000 for t in answers if t is not None]
+    ran = len(sample)
+    boot_s = session.boot.boot_seconds
+    print(f"--vms {n}: ready in {ready_s:.1f} s (densevm's boot_seconds {boot_s:.1f})")
+    for name, h in (("registered", registered), (f"after {ran} served", served)):
+        print(
+            f"  {name}: threads/fds/maps {h.threads}/{h.fds}/{h.maps};"
+            f" host memory {h.mem_kib_per_vm:.1f} KiB a VM ("
+            + ", ".join(f"{k} {v:.1f}" for k, v in h.breakdown.items())
+            + f"); swap committed {h.swap_used / 2**20:.0f} MiB,"
+            f" allocated on disk {h.swap_allocated / 2**20:.0f} MiB"
+        )
+    per_served = (served.swap_used - registered.swap_used) / ran / 1024
+    print(
+        f"  served {len(ok)} of {ran} with the exact {len(SMALL)} bytes"
+        f" (first GET of each: its boot), p50 {pct(ok, 0.5):.1f} ms, p99 {pct(ok, 0.99):.1f} ms;"
+        f" swap committed per VM served {per_served:.0f} KiB;"
+        f" monitor: wakes {totals.get('wakes')}, wake failures {totals.get('wake_failures')}",
+        flush=True,
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vms", default="1000,60000", help="VM counts, comma-separated")
+    parser.add_argument("--sample", type=int, default=300, help="VMs sent one GET each")
+    parser.add_argument("--rate", type=float, default=50.0, help="GETs started a second")
+    parser.add_argument("--max-live", type=int, default=2000)
+    parser.add_argument("--cell-vms", type=int, default=1000)
+    parser.add_argument("--mem", default="1G")
+    parser.add_argument("--idle-after", type=float, default=1.0)
+    args = parser.parse_args()
+    counts = [int(v) for v in args.vms.split(",")]
+    if min(counts) < 1 or args.sample < 1 or args.rate <= 0:
+        parser.error("--vms, --sample and --rate must be positive")
+    with tempfile.TemporaryDirectory(prefix="density-", dir=ROOT / "target") as workdir:
+        for n in counts:
+            run(n, args, Path(workdir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
