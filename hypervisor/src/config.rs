@@ -215,6 +215,15 @@ pub struct Hibernation {
 }
 
 impl Hibernation {
+    /// VMs of cell `cell`, of `capacity`, that hold descriptors: with
+    /// hibernation only awake VMs do (a sleeping one has no eventfd), so
+    /// its share of `--max-live` when capped; the cap is soft (a wake storm
+    /// goes past it for a while), and the headroom covers that.
+    pub fn vms_with_fds(&self, cell: u32, capacity: u32) -> u32 {
+        self.cell_max_live(cell)
+            .map_or(capacity, |live| live.min(capacity))
+    }
+
     /// Cell `cell`'s share of `--max-live`: an even split over the cells
     /// at boot, the remainder to the first ones; a cell started later by
     /// `create` gets an even share too. At least one VM awake per cell.
@@ -333,8 +342,18 @@ const TASK_HEADROOM: u64 = 2048;
 const TASKS_PER_CELL: u64 = 4;
 /// Tasks a holder takes besides its vCPU threads.
 const TASKS_PER_HOLDER: u64 = 2;
-/// VMs a holder owns (`holder::HOLDER_VMS`; more in cells of over 960).
-const VMS_PER_HOLDER: u64 = 8;
+/// VMs a holder owns by default. Smaller holders make each notifier walk
+/// cheaper and cost a process each (docs/host-facts.md, "Address spaces and
+/// MMU notifiers"; hypervisor/README.md, "Host memory per VM").
+pub const HOLDER_VMS: u32 = 8;
+/// Most holders a cell forks: its hello to the parent carries two
+/// descriptors a holder, and SCM_RIGHTS carries at most 253.
+const MAX_HOLDERS: u32 = 120;
+
+/// VMs per holder in a cell that can hold `capacity`.
+pub fn holder_vms(capacity: u32) -> u32 {
+    capacity.div_ceil(MAX_HOLDERS).max(HOLDER_VMS)
+}
 /// Descriptors the parent holds per cell (its link, slack) and per holder
 /// (the holder's userfaultfd and guest-RAM memfd, in the pager).
 const PARENT_FDS_PER_CELL: u64 = 2;
@@ -373,7 +392,7 @@ pub fn max_vms(cell_vms: u32, live: Option<u32>) -> (u32, String) {
         }
     }
     let per_cell = cell_vms.max(1) as u64;
-    let holders = per_cell.div_ceil(VMS_PER_HOLDER);
+    let holders = per_cell.div_ceil(holder_vms(cell_vms.max(1)) as u64);
     let cell_tasks = holders * TASKS_PER_HOLDER + TASKS_PER_CELL;
     let by_tasks = match live {
         Some(live) => tasks.0.saturating_sub(TASK_HEADROOM + live as u64) / cell_tasks * per_cell,
@@ -624,6 +643,25 @@ mod tests {
 
     fn accepted(flags: &[&str]) -> bool {
         check_flags_against(&parse(flags), Some(u64::MAX)).is_ok()
+    }
+
+    #[test]
+    fn holders_are_small_until_a_cell_needs_too_many() {
+        assert_eq!(holder_vms(8), HOLDER_VMS);
+        assert_eq!(holder_vms(500), HOLDER_VMS);
+        let big = holder_vms(10_000);
+        assert!(big > HOLDER_VMS);
+        assert!(10_000u32.div_ceil(big) <= MAX_HOLDERS);
+    }
+
+    /// The parent's descriptors are counted for the holders a cell really
+    /// forks: large cells have fewer, larger holders, and so room for more VMs.
+    #[test]
+    fn max_vms_counts_the_holders_a_cell_forks() {
+        let (small, _) = max_vms(960, Some(1000));
+        let (large, _) = max_vms(8000, Some(1000));
+        // Both 120 holders: the larger cell's VMs cost the parent no more.
+        assert!(large > small || small == MAX_VM_ID, "{large} <= {small}");
     }
 
     #[test]

@@ -119,6 +119,15 @@ mod tests {
             .cell_max_live(0),
             None
         );
+        // Only awake VMs hold descriptors: a cell's share of the cap, at
+        // most its capacity, or every VM without a cap.
+        assert_eq!(split.vms_with_fds(0, 8000), 3);
+        assert_eq!(split.vms_with_fds(0, 2), 2);
+        let uncapped = Hibernation {
+            max_live: None,
+            ..split
+        };
+        assert_eq!(uncapped.vms_with_fds(0, 8000), 8000);
     }
 
     fn candidate(index: usize, idle_ms: u64, now: Instant) -> Candidate {

@@ -150,7 +150,10 @@ fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
         home,
         background: densevm_cpus,
     };
-    config::ensure_fd_budget(config.capacity, settings.fds_per_vm)?;
+    let fd_vms = settings.hibernation.map_or(config.capacity, |h| {
+        h.vms_with_fds(config.cell, config.capacity)
+    });
+    config::ensure_fd_budget(fd_vms, settings.fds_per_vm)?;
     let mut ctx = build_context(&config)?;
     // Without hibernation every VM boots on eventfds made here, before the
     // fork; with it, every VM is created asleep and each wake makes its own.
@@ -346,7 +349,7 @@ fn build_context(config: &CellConfig) -> Result<BuildContext, CellError> {
             what: "get supported CPUID",
             source,
         })?;
-    let per_holder = holder::holder_vms(config.capacity) as usize;
+    let per_holder = config::holder_vms(config.capacity) as usize;
     let slots = config.capacity as usize;
     let ram = HolderSlots::guest_ram(settings.layout.ram_bytes as usize, slots, per_holder)?;
     let sys = HolderSlots::system(crate::guest::abi::SYS_BYTES as usize, slots, per_holder)?;

@@ -6,7 +6,8 @@
 //! host's DAMON sampling, which visits resident guest pages whether the
 //! guests page or not. A cell's front (its event loop, listeners and
 //! connections, `cell::event_loop`) therefore keeps no VM of its own. It maps the
-//! memory of all its VMs, then forks one holder per [`holder_vms`] of them.
+//! memory of all its VMs, then forks one holder per
+//! [`crate::config::holder_vms`] of them.
 //! A holder unmaps the other holders' memory, registers its part of the
 //! guest RAM with a userfaultfd of its own (handed to the pager through the
 //! front), and creates its VMs and vCPU threads when the front asks. The
@@ -61,13 +62,6 @@ pub enum WakeError {
     Build(#[from] BuildError),
 }
 
-/// VMs a holder owns by default. Smaller holders make each notifier walk
-/// cheaper and cost a process each (docs/host-facts.md, "Address spaces and
-/// MMU notifiers"; hypervisor/README.md, "Host memory per VM").
-pub const HOLDER_VMS: u32 = 8;
-/// Most holders a cell forks: its hello to the parent carries two
-/// descriptors a holder, and SCM_RIGHTS carries at most 253.
-const MAX_HOLDERS: u32 = 120;
 /// Threads that destroy a holder's VMs at shutdown.
 const TEARDOWN_THREADS: usize = 4;
 /// Longest record on a holder link.
@@ -124,11 +118,6 @@ pub enum HolderError {
     /// The holder closed its link.
     #[error("holder {0} went away")]
     Gone(i32),
-}
-
-/// VMs per holder in a cell that can hold `capacity`.
-pub fn holder_vms(capacity: u32) -> u32 {
-    capacity.div_ceil(MAX_HOLDERS).max(HOLDER_VMS)
 }
 
 /// A request from the front.
@@ -263,6 +252,20 @@ impl RemoteVcpu {
         self.schedstat().map(|(on_cpu, waiting)| ThreadTimes {
             on_cpu: Duration::from_nanos(on_cpu),
             runnable: Duration::from_nanos(on_cpu + waiting),
+        })
+    }
+
+    /// Whether the thread is runnable now (state `R`): schedstat adds a
+    /// wait for a CPU only once it ends, so a thread starved for a whole
+    /// period shows neither run nor wait time.
+    pub fn runnable_now(&self) -> bool {
+        if self.tid == 0 {
+            return false;
+        }
+        let path = format!("/proc/{}/task/{}/stat", self.pid, self.tid);
+        std::fs::read_to_string(path).is_ok_and(|text| {
+            text.rsplit_once(')')
+                .is_some_and(|(_, rest)| rest.trim_start().starts_with('R'))
         })
     }
 
@@ -1171,15 +1174,6 @@ mod tests {
     fn a_holder_gives_up_building_before_its_cell_gives_up_on_it() {
         assert!(BUILD_LIMIT < deadline::HOLDER_BUILD);
         assert!(deadline::HOLDER_BUILD < deadline::CELL_CREATE);
-    }
-
-    #[test]
-    fn holders_are_small_until_a_cell_needs_too_many() {
-        assert_eq!(holder_vms(8), HOLDER_VMS);
-        assert_eq!(holder_vms(500), HOLDER_VMS);
-        let big = holder_vms(10_000);
-        assert!(big > HOLDER_VMS);
-        assert!(10_000u32.div_ceil(big) <= MAX_HOLDERS);
     }
 
     #[test]

@@ -65,7 +65,10 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
     // The parent holds a few descriptors per cell; each cell checks its own VMs.
     ensure_fd_budget(cell_sizes.len() as u32, FDS_PER_CELL)
         .map_err(|e| ConfigError(e.to_string()))?;
-    ensure_fd_budget(cell_vms.min(args.vms), fds_per_vm(args))
+    let largest_cell = cell_vms.min(args.vms);
+    let fd_vms = cell_hibernation(args, cell_sizes.len() as u32)
+        .map_or(largest_cell, |h| h.vms_with_fds(0, largest_cell));
+    ensure_fd_budget(fd_vms, fds_per_vm(args))
         .map_err(|e| ConfigError(format!("--cell-vms {cell_vms}: {e}")))?;
     let trace = match &args.record_trace {
         Some(path) => {
