@@ -201,6 +201,25 @@ def test_a_vm_costs_swap_only_once_it_has_run(tmp_path):
         assert m.stop() == 0, m.stderr()
 
 
+def test_a_wake_that_fails_is_a_clear_error_and_the_others_serve_on(tmp_path):
+    # Swap for two VMs' regions: the third VM to run cannot have its own.
+    m = start(tmp_path, 4, "127.219.0.0", "--idle-after", "0.3", "--swap-size", "8M")
+    try:
+        serve_every_vm(m, [0, 1])
+        r = get(m.addr(2))
+        assert (r.status, r.body) == (503, b"VM is not running\n")
+        vm = next(v for v in m.control({"cmd": "list"})["vms"] if v["id"] == 2)
+        assert vm["state"] == "crashed" and "no swap for its memory" in vm["reason"], vm
+        assert "\n" not in vm["reason"]
+        for _ in range(3):
+            serve_every_vm(m, [0, 1])
+            assert wait_for(lambda: totals(m)["hibernated"] == 3, timeout=20)
+        t = totals(m)
+        assert t["crashed"] == 1 and t["fatal_error"] is None, t
+    finally:
+        assert m.stop() == 0, m.stderr()
+
+
 def test_a_vm_destroyed_while_asleep_is_gone_and_its_neighbours_wake(tmp_path):
     m = start(tmp_path, 6, "127.153.0.0", "--idle-after", "0.3")
     try:

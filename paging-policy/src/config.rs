@@ -43,6 +43,11 @@ pub struct PagerConfig {
     /// Kernel CPU work added to every fault-in: a known slowdown of the
     /// out-of-core path, only for checking regression detection.
     pub inject_fault: std::time::Duration,
+    /// Commit a VM's swap at its first fault instead of at registration
+    /// (densevm with `--idle-after`, whose VMs are created asleep): a VM
+    /// that never runs costs the disk nothing, and one the disk has no room
+    /// for fails alone when it first runs instead of refusing the start.
+    pub swap_on_first_fault: bool,
 }
 
 impl Default for PagerConfig {
@@ -57,6 +62,7 @@ impl Default for PagerConfig {
             swap_bytes: None,
             vm_resident_max: None,
             inject_fault: std::time::Duration::ZERO,
+            swap_on_first_fault: false,
         }
     }
 }

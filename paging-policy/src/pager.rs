@@ -520,8 +520,21 @@ impl Pager {
         if overlaps || st.places.contains_key(&vm) {
             return Err(bad("region overlaps a registered VM or id in use".into()));
         }
-        // Its swap is committed at its first fault (`commit_swap`).
         st.ledger.register(vm, (len / self.block) as u32)?;
+        // Swap for its whole RAM (twice, for the log's slack), allocated now
+        // rather than found missing mid-run; or at its first fault.
+        if !self.cfg.swap_on_first_fault {
+            if let Err(e) = st.ledger.commit_swap(vm, |bytes| self.swap.reserve(bytes)) {
+                let _ = st.ledger.begin_unregister(vm);
+                let _ = st.ledger.unregister(vm);
+                return Err(match e {
+                    PagerError::SwapFull { .. } => {
+                        bad(format!("refused, no room on swap for it: {e}"))
+                    }
+                    e => e,
+                });
+            }
+        }
         st.regions.insert((space.id, addr), (vm, len));
         st.places.insert(
             vm,
@@ -1035,9 +1048,10 @@ impl Pager {
         self.bring_in(st, vm, &place, plan, t0, s)
     }
 
-    /// Commits swap to `vm` before any block of it comes in (see
-    /// [`Ledger::commit_swap`]): a VM registered asleep and never woken
-    /// costs the disk nothing. The device is allocated under the lock, as
+    /// Commits swap to `vm` before any block of it comes in, if that was
+    /// not done at its registration (see [`Ledger::commit_swap`] and
+    /// `PagerConfig::swap_on_first_fault`): a VM registered asleep and
+    /// never woken costs the disk nothing. The device is allocated under the lock, as
     /// nothing may be placed where it is not (an fallocate of
     /// [`crate::swap::RESERVE_STEP`] took under 1 ms here, once per 64
     /// VMs of 4 MiB). A VM the disk has no room for fails alone, at its

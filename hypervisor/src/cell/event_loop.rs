@@ -1223,6 +1223,13 @@ impl CellLoop {
                 self.vms.count_destroyed();
                 json!({ "ok": true, "vm": vm, "left": self.vms.not_destroyed() })
             }
+            ToCell::Fail { vm, reason } => match self.vms.index_of(vm) {
+                Some(index) if self.vms.live(index).is_some() => {
+                    self.kill_vm(index, VmState::Crashed, reason);
+                    json!({ "ok": true, "vm": vm })
+                }
+                _ => json!({ "error": format!("no running VM {vm}") }),
+            },
             ToCell::Crash { vm, triple } => {
                 match self.vms.index_of(vm).and_then(|i| self.vms.live(i)) {
                     Some(vm_ref) => {

@@ -107,10 +107,12 @@ impl Held {
         stream
     }
 
-    /// Closes every connection waiting for VM `vm` (it is gone).
+    /// Answers every connection waiting for VM `vm` [`UNAVAILABLE`] and
+    /// closes it (the VM is gone).
     pub fn drop_vm(&mut self, vm: usize) {
         if let Some(queue) = self.queues.remove(&vm) {
             self.total -= queue.len();
+            queue.into_iter().for_each(turn_away);
         }
     }
 
@@ -118,6 +120,32 @@ impl Held {
     pub fn len(&self) -> usize {
         self.total
     }
+}
+
+/// What a client whose VM stopped before answering it gets (a VM whose
+/// wake failed, or that was destroyed or crashed): a clear error, not an
+/// empty reply. The client is not told why; the VM's listing says.
+pub const UNAVAILABLE: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 18\r\nConnection: close\r\n\r\nVM is not running\n";
+
+/// Most bytes of a turned-away connection's request read before it is
+/// answered.
+const TURN_AWAY_READ: usize = 64 << 10;
+
+/// Answers a held connection [`UNAVAILABLE`] and closes it. Its request is
+/// read first, at most [`TURN_AWAY_READ`] bytes: closing over unread bytes
+/// sends a reset, which can overtake the answer.
+pub fn turn_away(mut stream: mio::net::TcpStream) {
+    use std::io::{Read, Write};
+    let mut buf = [0u8; 4096];
+    let mut read = 0;
+    while read < TURN_AWAY_READ {
+        match stream.read(&mut buf) {
+            Ok(n) if n > 0 => read += n,
+            _ => break,
+        }
+    }
+    let _ = stream.write(UNAVAILABLE);
+    let _ = stream.shutdown(std::net::Shutdown::Write);
 }
 
 /// Closes `stream` with a reset: the client learns at once that it was
@@ -182,6 +210,34 @@ mod tests {
             .unwrap();
         let reset = client.read(&mut [0u8; 1]).unwrap_err();
         assert_eq!(reset.kind(), std::io::ErrorKind::ConnectionReset);
+    }
+
+    /// A connection waiting for a VM that goes away is answered 503, its
+    /// request read first so that the close sends no reset over the answer.
+    #[test]
+    fn connections_held_for_a_vm_that_goes_are_answered_503() {
+        let listener = listen().unwrap();
+        let mut held = Held::default();
+        let (mut client, accepted) = connected(&listener);
+        client.write_all(&[b'x'; 10_000]).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(held.hold(3, accepted));
+        held.drop_vm(3);
+        assert_eq!(held.len(), 0);
+        client
+            .set_read_timeout(Some(std::time::Duration::from_secs(5)))
+            .unwrap();
+        let mut answer = Vec::new();
+        client.read_to_end(&mut answer).unwrap();
+        assert_eq!(answer, UNAVAILABLE);
+        let (head, rest) = std::str::from_utf8(UNAVAILABLE)
+            .unwrap()
+            .split_once("\r\n\r\n")
+            .unwrap();
+        assert!(
+            head.contains(&format!("Content-Length: {}", rest.len())),
+            "{head}"
+        );
     }
 
     #[test]

@@ -20,7 +20,7 @@
 //! and the output all lingerers of the cell hold stays below
 //! [`LINGER_BYTES_MAX`], the largest lingerer being reset past it.
 
-use crate::cell::listener::Held;
+use crate::cell::listener::{Held, UNAVAILABLE};
 use crate::cell::microvm::MicroVm;
 use crate::cell::vmtable::VmTable;
 use crate::devices::stream::{ProtocolViolation, TxRecord};
@@ -103,6 +103,8 @@ struct Conn {
     fin_sent: Option<Instant>,
     /// The socket failed: output is discarded.
     broken: bool,
+    /// The guest sent it output.
+    answered: bool,
     /// The guest released the slot: close once the output is flushed.
     guest_closed: bool,
     /// Since when it lingers: released by the guest with output unsent.
@@ -124,6 +126,7 @@ impl Conn {
 
     /// Sends what the socket takes now and buffers the rest.
     fn send(&mut self, payload: &[u8]) {
+        self.answered |= !payload.is_empty();
         let buffered = self.buffered();
         let (false, Some(stream)) = (self.broken, self.stream.as_mut()) else {
             return;
@@ -226,6 +229,7 @@ impl Proxy {
                 out_start: 0,
                 fin_sent: None,
                 broken: false,
+                answered: false,
                 guest_closed: false,
                 lingering: None,
                 read_closed: false,
@@ -515,7 +519,8 @@ impl Proxy {
         }
     }
 
-    /// Closes every connection of VM `index`, lingering ones included.
+    /// Closes every connection of VM `index`, lingering ones included;
+    /// those it never answered get [`UNAVAILABLE`] first.
     pub fn close_vm(&mut self, vms: &mut VmTable, index: usize) {
         self.held.drop_vm(index);
         let keys: Vec<usize> = self
@@ -525,6 +530,9 @@ impl Proxy {
             .map(|(k, _)| k)
             .collect();
         for key in keys {
+            if let Some(conn) = self.conns.get_mut(key).filter(|c| !c.answered) {
+                conn.send(UNAVAILABLE);
+            }
             self.close(vms, key);
         }
     }

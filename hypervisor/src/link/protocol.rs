@@ -136,6 +136,14 @@ pub enum ToCell {
         /// Its id.
         vm: u32,
     },
+    /// Stop a VM the parent cannot serve (the pager failed on its memory):
+    /// it is listed as crashed, with `reason`.
+    Fail {
+        /// Its id.
+        vm: u32,
+        /// Why, one line.
+        reason: String,
+    },
     /// Make a guest fault (fault-containment tests).
     Crash {
         /// Its id.
@@ -222,6 +230,10 @@ mod tests {
             ToCell::Go,
             ToCell::Stats { per_vm: false },
             ToCell::Create { first: 5, count: 2 },
+            ToCell::Fail {
+                vm: 3,
+                reason: "no swap".into(),
+            },
             ToCell::Shutdown,
         ]
         .into_iter()

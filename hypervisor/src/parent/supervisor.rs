@@ -357,7 +357,11 @@ impl Supervisor {
                     if let Some(index) = self.live_cell_of(vm) {
                         // Its vCPU may wait in a fault until it is unregistered:
                         // the destroy is not waited for.
-                        if let Ok(id) = self.cells[index].send(&ToCell::Destroy { vm }) {
+                        let fail = ToCell::Fail {
+                            vm,
+                            reason: format!("the pager failed on its memory: {}", failure.reason),
+                        };
+                        if let Ok(id) = self.cells[index].send(&fail) {
                             let _ = self
                                 .collect(vec![(index, id)], Instant::now() + deadline::CELL_REPLY);
                         }
