@@ -7,14 +7,13 @@ from __future__ import annotations
 import os
 import random
 import signal
-import stat
 import subprocess
 import threading
 import time
 
 import pytest
 from conftest import release_binary
-from scalebench.scaling import children
+from scalebench.scaling import children, swap_file_bytes
 from scalebench.webobject import SMALL
 from support.densevm import fd_targets, get, kvm_available, start, wait_for
 
@@ -170,27 +169,17 @@ def test_holders_leave_when_their_vms_all_sleep_and_come_back_for_a_wake(tmp_pat
         assert m.stop() == 0, m.stderr()
 
 
-def swap_file_bytes(m, capacity: int) -> int:
-    """Bytes allocated on disk to densevm's swap file: nameless, so found among the
-    parent's descriptors by its size."""
-    for target in os.listdir(f"/proc/{m.proc.pid}/fd"):
-        st = os.stat(f"/proc/{m.proc.pid}/fd/{target}")
-        if stat.S_ISREG(st.st_mode) and st.st_size == capacity:
-            return st.st_blocks * 512
-    raise AssertionError("no swap file among densevm's descriptors")
-
-
 def test_a_vm_costs_swap_only_once_it_has_run(tmp_path):
     # Created asleep, 40 VMs hold no swap; each VM that runs takes its region then.
     m = start(tmp_path, 40, "127.206.0.0", "--idle-after", "0.3")
     try:
         capacity = totals(m)["swap_capacity_bytes"]
         assert totals(m)["swap_used_bytes"] == 0
-        assert swap_file_bytes(m, capacity) == 0
+        assert swap_file_bytes(m.proc.pid, capacity) == 0
         serve_every_vm(m, [3])
         assert wait_for(lambda: totals(m)["hibernated"] == 40, timeout=20)
         one = totals(m)["swap_used_bytes"]
-        assert one > 0 and swap_file_bytes(m, capacity) >= one
+        assert one > 0 and swap_file_bytes(m.proc.pid, capacity) >= one
         serve_every_vm(m, [3, 5])
         assert wait_for(lambda: totals(m)["hibernated"] == 40, timeout=20)
         # Demand keeps a region per VM that has run: two now, the other 38 none.

@@ -106,6 +106,8 @@ def test_short_out_of_core_run_pages(tmp_path):
     assert r["faults"] > 0 and r["swap_read_bytes"] > 0 and r["swap_write_bytes"] > 0
     assert r["regime"] == "disk-bound" and r["model"]["regime"] == "disk-bound"
     assert r["resident_bytes"] <= r["budget_bytes"] == 16 * 2**20
+    # Demand keeps a region of each VM's RAM on swap, committed at registration.
+    assert r["swap_used_bytes"] == 40 * r["swap_bytes_per_vm"] > 0
     assert r["model"]["cache_vms"] < 40
     assert_nothing_left(r, tmp_path / "run")
 

@@ -745,6 +745,9 @@ class Run:
         r.errors = r.error_detail.get("total")
         r.resident_bytes = totals.get("resident_bytes")
         r.budget_bytes = totals.get("budget_bytes")
+        r.swap_used_bytes = totals.get("swap_used_bytes")
+        if r.swap_used_bytes is not None and totals.get("vms"):
+            r.swap_bytes_per_vm = r.swap_used_bytes / totals["vms"]
         r.faults = d["faults"]
         r.faults_per_s = d["faults"] / wall
         r.swap_read_bytes, r.swap_write_bytes = d["swap_read_bytes"], d["swap_write_bytes"]

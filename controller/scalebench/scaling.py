@@ -77,6 +77,40 @@ def descendants(pid: int) -> list[int]:
     return pids
 
 
+@dataclass
+class KernelObjects:
+    """Threads, descriptors and mappings of a process and every process below it."""
+
+    threads: int
+    fds: int
+    maps: int
+
+    @staticmethod
+    def of(pid: int) -> KernelObjects:
+        t = f = m = 0
+        for p in descendants(pid):
+            try:
+                t += len(os.listdir(f"/proc/{p}/task"))
+                f += len(os.listdir(f"/proc/{p}/fd"))
+                m += len(Path(f"/proc/{p}/maps").read_text().splitlines())
+            except FileNotFoundError:
+                continue
+        return KernelObjects(t, f, m)
+
+
+def swap_file_bytes(pid: int, capacity: int) -> int:
+    """Bytes allocated on disk to densevm's swap file: nameless (O_TMPFILE), so found among
+    the descriptors of its parent `pid` by its size, the pager's `swap_capacity_bytes`."""
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        if st.st_size == capacity:
+            return st.st_blocks * 512
+    raise FileNotFoundError(f"no swap file of {capacity} bytes among pid {pid}'s descriptors")
+
+
 def tree_cpu(pid: int) -> TreeCpu:
     """CPU time of `pid` and every process below it, while they run.
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import os
 import socket
 import statistics
 import sys
@@ -37,9 +36,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "controller"))
 from scalebench.scaling import (  # noqa: E402
     Build,
+    KernelObjects,
     Session,
-    descendants,
     dropped_meminfo,
+    swap_file_bytes,
     wait_until_hibernated,
 )
 from scalebench.webobject import SMALL  # noqa: E402
@@ -54,9 +54,7 @@ BREAKDOWN = ("Slab", "PageTables", "KernelStack", "Shmem", "AnonPages", "Vmalloc
 class Host:
     """What densevm holds of the host at one moment."""
 
-    threads: int
-    fds: int
-    maps: int
+    objects: KernelObjects
     mem_kib_per_vm: float
     breakdown: dict[str, float]
     swap_used: int
@@ -64,39 +62,17 @@ class Host:
 
 
 def snapshot(session: Session, before: dict[str, int], n: int) -> Host:
-    threads = fds = maps = 0
-    for pid in descendants(session.proc.pid):
-        try:
-            threads += len(os.listdir(f"/proc/{pid}/task"))
-            fds += len(os.listdir(f"/proc/{pid}/fd"))
-            maps += len(Path(f"/proc/{pid}/maps").read_text().splitlines())
-        except FileNotFoundError:
-            continue
+    objects = KernelObjects.of(session.proc.pid)
     after = dropped_meminfo()
     totals = session.totals()
     drop = before["MemAvailable"] - after["MemAvailable"] - totals["resident_bytes"]
     return Host(
-        threads,
-        fds,
-        maps,
+        objects,
         drop / n / 1024,
         {k: (after[k] - before[k]) / n / 1024 for k in BREAKDOWN},
         totals["swap_used_bytes"],
-        swap_allocated(session.proc.pid, totals["swap_capacity_bytes"]),
+        swap_file_bytes(session.proc.pid, totals["swap_capacity_bytes"]),
     )
-
-
-def swap_allocated(pid: int, capacity: int) -> int:
-    """Bytes on disk of densevm's swap file: nameless, found among the parent's descriptors
-    by its size."""
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            st = os.stat(f"/proc/{pid}/fd/{fd}")
-        except FileNotFoundError:
-            continue
-        if st.st_size == capacity:
-            return st.st_blocks * 512
-    return 0
 
 
 def exact_get(addr: str) -> float | None:
@@ -151,7 +127,7 @@ def run(n: int, args: argparse.Namespace, workdir: Path) -> None:
     print(f"--vms {n}: ready in {ready_s:.1f} s (densevm's boot_seconds {boot_s:.1f})")
     for name, h in (("registered", registered), (f"after {ran} served", served)):
         print(
-            f"  {name}: threads/fds/maps {h.threads}/{h.fds}/{h.maps};"
+            f"  {name}: threads/fds/maps {h.objects.threads}/{h.objects.fds}/{h.objects.maps};"
             f" host memory {h.mem_kib_per_vm:.1f} KiB a VM ("
             + ", ".join(f"{k} {v:.1f}" for k, v in h.breakdown.items())
             + f"); swap committed {h.swap_used / 2**20:.0f} MiB,"

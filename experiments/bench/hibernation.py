@@ -23,23 +23,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
-import os
-import stat
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "controller"))
 from scalebench.scaling import (  # noqa: E402
     Build,
+    KernelObjects,
     Session,
-    descendants,
     dropped_meminfo,
     paced_gets,
+    swap_file_bytes,
     wait_until_hibernated,
 )
 from scalebench.touch import touch_all  # noqa: E402
@@ -50,39 +48,6 @@ SMALL_BYTES = 2258  # the body of GET / (guest-images/webguest: object.h)
 GET_TIMEOUT_S = 30.0
 # /proc/meminfo fields whose growth per VM is reported, besides MemAvailable's drop.
 BREAKDOWN = ("Slab", "SUnreclaim", "PageTables", "KernelStack", "Shmem", "AnonPages", "VmallocUsed")
-
-
-@dataclass
-class Objects:
-    threads: int
-    fds: int
-    maps: int
-
-    @staticmethod
-    def of(pid: int) -> Objects:
-        t = f = m = 0
-        for p in descendants(pid):
-            try:
-                t += len(os.listdir(f"/proc/{p}/task"))
-                f += len(os.listdir(f"/proc/{p}/fd"))
-                m += len(Path(f"/proc/{p}/maps").read_text().splitlines())
-            except FileNotFoundError:
-                continue
-        return Objects(t, f, m)
-
-
-def swap_file_blocks(pid: int) -> int:
-    """Allocated 512-byte blocks of densevm's swap file: nameless (O_TMPFILE), so found as
-    the largest regular file the parent `pid` has open."""
-    sizes = [0]
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            st = os.stat(f"/proc/{pid}/fd/{fd}")
-        except FileNotFoundError:
-            continue
-        if stat.S_ISREG(st.st_mode):
-            sizes.append(st.st_blocks)
-    return max(sizes)
 
 
 async def get(vm: int) -> float | None:
@@ -121,7 +86,7 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict:
         # Less what the pager holds resident for the guests (within its budget).
         resident = session.totals()["resident_bytes"]
         awake_mem = (before["MemAvailable"] - dropped_meminfo()["MemAvailable"] - resident) / n
-        awake = Objects.of(session.proc.pid)
+        awake = KernelObjects.of(session.proc.pid)
     # Hibernated: the same, then all sleep.
     before = dropped_meminfo()
     flags = ("--mem", args.mem, "--idle-after", str(args.idle_after))
@@ -134,8 +99,8 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict:
         totals = session.totals()
         asleep_mem = (before["MemAvailable"] - after["MemAvailable"] - totals["resident_bytes"]) / n
         breakdown = {k: (after[k] - before[k]) / n / 1024 for k in BREAKDOWN}
-        asleep = Objects.of(session.proc.pid)
-        swap_allocated = swap_file_blocks(session.proc.pid) * 512
+        asleep = KernelObjects.of(session.proc.pid)
+        swap_allocated = swap_file_bytes(session.proc.pid, totals["swap_capacity_bytes"])
         # Wakes, one VM a request, at a steady rate; each then sleeps again.
         woken = paced_gets(ADDR_BASE, session.port, vms[: min(args.wakes, n)], args.wake_rate)
         wake_s = [t for t in woken.values() if t is not None]

@@ -75,7 +75,13 @@ def run(policy: str, args: argparse.Namespace, workdir: Path) -> bool:
         f"mismatches, {len(failed)} failed requests, {totals['wake_failures']} failed wakes",
         flush=True,
     )
-    return not failed and totals["selfcheck_errors"] == 0 and totals["wake_failures"] == 0
+    ok = not failed and totals["selfcheck_errors"] == 0 and totals["wake_failures"] == 0
+    if not ok:
+        # Its log goes with the temporary directory: what it said is printed here.
+        log = workdir / f"densevm-{ADDR_BASE}.log"
+        lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+        print("\n".join(["  densevm's log, last lines:", *lines[-40:]]), flush=True)
+    return ok
 
 
 def main() -> int:

@@ -1051,11 +1051,11 @@ impl Pager {
     /// Commits swap to `vm` before any block of it comes in, if that was
     /// not done at its registration (see [`Ledger::commit_swap`] and
     /// `PagerConfig::swap_on_first_fault`): a VM registered asleep and
-    /// never woken costs the disk nothing. The device is allocated under the lock, as
-    /// nothing may be placed where it is not (an fallocate of
-    /// [`crate::swap::RESERVE_STEP`] took under 1 ms here, once per 64
-    /// VMs of 4 MiB). A VM the disk has no room for fails alone, at its
-    /// first fault. Returns whether the fault may go on.
+    /// never woken costs the disk nothing. The device is allocated under
+    /// the lock, as nothing may be placed where it is not (an fallocate of
+    /// [`crate::swap::RESERVE_STEP`] took under 1 ms here, once per 64 VMs
+    /// of 4 MiB). A VM the disk has no room for fails alone, at its first
+    /// fault. Returns whether the fault may go on.
     fn commit_swap(&self, st: &mut State, vm: VmId) -> bool {
         match st.ledger.commit_swap(vm, |bytes| self.swap.reserve(bytes)) {
             Ok(()) => true,

@@ -483,29 +483,14 @@ fn a_vm_past_the_swap_capacity_is_refused_at_registration() {
     assert!(matches!(e, PagerError::BadVm { vm: 2, .. }), "{e}");
     let e = e.to_string();
     assert!(e.contains("no room on swap") && !e.contains('\n'), "{e}");
-    let wpb = block as usize / 8;
-    for round in 0..6u64 {
-        for (v, r) in rs[..2].iter().enumerate() {
-            for b in 0..blocks {
-                r.write(b * wpb, round << 32 | (v * 100 + b) as u64);
-            }
-        }
-    }
-    for (v, r) in rs[..2].iter().enumerate() {
-        for b in 0..blocks {
-            assert_eq!(r.read(b * wpb), 5 << 32 | (v * 100 + b) as u64);
-        }
-    }
-    assert!(pager.fatal_error().is_none(), "{:?}", pager.fatal_error());
-    assert!(pager.take_failures().is_empty());
-    pager.shutdown();
+    two_vms_page_on_intact(&pager, [&rs[0], &rs[1]], blocks, block);
 }
 
 /// Issue 40: with `swap_on_first_fault`, swap is committed to a VM at its
 /// first fault, not at registration, so a host can hold more VMs asleep
-/// than its swap backs whole. The log's capacity is checked at that commit: a VM that would not
-/// fit fails alone (reported, one line) and the others run on, paging
-/// through the log without running out.
+/// than its swap backs whole. The log's capacity is checked at that
+/// commit: a VM that would not fit fails alone (reported, one line) and the
+/// others run on, paging through the log without running out.
 #[test]
 fn a_vm_past_the_swap_capacity_fails_alone_at_its_first_fault() {
     let block = 32u64 << 10;
@@ -523,7 +508,6 @@ fn a_vm_past_the_swap_capacity_fails_alone_at_its_first_fault() {
         r.register(&pager, v as u32).unwrap();
     }
     assert_eq!(pager.stats()["totals"]["swap_used_bytes"], 0);
-    let wpb = block as usize / 8;
     rs[0].write(0, 1);
     rs[1].write(0, 1);
     // Its fault is never served: the thread stays blocked, as a failed
@@ -547,14 +531,22 @@ fn a_vm_past_the_swap_capacity_fails_alone_at_its_first_fault() {
         "{why}"
     );
     pager.unregister_vm(2);
+    two_vms_page_on_intact(&pager, [rs[0], rs[1]], blocks, block);
+}
+
+/// Two VMs of `blocks` blocks rewrite every block six times through a
+/// pager with room for them, and read the last values back: no failure,
+/// nothing lost. Shuts the pager down.
+fn two_vms_page_on_intact(pager: &Pager, rs: [&Region; 2], blocks: usize, block: u64) {
+    let wpb = block as usize / 8;
     for round in 0..6u64 {
-        for (v, r) in rs[..2].iter().enumerate() {
+        for (v, r) in rs.iter().enumerate() {
             for b in 0..blocks {
                 r.write(b * wpb, round << 32 | (v * 100 + b) as u64);
             }
         }
     }
-    for (v, r) in rs[..2].iter().enumerate() {
+    for (v, r) in rs.iter().enumerate() {
         for b in 0..blocks {
             assert_eq!(r.read(b * wpb), 5 << 32 | (v * 100 + b) as u64);
         }

@@ -15,7 +15,9 @@
 //! whole one. It is demoted when it wanted more than [`DEMOTE_SHARE`] of a
 //! core, ran more than [`LOOK_SHARE`] of one and more than
 //! [`HOG_CPU_PER_REQUEST`] per request served, and restored when what it
-//! wants falls below [`RESTORE_SHARE`] or it serves. The threads live in
+//! wants falls below [`RESTORE_SHARE`] or it serves (schedstat counts a
+//! wait only once it ends, so a demoted thread still runnable at the look,
+//! starved by a loaded host, is not taken for a calm one). The threads live in
 //! the holders, where a read costs a file of /proc: a holder whose whole
 //! process ran less than [`LOOK_SHARE`] of a core in the period is not
 //! looked into (its threads' next read only sets a new baseline). A demoted
