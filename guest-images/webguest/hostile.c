@@ -225,7 +225,10 @@ void hostile_start(const struct dv_boot_info *bi)
         ctrl->requests = ~0ULL;
         return;
     case HOSTILE_NEVER_CLOSE:
+        /* Ready like any guest: said with a doorbell, or a host that has
+         * already looked at it never notices. */
         ctrl->state = DV_STATE_READY;
+        arch_doorbell();
         never_close();
     case HOSTILE_DIRTY_SYSTEM:
         ctrl->state = DV_STATE_READY;

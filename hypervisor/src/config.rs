@@ -348,16 +348,17 @@ const TASKS_PER_HOLDER: u64 = 2;
 pub const HOLDER_VMS: u32 = 8;
 /// Most holders a cell forks: its hello to the parent carries two
 /// descriptors a holder, and SCM_RIGHTS carries at most 253.
-const MAX_HOLDERS: u32 = 120;
+pub const MAX_HOLDERS: u32 = 120;
 
 /// VMs per holder in a cell that can hold `capacity`.
 pub fn holder_vms(capacity: u32) -> u32 {
     capacity.div_ceil(MAX_HOLDERS).max(HOLDER_VMS)
 }
 /// Descriptors the parent holds per cell (its link, slack) and per holder
-/// (the holder's userfaultfd and guest-RAM memfd, in the pager).
+/// (the holder's userfaultfd and guest-RAM memfd, in the pager, and a
+/// restarted holder's new userfaultfd until it replaces the old one).
 const PARENT_FDS_PER_CELL: u64 = 2;
-const PARENT_FDS_PER_HOLDER: u64 = 2;
+const PARENT_FDS_PER_HOLDER: u64 = 3;
 
 /// The most VMs one densevm may hold at once with cells of `cell_vms` and
 /// at most `live` of them live (`--max-live`; else all): each live one

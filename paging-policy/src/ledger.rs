@@ -65,10 +65,25 @@ struct Block {
     wake: bool,
 }
 
+/// A block never installed: zero, no swap copy.
+const ABSENT: Block = Block {
+    loc: NO_LOC,
+    state: State::Absent,
+    dirty: false,
+    sum: 0,
+    hash_skips: 0,
+    wake: false,
+};
+
 /// Per-VM accounting.
 #[derive(Debug)]
 pub struct VmLedger {
+    /// Its blocks' states, from its swap commitment on
+    /// ([`Ledger::commit_swap`]); empty before, when every block is
+    /// [`ABSENT`]: a VM registered asleep that never runs costs no table.
     blocks: Vec<Block>,
+    /// Its RAM in blocks.
+    size: u32,
     resident: u32,
     busy: u32,
     /// Blocks being faulted in (reserved) and being evicted (still resident).
@@ -265,7 +280,8 @@ impl Ledger {
     }
 
     /// Registers a VM of `blocks` blocks, none resident and no swap
-    /// committed to it yet ([`Ledger::commit_swap`]).
+    /// committed to it yet ([`Ledger::commit_swap`]): until then its faults
+    /// find it [`Classified::Gone`].
     pub fn register(&mut self, vm: VmId, blocks: u32) -> Result<(), PagerError> {
         if self.vm(vm).is_some() {
             return Err(PagerError::BadVm {
@@ -276,17 +292,8 @@ impl Ledger {
         self.vms.insert(
             vm,
             VmLedger {
-                blocks: vec![
-                    Block {
-                        loc: NO_LOC,
-                        state: State::Absent,
-                        dirty: false,
-                        sum: 0,
-                        hash_skips: 0,
-                        wake: false,
-                    };
-                    blocks as usize
-                ],
+                blocks: Vec::new(),
+                size: blocks,
                 resident: 0,
                 busy: 0,
                 reserved: 0,
@@ -311,10 +318,15 @@ impl Ledger {
         vm: VmId,
         allocate: impl FnOnce(u64) -> Result<(), PagerError>,
     ) -> Result<(), PagerError> {
-        if self.vm(vm).is_none_or(|v| v.dying) {
+        let Some(v) = self.vms.get_mut(&vm).filter(|v| !v.dying) else {
+            return Ok(());
+        };
+        if !v.blocks.is_empty() {
             return Ok(());
         }
-        self.space.commit(vm, allocate)
+        self.space.commit(vm, allocate)?;
+        v.blocks = vec![ABSENT; v.size as usize];
+        Ok(())
     }
 
     /// Stops new work on a VM: its faults are ignored and the policy forgets
@@ -992,6 +1004,27 @@ mod tests {
     fn register(l: &mut Ledger, vm: VmId) {
         l.register(vm, VM_BLOCKS).unwrap();
         l.commit_swap(vm, |_| Ok(())).unwrap();
+    }
+
+    /// Issue 40: a VM registered asleep has no block table until its swap
+    /// is committed (at its first fault): a VM that never runs costs none.
+    #[test]
+    fn a_vm_has_no_block_table_until_its_swap_is_committed() {
+        let space = SwapSpace::new(SwapLayout::PerVm, 2 * 16 * BLOCK, BLOCK, 16 * BLOCK);
+        let mut l = Ledger::new(Box::new(Demand::new()), space, BLOCK, 8 * BLOCK);
+        l.register(0, VM_BLOCKS).unwrap();
+        assert!(l.vm(0).unwrap().blocks.is_empty());
+        assert!(!l.is_resident(0, 3));
+        assert_eq!(l.classify(0, 3, Access::Read), Classified::Gone);
+        l.commit_swap(0, |_| Ok(())).unwrap();
+        assert_eq!(l.vm(0).unwrap().blocks.len(), VM_BLOCKS as usize);
+        assert_eq!(l.classify(0, 3, Access::Read), Classified::FaultIn);
+        // A second commit changes nothing.
+        let v = l.vm_mut(0).unwrap();
+        v.blocks[3].dirty = true;
+        l.commit_swap(0, |_| unreachable!("already committed"))
+            .unwrap();
+        assert!(l.vm(0).unwrap().blocks[3].dirty);
     }
 
     /// Two VMs of 16 blocks under demand, a budget of 8 blocks.

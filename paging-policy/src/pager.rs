@@ -995,6 +995,9 @@ impl Pager {
         let Some((vm, place)) = st.lookup(space.id, f.addr) else {
             return Ok(());
         };
+        if !self.commit_swap(&mut st, vm) {
+            return Ok(());
+        }
         let block = ((f.addr - place.base) / self.block) as BlockId;
         let baddr = place.addr(block, self.block);
         let access = match f.kind {
@@ -1040,9 +1043,6 @@ impl Pager {
         t0: Instant,
         s: &mut Scratch,
     ) -> Result<(), PagerError> {
-        if !self.commit_swap(&mut st, vm) {
-            return Ok(());
-        }
         let mut plan = std::mem::take(&mut s.plan);
         st.ledger.plan_fault(vm, block, write, &mut plan)?;
         self.bring_in(st, vm, &place, plan, t0, s)

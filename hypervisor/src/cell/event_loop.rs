@@ -574,7 +574,9 @@ impl CellLoop {
     /// Takes in what the guest produced, feeds it what it can now accept,
     /// and kicks it if it is idle.
     fn service_vm(&mut self, index: usize) {
-        let Some(vm) = self.vms.live(index) else {
+        // A sleeping VM's rings are in its pack: nothing runs to move them,
+        // and a look would bring a page of them back.
+        let Some(vm) = self.vms.live(index).filter(|vm| vm.sys_packed.is_none()) else {
             return;
         };
         let ctrl = vm.ctrl();
@@ -784,7 +786,7 @@ impl CellLoop {
         let in_use = !vm.unused() || !vm.stream.drained(&vm.sys);
         // Requests that came meanwhile wait in the rings: those stay.
         if !in_use {
-            if let Err(e) = vm.sys.discard_except(&abi::SYS_KEPT_ASLEEP) {
+            if let Err(e) = vm.pack_sys() {
                 crate::log!("densevm: VM {id}: free its system pages: {e}");
             }
         }
@@ -971,11 +973,10 @@ impl CellLoop {
     /// Asks VM `index`'s holder to start it again; its connections wait in
     /// its rings meanwhile.
     fn wake(&mut self, index: usize) {
-        let Some((id, boot)) = self
-            .vms
-            .live(index)
-            .map(|vm| (vm.id, vm.sleep == Sleep::Unbooted))
-        else {
+        let Some((id, boot)) = self.vms.live(index).map(|vm| {
+            vm.unpack_sys();
+            (vm.id, vm.sleep == Sleep::Unbooted)
+        }) else {
             return;
         };
         let h = index / self.ctx.ram_slots_per_holder;
@@ -1233,6 +1234,8 @@ impl CellLoop {
             ToCell::Crash { vm, triple } => {
                 match self.vms.index_of(vm).and_then(|i| self.vms.live(i)) {
                     Some(vm_ref) => {
+                        // Asleep, it sees the command when it wakes.
+                        vm_ref.unpack_sys();
                         vm_ref.command(if triple {
                             abi::CMD_TRIPLE
                         } else {
@@ -1316,6 +1319,10 @@ impl CellLoop {
             if let Err(e) = adopted {
                 let error = format!("create: {e}");
                 return json!({ "error": error, "created": self.create_reply(first)["created"] });
+            }
+            // What its rings start with waits in a pack until it boots.
+            if let Some(Err(e)) = self.vms.live(index).map(MicroVm::pack_sys) {
+                crate::log!("densevm: VM {id}: free its system pages: {e}");
             }
         }
         self.create_reply(first)

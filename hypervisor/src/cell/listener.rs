@@ -96,6 +96,11 @@ impl Held {
         true
     }
 
+    /// Whether a connection waits for VM `vm`.
+    pub fn waits(&self, vm: usize) -> bool {
+        self.queues.contains_key(&vm)
+    }
+
     /// The oldest connection waiting for VM `vm`.
     pub fn take(&mut self, vm: usize) -> Option<mio::net::TcpStream> {
         let queue = self.queues.get_mut(&vm)?;

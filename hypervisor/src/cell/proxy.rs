@@ -202,6 +202,11 @@ impl Proxy {
                 vm.accept_paused = true;
                 return;
             };
+            if !self.held.waits(index) {
+                return;
+            }
+            // A sleeping VM's rings take the connection: its pages come back.
+            vm.unpack_sys();
             if vm.stream.rx_reserve(&vm.sys, 0).is_none() {
                 vm.accept_paused = true;
                 return;

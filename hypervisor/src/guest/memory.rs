@@ -13,6 +13,36 @@ use std::sync::atomic::AtomicU32;
 
 use paging_policy::GuestMemory;
 
+/// Bytes of a chunk of [`PackedPages`].
+pub const PACK_CHUNK: usize = 64;
+
+/// What ranges of a [`Mapping`] held, less their chunks of zeros: a
+/// sleeping VM's counters, ring indices and credits in a few hundred bytes
+/// of the front's heap instead of pages of shared memory.
+#[derive(Debug)]
+pub struct PackedPages {
+    /// Offset in the mapping and bytes of every chunk not all zeros.
+    chunks: Vec<(u64, [u8; PACK_CHUNK])>,
+}
+
+impl PackedPages {
+    /// A plain-data value at `offset`, as the mapping held it (`T`: any
+    /// bit pattern valid, as for [`Mapping::read_volatile`]).
+    pub fn read<T: Copy>(&self, offset: u64) -> T {
+        let size = std::mem::size_of::<T>() as u64;
+        let mut bytes = vec![0u8; size as usize];
+        for (at, chunk) in &self.chunks {
+            let (from, to) = (offset.max(*at), (offset + size).min(at + PACK_CHUNK as u64));
+            if from < to {
+                bytes[(from - offset) as usize..(to - offset) as usize]
+                    .copy_from_slice(&chunk[(from - at) as usize..(to - at) as usize]);
+            }
+        }
+        // SAFETY: `size` bytes, and T is plain data.
+        unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<T>()) }
+    }
+}
+
 /// What dropping a [`Mapping`] does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Release {
@@ -134,15 +164,41 @@ impl Mapping {
         })
     }
 
-    /// Frees the shared memory behind every byte outside `kept` ((offset,
-    /// len) ranges, sorted): it reads as zeros again, in every process that
-    /// maps it. For memory no one uses meanwhile (a hibernated VM's).
-    pub fn discard_except(&self, kept: &[(u64, u64)]) -> io::Result<()> {
-        // SAFETY: page-aligned ranges inside this shared mapping, which no
-        // vCPU and no host thread touches meanwhile.
-        self.outside(kept, |at, len| unsafe {
+    /// Keeps what `kept` ((offset, len) ranges, [`PACK_CHUNK`]-aligned)
+    /// holds in a [`PackedPages`], then frees the shared memory behind the
+    /// whole mapping: it reads as zeros again, in every process that maps
+    /// it. For memory no one uses meanwhile (a hibernated VM's); put it
+    /// back with [`Self::unpack`] before anyone does.
+    pub fn pack_and_discard(&self, kept: &[(u64, u64)]) -> io::Result<PackedPages> {
+        let mut chunks = Vec::new();
+        for &(start, len) in kept {
+            for at in (start..start + len).step_by(PACK_CHUNK) {
+                let mut chunk = [0u8; PACK_CHUNK];
+                // SAFETY: in bounds (`at` checks), and no one writes it
+                // meanwhile.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(self.at(at), chunk.as_mut_ptr(), PACK_CHUNK)
+                };
+                if chunk != [0u8; PACK_CHUNK] {
+                    chunks.push((at, chunk));
+                }
+            }
+        }
+        // SAFETY: the whole of this shared mapping, which no vCPU and no
+        // host thread touches meanwhile.
+        self.outside(&[], |at, len| unsafe {
             libc::madvise(at, len, libc::MADV_REMOVE)
-        })
+        })?;
+        Ok(PackedPages { chunks })
+    }
+
+    /// Writes a pack back where [`Self::pack_and_discard`] took it from.
+    pub fn unpack(&self, pack: &PackedPages) {
+        for (at, chunk) in &pack.chunks {
+            assert!(*at as usize + PACK_CHUNK <= self.len);
+            // SAFETY: bounds checked; the destination is ours.
+            unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), self.at(*at), PACK_CHUNK) };
+        }
     }
 
     /// Host address of byte `offset`; panics outside the mapping.
@@ -366,5 +422,35 @@ impl HolderSlots {
         let mut mapping = self.slot(index)?;
         mapping.release = Release::Pager;
         Some(mapping)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pack_keeps_what_the_kept_ranges_held_and_the_pages_are_freed() {
+        let m = Mapping::anonymous(4 * 4096, true).unwrap();
+        let across = 0x1000 + 3 * PACK_CHUNK as u64 + 60; // straddles two chunks
+        m.write_obj(0x10, 0xdead_beef_u64);
+        m.write_obj(across, 0x1122_3344_5566_7788_u64);
+        m.write_obj(0x3000, 7_u64); // outside the kept ranges
+        let pack = m.pack_and_discard(&[(0, 0x2000)]).unwrap();
+        assert_eq!(pack.chunks.len(), 3, "only the chunks that are not zeros");
+        assert_eq!(m.resident_bytes(), 0);
+        assert_eq!(m.read_volatile::<u64>(0x10), 0);
+        assert_eq!(pack.read::<u64>(0x10), 0xdead_beef);
+        assert_eq!(pack.read::<u64>(across), 0x1122_3344_5566_7788);
+        assert_eq!(pack.read::<u64>(0x3000), 0);
+        m.unpack(&pack);
+        assert_eq!(m.read_volatile::<u64>(0x10), 0xdead_beef);
+        assert_eq!(m.read_volatile::<u32>(across), 0x5566_7788);
+        assert_eq!(m.read_volatile::<u32>(across + 4), 0x1122_3344);
+        assert_eq!(
+            m.read_volatile::<u64>(0x3000),
+            0,
+            "what was not kept is gone"
+        );
     }
 }

@@ -60,7 +60,12 @@ pub fn recv_with_fds(socket: &impl AsRawFd, buf: &mut [u8]) -> io::Result<(usize
 }
 
 /// Descriptors an [`FdStream`] keeps unclaimed; more are closed at once.
-pub const MAX_KEPT: usize = 4;
+/// A cell's holders have at most one `holder_started` each outstanding (the
+/// next waits for `holder_attached`), so an honest cell never has more.
+/// With 4, five holders restarted in a burst while the parent was busy
+/// lost the fifth's userfaultfd, and the parent stopped the cell as
+/// hostile (`hibernation_integrity.py`, wsswap: 586 failed requests).
+pub const MAX_KEPT: usize = crate::config::MAX_HOLDERS as usize;
 
 /// The parent's end of a cell link: a stream socket whose reads keep the
 /// descriptors that came with the bytes, in order, for the message that
@@ -177,5 +182,34 @@ mod tests {
             assert!(ours.take_fd().is_some());
         }
         assert!(ours.take_fd().is_none(), "kept past its bound");
+    }
+
+    /// Every holder of a cell restarted at once: each line's descriptor is
+    /// there when the lines are read in one go.
+    #[test]
+    fn a_burst_of_one_descriptor_a_line_from_every_holder_loses_none() {
+        use super::FdStream;
+        use std::io::Read;
+        let (a, b) = UnixStream::pair().unwrap();
+        b.set_nonblocking(true).unwrap();
+        let mut ours = FdStream::new(mio::net::UnixStream::from_std(b));
+        let file = std::fs::File::open("/dev/null").unwrap();
+        let holders = crate::config::MAX_HOLDERS as usize;
+        for _ in 0..holders {
+            a.send_with_fds(&[&b"started\n"[..]], &[file.as_raw_fd()])
+                .unwrap();
+        }
+        let mut buf = [0u8; 64];
+        let mut read = 0;
+        while let Ok(n) = ours.read(&mut buf) {
+            read += n;
+        }
+        assert_eq!(read, holders * b"started\n".len());
+        for holder in 0..holders {
+            assert!(
+                ours.take_fd().is_some(),
+                "holder {holder}'s descriptor lost"
+            );
+        }
     }
 }
