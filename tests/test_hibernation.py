@@ -4,12 +4,14 @@ intact. Real densevm, real KVM guests, real TCP."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from conftest import release_binary
@@ -50,6 +52,16 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def shmem_kib(pid: int) -> int:
+    """Shared memory resident in the processes below densevm's parent `pid`."""
+    total = 0
+    for p in descendants(pid):
+        with contextlib.suppress(FileNotFoundError):
+            status = Path(f"/proc/{p}/status").read_text()
+            total += int(status.split("RssShmem:")[1].split()[0])
+    return total
+
+
 def serve_every_vm(m, vms: range) -> None:
     for vm in vms:
         r = get(m.addr(vm))
@@ -70,6 +82,9 @@ def test_idle_vms_hibernate_release_their_threads_and_wake_intact(tmp_path):
         procs = descendants(m.proc.pid)
         assert threads(procs) == len(procs), [os.listdir(f"/proc/{p}/task") for p in procs]
         assert kvm_objects(procs) == {"kvm-vm": 0, "kvm-vcpu": 0}
+        # Nor a page of shared memory: the RAM went to swap, and what the system pages held
+        # of its rings and counters waits in a pack on the cell's heap.
+        assert wait_for(lambda: shmem_kib(m.proc.pid) == 0, timeout=10), shmem_kib(m.proc.pid)
         # Every VM wakes on its next request, its working set read back from swap intact.
         for _ in range(3):
             serve_every_vm(m, range(12))
