@@ -141,11 +141,6 @@ impl SwapSpace {
         self.slot_bytes * swap_bytes_per_ram_byte(self.layout)
     }
 
-    /// Whether `vm` has swap committed to it ([`Self::commit`]).
-    pub fn is_committed(&self, vm: u32) -> bool {
-        self.slots.contains_key(&vm)
-    }
-
     /// Commits swap to a VM: its region (per-VM layout) or its share of the
     /// log. Committed VMs x [`Self::bytes_per_vm`] must fit in the
     /// capacity, or the VM is refused here ([`PagerError::SwapFull`])
@@ -321,7 +316,7 @@ mod tests {
                 asked.push(b);
                 Err(refused())
             });
-            assert!(e.is_err() && !s.is_committed(1), "{layout:?}");
+            assert!(e.is_err() && !s.slots.contains_key(&1), "{layout:?}");
             assert_eq!(s.used_bytes(), 0, "{layout:?}");
             s.commit(2, |b| {
                 asked.push(b);
@@ -334,7 +329,7 @@ mod tests {
             })
             .unwrap();
             assert_eq!(asked, vec![per_vm, per_vm, 2 * per_vm], "{layout:?}");
-            assert!(s.is_committed(2) && s.is_committed(3));
+            assert!(s.slots.contains_key(&2) && s.slots.contains_key(&3));
             assert_eq!(
                 s.used_bytes(),
                 if layout == SwapLayout::PerVm {

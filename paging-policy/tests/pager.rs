@@ -469,13 +469,8 @@ fn wait_fatal(p: &Pager) -> String {
 /// on, paging through the log without running out.
 #[test]
 fn a_vm_past_the_swap_capacity_is_refused_at_registration() {
-    let block = 32u64 << 10;
-    let blocks = 16usize;
+    let (pager, block, blocks) = log_with_room_for_two(false);
     let vm_ram = blocks as u64 * block;
-    let mut cfg = config("wsswap", block, 8 * block, "full");
-    // The log takes 2 x RAM a VM: room for two.
-    cfg.swap_bytes = Some(2 * 2 * vm_ram);
-    let pager = Pager::new(cfg, 3, vm_ram).unwrap();
     let rs: Vec<Region> = (0..3).map(|_| Region::new(vm_ram as usize)).collect();
     rs[0].register(&pager, 0).unwrap();
     rs[1].register(&pager, 1).unwrap();
@@ -493,14 +488,8 @@ fn a_vm_past_the_swap_capacity_is_refused_at_registration() {
 /// others run on, paging through the log without running out.
 #[test]
 fn a_vm_past_the_swap_capacity_fails_alone_at_its_first_fault() {
-    let block = 32u64 << 10;
-    let blocks = 16usize;
+    let (pager, block, blocks) = log_with_room_for_two(true);
     let vm_ram = blocks as u64 * block;
-    let mut cfg = config("wsswap", block, 8 * block, "full");
-    // The log takes 2 x RAM a VM: room for two.
-    cfg.swap_bytes = Some(2 * 2 * vm_ram);
-    cfg.swap_on_first_fault = true;
-    let pager = Pager::new(cfg, 3, vm_ram).unwrap();
     let rs: Vec<&'static Region> = (0..3)
         .map(|_| &*Box::leak(Box::new(Region::new(vm_ram as usize))))
         .collect();
@@ -532,6 +521,19 @@ fn a_vm_past_the_swap_capacity_fails_alone_at_its_first_fault() {
     );
     pager.unregister_vm(2);
     two_vms_page_on_intact(&pager, [rs[0], rs[1]], blocks, block);
+}
+
+/// A wsswap pager for three VMs of 16 blocks of 32 KiB with a log for two
+/// (2 x RAM a VM), committing swap at registration or at the first fault:
+/// the pager, the block size and the blocks a VM.
+fn log_with_room_for_two(swap_on_first_fault: bool) -> (Arc<Pager>, u64, usize) {
+    let block = 32u64 << 10;
+    let blocks = 16usize;
+    let vm_ram = blocks as u64 * block;
+    let mut cfg = config("wsswap", block, 8 * block, "full");
+    cfg.swap_bytes = Some(2 * 2 * vm_ram);
+    cfg.swap_on_first_fault = swap_on_first_fault;
+    (Pager::new(cfg, 3, vm_ram).unwrap(), block, blocks)
 }
 
 /// Two VMs of `blocks` blocks rewrite every block six times through a
