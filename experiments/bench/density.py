@@ -142,6 +142,17 @@ def run(n: int, args: argparse.Namespace, workdir: Path) -> None:
         f" monitor: wakes {totals.get('wakes')}, wake failures {totals.get('wake_failures')}",
         flush=True,
     )
+    compact = totals.get("compact_swap")
+    if compact:
+        print(
+            f"  compact swap: {compact['copies']} copies"
+            f" in {compact['stored_bytes'] / 2**20:.1f} MiB,"
+            f" {compact['blocks_same_as_template']} of {compact['blocks_written']} blocks written"
+            f" were the template's; template LZ4 ratio {compact['template_lz4_ratio'] or 0:.2f};"
+            f" compress {compact['compress_us_per_block']:.1f} us/block,"
+            f" decompress {compact['decompress_us_per_block']:.1f} us/block",
+            flush=True,
+        )
 
 
 def main() -> int:

@@ -562,6 +562,7 @@ pub fn pager_config(args: &ServeArgs, layout: &RamLayout) -> Result<PagerConfig,
         inject_fault: std::time::Duration::from_micros(args.inject_fault_us),
         // VMs created asleep commit no swap until they run.
         swap_on_first_fault: args.idle_after.is_some(),
+        compact_swap: args.idle_after.is_some(),
     };
     config
         .validate(layout.ram_bytes, layout.request_footprint())

@@ -48,6 +48,10 @@ pub struct PagerConfig {
     /// that never runs costs the disk nothing, and one the disk has no room
     /// for fails alone when it first runs instead of refusing the start.
     pub swap_on_first_fault: bool,
+    /// Store evicted blocks as compressed differences from the image's
+    /// template ([`crate::compact`]), so swap holds many more VMs than
+    /// their RAM (densevm with `--idle-after`); else each block whole.
+    pub compact_swap: bool,
 }
 
 impl Default for PagerConfig {
@@ -63,6 +67,7 @@ impl Default for PagerConfig {
             vm_resident_max: None,
             inject_fault: std::time::Duration::ZERO,
             swap_on_first_fault: false,
+            compact_swap: false,
         }
     }
 }

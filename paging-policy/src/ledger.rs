@@ -403,6 +403,18 @@ impl Ledger {
         self.policy_err()
     }
 
+    /// Where `vm`'s blocks have swap copies (what [`Ledger::unregister`]
+    /// releases).
+    pub fn swap_copies(&self, vm: VmId) -> Vec<u64> {
+        self.vm(vm).map_or_else(Vec::new, |v| {
+            v.blocks
+                .iter()
+                .map(|b| b.loc)
+                .filter(|&l| l != NO_LOC)
+                .collect()
+        })
+    }
+
     /// Reports that a VM served a request.
     pub fn note_access(&mut self, vm: VmId) -> Result<(), PagerError> {
         self.policy.on_access(vm);

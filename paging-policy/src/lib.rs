@@ -11,10 +11,12 @@
 //! Modules, one concern each: [`uffd`] (userfaultfd), [`guest_memory`]
 //! (memfd-backed guest RAM handed to the pager), [`ledger`] (budget and
 //! block accounting), [`policy`] (trait, built-ins, plugin loader),
-//! [`space`] (swap layouts), [`swap`] (the O_DIRECT device), [`disk`] (disk
-//! models), [`stats`], [`trace`], [`config`], [`error`].
+//! [`space`] (swap layouts), [`swap`] (the O_DIRECT device), [`compact`]
+//! (template-delta, compressed swap records), [`disk`] (disk models),
+//! [`stats`], [`trace`], [`config`], [`error`].
 
 pub mod batching;
+pub mod compact;
 pub mod config;
 pub mod describe;
 pub mod disk;

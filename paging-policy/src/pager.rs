@@ -54,6 +54,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Map, Value};
 
 use crate::batching::{cluster_writes, read_runs, runs, write_runs};
+use crate::compact::{CompactScratch, CompactSwap, Get, Put};
 use crate::config::{default_swap_path, PagerConfig};
 use crate::error::PagerError;
 use crate::guest_memory::{check_handoff, SpaceHandoff, SpaceId};
@@ -62,7 +63,7 @@ use crate::ledger::{Access, Admission, Classified, Ledger, PlanBlock, VmLedger, 
 use crate::policy::{build_policy, BlockId, SwapLayout, VmId};
 use crate::space::{swap_bytes_per_ram_byte, SwapSpace};
 use crate::stats::TotalLatency;
-use crate::swap::{AlignedBuf, SwapDevice};
+use crate::swap::{AlignedBuf, SwapDevice, RESERVE_STEP};
 use crate::uffd::{space_gone, Fault, FaultKind, Uffd};
 
 /// Fault-service threads. Faults mostly wait on I/O (or on the disk
@@ -188,6 +189,7 @@ struct Scratch {
     addrs: Vec<WakeAddr>,
     order: Vec<usize>,
     runs: Vec<(usize, usize)>,
+    compact: CompactScratch,
 }
 
 impl Scratch {
@@ -200,6 +202,7 @@ impl Scratch {
             addrs: Vec::new(),
             order: Vec::new(),
             runs: Vec::new(),
+            compact: CompactScratch::new(block),
         }
     }
 }
@@ -212,6 +215,9 @@ pub struct Pager {
     /// Every attached space's userfaultfd, and the stop eventfd.
     epoll: OwnedFd,
     swap: SwapDevice,
+    /// What evicted blocks are stored as, with `PagerConfig::compact_swap`
+    /// (else each block whole at its place).
+    compact: Option<CompactSwap>,
     disk: Value,
     state: Mutex<State>,
     room: Condvar,
@@ -282,6 +288,9 @@ impl Pager {
             block: block as usize,
             vm_ram: vm_ram_bytes,
             epoll,
+            compact: cfg
+                .compact_swap
+                .then(|| CompactSwap::new(block as usize, swap.sector(), capacity)),
             swap,
             disk,
             state: Mutex::new(State {
@@ -524,7 +533,7 @@ impl Pager {
         // Swap for its whole RAM (twice, for the log's slack), allocated now
         // rather than found missing mid-run; or at its first fault.
         if !self.cfg.swap_on_first_fault {
-            if let Err(e) = st.ledger.commit_swap(vm, |bytes| self.swap.reserve(bytes)) {
+            if let Err(e) = st.ledger.commit_swap(vm, |bytes| self.reserve_swap(bytes)) {
                 let _ = st.ledger.begin_unregister(vm);
                 let _ = st.ledger.unregister(vm);
                 return Err(match e {
@@ -575,6 +584,9 @@ impl Pager {
         let place = st.places.remove(&vm);
         if let Some(p) = &place {
             st.regions.remove(&(p.space.id, p.base));
+        }
+        if let Some(compact) = &self.compact {
+            compact.forget(&st.ledger.swap_copies(vm));
         }
         let unregistered = st.ledger.unregister(vm);
         drop(st);
@@ -803,7 +815,14 @@ impl Pager {
         t.insert("disk_usage".into(), self.swap.disk_usage().to_json());
         t.insert("swap_path".into(), json!(self.swap.path()));
         t.insert("swap_capacity_bytes".into(), json!(self.swap.capacity()));
-        t.insert("swap_used_bytes".into(), json!(l.swap_used_bytes()));
+        let swap_used = match &self.compact {
+            Some(compact) => {
+                t.insert("compact_swap".into(), compact.to_json());
+                compact.stored_bytes()
+            }
+            None => l.swap_used_bytes(),
+        };
+        t.insert("swap_used_bytes".into(), json!(swap_used));
         t.insert("fatal_error".into(), json!(self.fatal_error()));
         t.insert(
             "failures".into(),
@@ -818,6 +837,7 @@ impl Pager {
             "swap_path": self.swap.path(),
             "swap_bytes": self.swap.capacity(),
             "keep_swap": self.cfg.keep_swap,
+            "compact_swap": self.cfg.compact_swap,
             "vm_resident_max_bytes": self.cfg.vm_resident_max,
             "disk": self.disk,
             "service_threads": SERVICE_THREADS,
@@ -953,6 +973,24 @@ impl Pager {
         let mut plan = planned?;
         drop(st);
         let places = vec![place; plan.len().min(HIBERNATE_CHUNK)];
+        if let Some(compact) = &self.compact {
+            compact.begin_capture(vm, self.vm_ram as usize);
+        }
+        let evicted = self.evict_hibernating(vm, &mut plan, &places, s);
+        if let Some(compact) = &self.compact {
+            compact.end_capture(vm);
+        }
+        evicted
+    }
+
+    /// Evicts a hibernating VM's plan [`HIBERNATE_CHUNK`] blocks at a time.
+    fn evict_hibernating(
+        &self,
+        vm: VmId,
+        plan: &mut [PlanBlock],
+        places: &[Place],
+        s: &mut Scratch,
+    ) -> Result<(), PagerError> {
         let mut start = 0;
         while start < plan.len() && !self.failed.load(Ordering::SeqCst) {
             let end = (start + HIBERNATE_CHUNK).min(plan.len());
@@ -1057,7 +1095,7 @@ impl Pager {
     /// of 4 MiB). A VM the disk has no room for fails alone, at its first
     /// fault. Returns whether the fault may go on.
     fn commit_swap(&self, st: &mut State, vm: VmId) -> bool {
-        match st.ledger.commit_swap(vm, |bytes| self.swap.reserve(bytes)) {
+        match st.ledger.commit_swap(vm, |bytes| self.reserve_swap(bytes)) {
             Ok(()) => true,
             Err(e) => {
                 st.ledger
@@ -1065,6 +1103,16 @@ impl Pager {
                 self.report_failed_vms(st);
                 false
             }
+        }
+    }
+
+    /// Allocates the swap file's first `bytes` for committed VMs' copies;
+    /// nothing with compact swap, whose records allocate as they are
+    /// written.
+    fn reserve_swap(&self, bytes: u64) -> Result<(), PagerError> {
+        match self.compact {
+            Some(_) => Ok(()),
+            None => self.swap.reserve(bytes, RESERVE_STEP),
         }
     }
 
@@ -1157,6 +1205,21 @@ impl Pager {
     fn read_plan(&self, plan: &[PlanBlock], s: &mut Scratch) -> Result<f64, PagerError> {
         let bs = self.block;
         s.read.reserve(plan.len() * bs);
+        if let Some(compact) = &self.compact {
+            let mut gets: Vec<Get<'_>> = Vec::with_capacity(plan.len());
+            for (p, data) in plan.iter().zip(s.read.as_mut_slice().chunks_mut(bs)) {
+                if p.loc == NO_LOC {
+                    data.fill(0);
+                } else {
+                    gets.push(Get {
+                        block: p.block,
+                        loc: p.loc,
+                        data,
+                    });
+                }
+            }
+            return compact.read(&self.swap, &mut gets, &mut s.compact);
+        }
         read_runs(plan, bs as u64, &mut s.order, &mut s.runs);
         let mut slots: Vec<&mut [u8]> = s.read.as_mut_slice()[..plan.len() * bs]
             .chunks_mut(bs)
@@ -1301,19 +1364,52 @@ impl Pager {
             }
         }
         // 3. Copy dirty blocks out, one write per run contiguous on swap,
-        //    runs joined across short gaps of unchanged blocks.
-        cluster_writes(victims, bs as u64);
+        //    runs joined across short gaps of unchanged blocks; or, compact,
+        //    as records packed into one write.
         let mut io = 0.0;
-        for std::ops::Range { start: i, end: j } in write_runs(victims, bs as u64) {
-            for k in (i..j).filter(|&k| !in_buf[k]) {
+        let mut read_in = |k: usize, buf: &mut [u8]| -> Result<(), PagerError> {
+            if !in_buf[k] {
                 let read = pread_exact(
                     &places[k].space.memfd,
                     &mut buf[k * bs..(k + 1) * bs],
                     offset(k),
                 );
                 self.tolerate(&places[k].space, read)?;
+                in_buf[k] = true;
             }
-            io += self.swap.write(victims[i].loc, &buf[i * bs..j * bs])?;
+            Ok(())
+        };
+        if let Some(compact) = &self.compact {
+            for k in (0..victims.len()).filter(|&k| victims[k].dirty) {
+                read_in(k, buf)?;
+            }
+            let puts: Vec<Put<'_>> = victims
+                .iter()
+                .enumerate()
+                .filter(|(_, v)| v.dirty && v.loc != NO_LOC)
+                .map(|(k, v)| Put {
+                    vm: v.vm,
+                    block: v.block,
+                    loc: v.loc,
+                    data: &buf[k * bs..(k + 1) * bs],
+                })
+                .collect();
+            io += compact.write(&self.swap, &puts, &mut s.compact)?;
+            // The log layout moved these copies: their old records go.
+            let moved: Vec<u64> = victims
+                .iter()
+                .filter(|v| v.dirty && v.old_loc != NO_LOC && v.old_loc != v.loc)
+                .map(|v| v.old_loc)
+                .collect();
+            compact.forget(&moved);
+        } else {
+            cluster_writes(victims, bs as u64);
+            for std::ops::Range { start: i, end: j } in write_runs(victims, bs as u64) {
+                for k in i..j {
+                    read_in(k, buf)?;
+                }
+                io += self.swap.write(victims[i].loc, &buf[i * bs..j * bs])?;
+            }
         }
         // 4. Free the blocks; their next touch faults them back in.
         for run in adjacent_runs {

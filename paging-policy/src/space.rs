@@ -26,9 +26,9 @@ pub fn swap_bytes_per_ram_byte(layout: SwapLayout) -> u64 {
     }
 }
 
-/// Free-space map of the log layout.
-#[derive(Debug)]
-struct LogSpace {
+/// Free-space map of the log layout (and of compact swap's records).
+#[derive(Debug, Default)]
+pub(crate) struct LogSpace {
     free: BTreeMap<u64, u64>,
     free_bytes: u64,
     cursor: u64,
@@ -64,6 +64,17 @@ impl LogSpace {
             .find(|(_, &l)| l >= need)
             .map(|(&s, &l)| (s, l));
         found.map(|(s, l)| self.take(s, l, s, need))
+    }
+
+    /// One contiguous range of `len` bytes, if there is one.
+    pub(crate) fn alloc(&mut self, len: u64) -> Option<u64> {
+        self.alloc_contiguous(len)
+    }
+
+    /// Returns `len` bytes at `start` to the free space.
+    pub(crate) fn free(&mut self, start: u64, len: u64) {
+        self.release(start, len);
+        self.free_bytes += len;
     }
 
     fn release(&mut self, mut start: u64, mut len: u64) {

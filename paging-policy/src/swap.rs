@@ -124,12 +124,37 @@ fn create_swap_file(path: &Path, keep: bool) -> io::Result<File> {
     Ok(file)
 }
 
+/// The direct I/O alignment the kernel reports for `file` (statx
+/// STATX_DIOALIGN, Linux 6.1+), else a page, which every device accepts.
+fn dio_alignment(file: &File) -> u64 {
+    // SAFETY: statx fills the zeroed struct; the path is empty and
+    // AT_EMPTY_PATH makes it describe the descriptor.
+    let mut st: libc::statx = unsafe { std::mem::zeroed() };
+    let r = unsafe {
+        libc::statx(
+            std::os::fd::AsRawFd::as_raw_fd(file),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            libc::STATX_DIOALIGN,
+            &mut st,
+        )
+    };
+    let align = st.stx_dio_offset_align as u64;
+    if r == 0 && st.stx_mask & libc::STATX_DIOALIGN != 0 && align.is_power_of_two() {
+        align.max(st.stx_dio_mem_align as u64).min(ALIGN as u64)
+    } else {
+        ALIGN as u64
+    }
+}
+
 /// The opened swap device.
 pub struct SwapDevice {
     file: File,
     path: PathBuf,
     is_blockdev: bool,
     capacity: u64,
+    /// Alignment of direct I/O on it: offsets and lengths are multiples.
+    sector: u64,
     /// Bytes from the start of a swap file whose blocks are allocated.
     reserved: Mutex<u64>,
     model: Mutex<DiskModel>,
@@ -209,6 +234,7 @@ impl SwapDevice {
             file.set_len(capacity).map_err(unwritable)?;
         }
         Ok(SwapDevice {
+            sector: dio_alignment(&file),
             file,
             path: path.to_path_buf(),
             is_blockdev,
@@ -221,14 +247,15 @@ impl SwapDevice {
     }
 
     /// Allocates the file's first `bytes` (at most its capacity, in steps of
-    /// [`RESERVE_STEP`]), so guests dirtying their RAM later cannot meet
-    /// ENOSPC mid-run. Err when the filesystem has no room for them.
-    pub fn reserve(&self, bytes: u64) -> Result<(), PagerError> {
+    /// `step`: [`RESERVE_STEP`] for VMs' regions), so guests dirtying their
+    /// RAM later cannot meet ENOSPC mid-run. Err when the filesystem has no
+    /// room for them.
+    pub fn reserve(&self, bytes: u64, step: u64) -> Result<(), PagerError> {
         let mut reserved = self.reserved.lock().unwrap_or_else(|e| e.into_inner());
         if self.is_blockdev || bytes <= *reserved {
             return Ok(());
         }
-        let upto = bytes.next_multiple_of(RESERVE_STEP).min(self.capacity);
+        let upto = bytes.next_multiple_of(step).min(self.capacity);
         if upto <= *reserved {
             return Ok(());
         }
@@ -250,6 +277,11 @@ impl SwapDevice {
         }
         *reserved = upto;
         Ok(())
+    }
+
+    /// Alignment of direct I/O on the device (offsets and lengths).
+    pub fn sector(&self) -> u64 {
+        self.sector
     }
 
     /// Capacity in bytes.
