@@ -91,7 +91,7 @@ class RunResult:
     faults_per_s: float | None = None
     swap_read_bytes: int | None = None  # during the measurement phase
     swap_write_bytes: int | None = None
-    swap_used_bytes: int | None = None  # committed to VMs at the end of the measurement
+    swap_used_bytes: int | None = None  # in use at the end (regions, or compact records)
     swap_bytes_per_vm: float | None = None  # swap_used_bytes over the VMs
     swap_read_mbps: float | None = None  # MB/s = 10^6 bytes/s
     swap_write_mbps: float | None = None

@@ -151,7 +151,7 @@ def report(r: dict, rate: float) -> None:
         f"  threads/fds/maps: awake {a.threads}/{a.fds}/{a.maps},"
         f" hibernated {s.threads}/{s.fds}/{s.maps}",
         f"  swap per VM: {r['swap_used_kib_per_vm']:.1f} KiB used by the pager,"
-        f" {r['swap_kib_per_vm']:.1f} KiB allocated on disk (the file is sized up front)",
+        f" {r['swap_kib_per_vm']:.1f} KiB allocated on disk",
         f"  wake at {rate:.0f}/s ({r['wakes']} wakes): p50 {p50:.2f} ms, p99 {p99:.2f} ms,"
         f" max {worst:.2f} ms",
         f"  wake storm of {n}: {ok} answered, {bad} failed, p99 {p99s:.1f} ms, all in {took:.2f} s",

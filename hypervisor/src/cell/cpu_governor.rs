@@ -21,7 +21,9 @@
 //! the holders, where a read costs a file of /proc: a holder whose whole
 //! process ran less than [`LOOK_SHARE`] of a core in the period is not
 //! looked into (its threads' next read only sets a new baseline). A demoted
-//! guest keeps running: on an idle host it loses nothing.
+//! guest keeps running: on an idle host it loses nothing. A vCPU that has
+//! just started (a boot or a wake) is not judged before its first request
+//! until it has run [`START_GRACE`].
 //!
 //! A demoted thread also leaves its cell's CPU for every CPU densevm may use
 //! ([`VcpuCpus`]), and comes back when restored: pinned beside its own
@@ -45,9 +47,19 @@ const RESTORE_SHARE: f64 = 0.25;
 /// CPU per served request above which a busy vCPU counts as not serving
 /// (a web guest needs tens of microseconds).
 const HOG_CPU_PER_REQUEST: Duration = Duration::from_millis(1);
+/// CPU a new vCPU thread (a boot, or a wake) may run before its first
+/// request without being judged. Booting and loading its working set take a
+/// guest milliseconds of CPU and serve nothing yet; on a loaded host the
+/// thread also waits for a CPU all along, so without this every VM booting
+/// during a burst looked like a spinner and was demoted, starved in the
+/// background with its first client waiting, and the burst fed itself (a
+/// sweep of first GETs at 50 a second over 100,000 VMs fell to 10 a second,
+/// its wakes taking seconds). A guest that spins from its start is judged
+/// after this much.
+const START_GRACE: Duration = Duration::from_millis(100);
 
 /// What the governor last saw of one VM.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Clone, Copy)]
 struct Sample {
     /// Its thread's times at the last look; `None` before the first.
     times: Option<ThreadTimes>,
@@ -55,6 +67,34 @@ struct Sample {
     background: bool,
     /// Times this VM's vCPU was demoted.
     demotions: u64,
+    /// CPU its thread ran before its first request ([`START_GRACE`]); `None`
+    /// once it has served one or used the grace up.
+    starting: Option<Duration>,
+}
+
+impl Sample {
+    /// What is known of a VM before its thread's first look.
+    fn new() -> Sample {
+        Sample {
+            times: None,
+            requests: 0,
+            background: false,
+            demotions: 0,
+            starting: Some(Duration::ZERO),
+        }
+    }
+
+    /// Whether its thread is still starting (within [`START_GRACE`] before
+    /// its first request) after a period in which it ran `ran` and served
+    /// `served` requests.
+    fn starting(&mut self, ran: Duration, served: u64) -> bool {
+        let Some(before) = self.starting else {
+            return false;
+        };
+        let used = before + ran;
+        self.starting = (served == 0 && used <= START_GRACE).then_some(used);
+        self.starting.is_some()
+    }
 }
 
 /// What a vCPU thread did in the last period, as the governor saw it.
@@ -138,7 +178,7 @@ impl CpuGovernor {
         if let Some(sample) = self.samples.get_mut(index) {
             *sample = Sample {
                 demotions: sample.demotions,
-                ..Sample::default()
+                ..Sample::new()
             };
         }
     }
@@ -157,7 +197,7 @@ impl CpuGovernor {
             return;
         }
         self.last = now;
-        self.samples.resize(count, Sample::default());
+        self.samples.resize(count, Sample::new());
         for (index, sample) in self.samples.iter_mut().enumerate() {
             let Some((live, requests, may_hog)) = vm(index) else {
                 continue;
@@ -176,6 +216,9 @@ impl CpuGovernor {
             };
             let ran = times.on_cpu.saturating_sub(before.on_cpu);
             let wanted = times.runnable.saturating_sub(before.runnable);
+            if sample.starting(ran, served) {
+                continue;
+            }
             let period = Period {
                 length: elapsed,
                 ran,
@@ -223,6 +266,24 @@ mod tests {
             waiting: false,
             requests,
         }
+    }
+
+    /// A new thread is not judged until it serves or runs past the grace;
+    /// then it is, like any other.
+    #[test]
+    fn a_starting_vcpu_is_judged_after_its_first_request_or_its_grace() {
+        let mut booting = Sample::new();
+        assert!(booting.starting(40 * MS, 0));
+        assert!(booting.starting(60 * MS, 0), "100 ms is within the grace");
+        assert!(!booting.starting(MS, 0), "past it: judged");
+        assert!(!booting.starting(0 * MS, 0), "and from then on");
+        let mut served = Sample::new();
+        assert!(served.starting(10 * MS, 0));
+        assert!(
+            !served.starting(10 * MS, 1),
+            "its first request ends the grace"
+        );
+        assert!(!served.starting(0 * MS, 0));
     }
 
     #[test]
