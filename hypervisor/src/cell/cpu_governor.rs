@@ -276,14 +276,14 @@ mod tests {
         assert!(booting.starting(40 * MS, 0));
         assert!(booting.starting(60 * MS, 0), "100 ms is within the grace");
         assert!(!booting.starting(MS, 0), "past it: judged");
-        assert!(!booting.starting(0 * MS, 0), "and from then on");
+        assert!(!booting.starting(Duration::ZERO, 0), "and from then on");
         let mut served = Sample::new();
         assert!(served.starting(10 * MS, 0));
         assert!(
             !served.starting(10 * MS, 1),
             "its first request ends the grace"
         );
-        assert!(!served.starting(0 * MS, 0));
+        assert!(!served.starting(Duration::ZERO, 0));
     }
 
     #[test]
