@@ -131,7 +131,6 @@ pub struct CompactSwap {
     block: usize,
     /// Device sector: records are whole sectors (O_DIRECT alignment).
     sector: u64,
-    capacity: u64,
     records: Mutex<Records>,
     capture: Mutex<Option<Capture>>,
     template: OnceLock<Template>,
@@ -156,13 +155,12 @@ fn xor_in_place(out: &mut [u8], b: &[u8]) {
 }
 
 impl CompactSwap {
-    /// A store for blocks of `block` bytes on a device of `capacity` bytes
-    /// whose direct I/O is aligned to `sector` bytes.
-    pub fn new(block: usize, sector: u64, capacity: u64) -> CompactSwap {
+    /// A store for blocks of `block` bytes on a device whose direct I/O is
+    /// aligned to `sector` bytes.
+    pub fn new(block: usize, sector: u64) -> CompactSwap {
         CompactSwap {
             block,
             sector,
-            capacity,
             records: Mutex::new(Records {
                 by_loc: HashMap::new(),
                 free: LogSpace::default(),
@@ -347,7 +345,7 @@ impl CompactSwap {
                 Ok(None) => {
                     failed = Some(PagerError::SwapFull {
                         needed: len,
-                        capacity: self.capacity,
+                        capacity: dev.capacity(),
                     });
                     break;
                 }
@@ -399,10 +397,12 @@ impl CompactSwap {
             return Ok(Some(at));
         }
         let limit = records.limit;
-        if limit + len > self.capacity {
+        if limit + len > dev.capacity() {
             return Ok(None);
         }
-        let grown = (limit + len).next_multiple_of(GROW_STEP).min(self.capacity);
+        let grown = (limit + len)
+            .next_multiple_of(GROW_STEP)
+            .min(dev.capacity());
         dev.reserve(grown, GROW_STEP)?;
         records.free.free(limit, grown - limit);
         records.limit = grown;
@@ -601,7 +601,7 @@ mod tests {
     #[test]
     fn blocks_round_trip_and_a_clone_stores_only_its_difference() {
         let dev = device("round-trip", 64 << 20);
-        let c = CompactSwap::new(BS, dev.sector(), dev.capacity());
+        let c = CompactSwap::new(BS, dev.sector());
         let mut s = CompactScratch::new(BS);
         let blocks: Vec<Vec<u8>> = (0..4).map(|b| content(b + 7)).collect();
         c.begin_capture(0, 4 * BS);
@@ -688,7 +688,7 @@ mod tests {
     #[test]
     fn incompressible_blocks_are_stored_raw_and_unknown_copies_are_errors() {
         let dev = device("raw", 16 << 20);
-        let c = CompactSwap::new(BS, dev.sector(), dev.capacity());
+        let c = CompactSwap::new(BS, dev.sector());
         let mut s = CompactScratch::new(BS);
         let noise: Vec<u8> = (0..BS).map(|_| rand::random()).collect();
         c.write(

@@ -290,7 +290,7 @@ impl Pager {
             epoll,
             compact: cfg
                 .compact_swap
-                .then(|| CompactSwap::new(block as usize, swap.sector(), capacity)),
+                .then(|| CompactSwap::new(block as usize, swap.sector())),
             swap,
             disk,
             state: Mutex::new(State {
@@ -1380,13 +1380,14 @@ impl Pager {
             Ok(())
         };
         if let Some(compact) = &self.compact {
-            for k in (0..victims.len()).filter(|&k| victims[k].dirty) {
+            let stored = |v: &PlanBlock| v.dirty && v.loc != NO_LOC;
+            for k in (0..victims.len()).filter(|&k| stored(&victims[k])) {
                 read_in(k, buf)?;
             }
             let puts: Vec<Put<'_>> = victims
                 .iter()
                 .enumerate()
-                .filter(|(_, v)| v.dirty && v.loc != NO_LOC)
+                .filter(|(_, v)| stored(v))
                 .map(|(k, v)| Put {
                     vm: v.vm,
                     block: v.block,

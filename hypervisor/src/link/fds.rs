@@ -166,14 +166,19 @@ mod tests {
         assert_ne!(flags & libc::FD_CLOEXEC, 0);
     }
 
-    #[test]
-    fn a_stream_keeps_what_came_with_its_bytes_up_to_its_bound() {
-        use super::{FdStream, MAX_KEPT};
-        use std::io::Read;
+    /// A peer, our non-blocking stream from it, and a file to send.
+    fn stream_with_a_file() -> (UnixStream, super::FdStream, std::fs::File) {
         let (a, b) = UnixStream::pair().unwrap();
         b.set_nonblocking(true).unwrap();
-        let mut ours = FdStream::new(mio::net::UnixStream::from_std(b));
-        let file = std::fs::File::open("/dev/null").unwrap();
+        let ours = super::FdStream::new(mio::net::UnixStream::from_std(b));
+        (a, ours, std::fs::File::open("/dev/null").unwrap())
+    }
+
+    #[test]
+    fn a_stream_keeps_what_came_with_its_bytes_up_to_its_bound() {
+        use super::MAX_KEPT;
+        use std::io::Read;
+        let (a, mut ours, file) = stream_with_a_file();
         let many = vec![file.as_raw_fd(); MAX_KEPT + 2];
         a.send_with_fds(&[&b"x\n"[..]], &many).unwrap();
         let mut buf = [0u8; 16];
@@ -188,12 +193,8 @@ mod tests {
     /// there when the lines are read in one go.
     #[test]
     fn a_burst_of_one_descriptor_a_line_from_every_holder_loses_none() {
-        use super::FdStream;
         use std::io::Read;
-        let (a, b) = UnixStream::pair().unwrap();
-        b.set_nonblocking(true).unwrap();
-        let mut ours = FdStream::new(mio::net::UnixStream::from_std(b));
-        let file = std::fs::File::open("/dev/null").unwrap();
+        let (a, mut ours, file) = stream_with_a_file();
         let holders = crate::config::MAX_HOLDERS as usize;
         for _ in 0..holders {
             a.send_with_fds(&[&b"started\n"[..]], &[file.as_raw_fd()])
