@@ -166,12 +166,20 @@ def test_max_live_caps_the_vms_awake(tmp_path):
         assert m.stop() == 0, m.stderr()
 
 
-def test_max_live_is_shared_by_the_cells(tmp_path):
-    m = start(tmp_path, 10, "127.155.0.0", "--idle-after", "600", "--max-live", "3")
+def test_max_live_keeps_the_hosts_most_recently_used_whichever_cell_holds_them(tmp_path):
+    # Two cells of 5 VMs, at most 4 awake: an even split would keep 2 a cell. Cell 1's VMs
+    # are used first, then cell 0's, so the host's 4 most recently used are all cell 0's;
+    # each cell keeps a quarter of its share (1) whatever the others report, so cell 1
+    # keeps its last one and cell 0 its 3 most recent.
+    m = start(tmp_path, 10, "127.155.0.0", "--idle-after", "600", "--max-live", "4")
     try:
         assert m.ready["cells"] == 2, m.ready
-        serve_every_vm(m, range(10))
-        assert wait_for(lambda: totals(m)["running"] == 3, timeout=10), totals(m)
+        time.sleep(2)  # the cells' first reports and the parent's first cut
+        serve_every_vm(m, range(5, 10))
+        serve_every_vm(m, range(5))
+        assert wait_for(lambda: totals(m)["running"] == 4, timeout=10), totals(m)
+        s = states(m)
+        assert [vm for vm in range(10) if s[vm] == "running"] == [2, 3, 4, 9], s
     finally:
         assert m.stop() == 0, m.stderr()
 

@@ -8,12 +8,18 @@ from pathlib import Path
 
 import pytest
 from scalebench.cgroup import Containment, memory_limit, parse_psi
+from scalebench.describe import fact
 from scalebench.procs import Child, wait_until
 from scalebench.units import GIB, MIB
 
 
 def test_limit_is_budget_plus_documented_margin():
     assert memory_limit(GIB, 4000) == GIB + 4000 * MIB + 256 * MIB
+    # Under --max-live the hibernated VMs count at what densevm says one keeps.
+    asleep = fact("config.host_bytes_per_hibernated_vm")
+    assert 0 < asleep < MIB
+    assert memory_limit(GIB, 4000, 1000) == GIB + 1000 * MIB + 3000 * asleep + 256 * MIB
+    assert memory_limit(GIB, 4000, 9000) == memory_limit(GIB, 4000)
 
 
 def test_child_starts_inside_a_real_group_which_is_then_removed(tmp_path):

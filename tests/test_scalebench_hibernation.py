@@ -19,7 +19,15 @@ import numpy as np
 import pytest
 import test_scalebench_cli as cli_tests
 from conftest import RELEASE_DIR, release_binary
-from scalebench.config import ConfigError, RunConfig
+from scalebench.cgroup import memory_limit
+from scalebench.config import (
+    DEFAULT_IDLE_AFTER_S,
+    DEFAULT_MAX_LIVE,
+    ConfigError,
+    RunConfig,
+    validate,
+    with_scale_to_zero_if_needed,
+)
 from scalebench.densevm import log2_quantile_us
 from scalebench.diskbench import DiskBench
 from scalebench.disks import disk_model
@@ -331,6 +339,26 @@ def test_the_main_job_keeps_hibernation_off():
     cfg = RunConfig()
     assert cfg.idle_after is None and cfg.max_live is None
     assert cfg.as_dict()["idle_after"] is None
+
+
+def test_vms_that_cannot_all_be_live_get_scale_to_zero_sized_to_the_host():
+    # The README's main job fits live: unchanged.
+    assert validate(RunConfig()) == RunConfig()
+    mem = GIB
+    big = RunConfig(vms=100_000)
+    on = with_scale_to_zero_if_needed(big, mem, 24 * GIB)
+    assert (on.idle_after, on.max_live) == (DEFAULT_IDLE_AFTER_S, DEFAULT_MAX_LIVE)
+    assert memory_limit(mem, on.vms, on.max_live) <= 24 * GIB
+    # A smaller host: as many live as its memory holds beside the hibernated ones.
+    small = with_scale_to_zero_if_needed(big, mem, 12 * GIB)
+    assert 0 < small.max_live < DEFAULT_MAX_LIVE
+    assert memory_limit(mem, big.vms, small.max_live) <= 12 * GIB
+    assert memory_limit(mem, big.vms, small.max_live + 1) > 12 * GIB
+    # Either flag given: the user's choice stands.
+    chosen = big.with_(idle_after=5.0)
+    assert with_scale_to_zero_if_needed(chosen, mem, 24 * GIB) == chosen
+    fits = RunConfig(vms=4000)
+    assert with_scale_to_zero_if_needed(fits, mem, 24 * GIB) == fits
 
 
 @pytest.mark.skipif(not kvm_available(), reason="needs /dev/kvm")

@@ -385,6 +385,20 @@ def test_regime_counts_misses_not_faults():
     )
 
 
+def test_a_faults_host_time_is_what_the_requests_and_wakes_leave_of_the_second():
+    from scalebench.model import DEFAULT_WAKE_CPU_US
+    from scalebench.runner import Window, host_us_per_fault
+
+    # 200 requests/s of 100 us each, 10 faults each: 0.98 s for 2,000 faults.
+    assert host_us_per_fault(Window(200.0, 10.0, 1), 100.0) == pytest.approx(490.0)
+    # A quarter of them woke a VM: the model charges those apart, so they are taken out.
+    woke = Window(200.0, 10.0, 1, wakes_per_request=0.25)
+    spare = 1.0 - 200 * (100.0 + 0.25 * DEFAULT_WAKE_CPU_US) * 1e-6
+    assert host_us_per_fault(woke, 100.0) == pytest.approx(spare / 2000 * 1e6)
+    assert host_us_per_fault(Window(200.0, 0.0, 0), 100.0) is None
+    assert host_us_per_fault(Window(20_000.0, 1.0, 1), 100.0) is None  # no time left
+
+
 def test_a_phase_that_read_from_swap_does_not_calibrate_the_in_core_cost():
     from scalebench.runner import Window
 

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .describe import fact
 from .units import MIB
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -26,16 +27,21 @@ V2_CANDIDATES = (CGROUP_ROOT, CGROUP_ROOT / "unified")
 V1_MEMORY = CGROUP_ROOT / "memory"
 PARENT = "scalebench"
 
-# The limit is the pager's budget plus what the budget does not cover: per VM,
+# The limit is the pager's budget plus what the budget does not cover: per live VM,
 # KVM's kernel memory (docs/host-facts.md), the vCPU thread,
-# its sockets and rings; per process, densevm's own heap, code and pager tables.
+# its sockets and rings; per hibernated VM, what densevm says one keeps (`densevm
+# describe`: config.host_bytes_per_hibernated_vm); per process, densevm's own heap,
+# code and pager tables.
 MARGIN_PER_VM_BYTES = 1 * MIB
 MARGIN_FIXED_BYTES = 256 * MIB
 
 
-def memory_limit(budget_bytes: int, vms: int) -> int:
-    """budget + 1 MiB per VM + 256 MiB: see MARGIN_* for why."""
-    return budget_bytes + vms * MARGIN_PER_VM_BYTES + MARGIN_FIXED_BYTES
+def memory_limit(budget_bytes: int, vms: int, live: int | None = None) -> int:
+    """budget + 1 MiB per live VM + a hibernated VM's share for the others + 256 MiB: see
+    MARGIN_* for why. `live` is --max-live (None: every VM live)."""
+    awake = vms if live is None else min(live, vms)
+    asleep = (vms - awake) * fact("config.host_bytes_per_hibernated_vm") if awake < vms else 0
+    return budget_bytes + awake * MARGIN_PER_VM_BYTES + asleep + MARGIN_FIXED_BYTES
 
 
 def _v2_root() -> Path | None:

@@ -115,15 +115,15 @@ def _workload_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SECONDS",
         help="hibernate a VM idle this long, its next request waking it (densevm --idle-after; "
-        "default: never)",
+        "default: never while every VM fits live on this host, else 300 with --max-live 10000)",
     )
     p.add_argument(
         "--max-live",
         type=int,
         default=None,
         metavar="N",
-        help="at most N VMs awake, the least recently used idle ones hibernated past it "
-        "(needs --idle-after; default: no cap)",
+        help="at most N VMs awake, the host's least recently used idle ones hibernated past it "
+        "(needs --idle-after; default: no cap, or see --idle-after)",
     )
 
 
@@ -181,6 +181,18 @@ def config_from(args: argparse.Namespace) -> RunConfig:
     return RunConfig(**{k: v for k, v in vars(args).items() if k in known})
 
 
+def validated(args: argparse.Namespace) -> RunConfig:
+    """The run's configuration from its flags, validated; says so on stderr when scale to
+    zero was turned on for it."""
+    cfg = validate(config_from(args))
+    if args.idle_after is None and cfg.idle_after is not None:
+        sys.stderr.write(
+            f"scalebench: {cfg.vms} VMs cannot all be live on this host: scale to zero is on "
+            f"(--idle-after {cfg.idle_after:g} --max-live {cfg.max_live}; give either to choose)\n"
+        )
+    return cfg
+
+
 def cmd_run(argv: list[str]) -> int:
     from .procs import Terminated, install_signal_handlers
     from .progress import ConsoleReporter, Reporter
@@ -188,7 +200,7 @@ def cmd_run(argv: list[str]) -> int:
     from .summary import summary
 
     args = run_parser().parse_args(argv)
-    cfg = validate(config_from(args))
+    cfg = validated(args)
     bins = Binaries.find()
     check_addresses_free(cfg)
     install_signal_handlers()
@@ -221,7 +233,7 @@ def cmd_model(argv: list[str]) -> int:
     )
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     args = p.parse_args(argv)
-    cfg = validate(config_from(args))
+    cfg = validated(args)
     error = unmodeled(cfg.policy)
     if error:
         raise ConfigError(error)

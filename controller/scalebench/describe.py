@@ -43,6 +43,7 @@ REQUIRED = (
     "pager.disks.array_drive",
     "swap.vms_times",
     "swap.vms_plus",
+    "config.host_bytes_per_hibernated_vm",
 )
 
 

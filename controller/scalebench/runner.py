@@ -26,11 +26,12 @@ from pathlib import Path
 
 from . import calibration, diskbench
 from .cgroup import Containment, memory_limit
-from .config import RunConfig, binary, hibernation_flags
+from .config import RunConfig, binary, hibernation_flags, validate
 from .densevm import DenseVM, DenseVMArgs, DenseVMError, boot_timeout_s, log2_quantile_us
 from .disks import differences, disk_model
 from .model import (
     DEFAULT_FAULT_US,
+    DEFAULT_WAKE_CPU_US,
     estimate_footprint,
     model_input,
     predict,
@@ -63,6 +64,15 @@ SAMPLE_INTERVAL_S = 1.0
 # few VMs at 4k, and measured hit ratios 2-10% under the steady state's.
 SETTLE_TURNS = 1.5
 SETTLE_MAX_S = 120.0
+# ... and serves at least this many requests: its second half calibrates the host time per
+# fault (`_measured_fault_us`), which a thousand requests leave noisy. At 100,000 VMs the
+# swap-ins took 13 s, and two runs' halves of about 1,100 requests gave 280 and 329 us.
+SETTLE_MIN_REQUESTS = 10_000
+# ... with a request stream of its own: on the load's seed, the warm-up and measurement
+# replayed the settle phase's requests, each VM asked again as many requests later as the
+# settle phase served rather than at its own rate (at 100,000 VMs under --max-live the
+# warm-up woke no VM for its first 3,000 requests, where a quarter of requests wake one).
+SETTLE_SEED_OFFSET = 1_000_003
 SETTLE_CONCURRENCY = 64
 # The stats totals the measurement is computed from (INTERFACES.md, densevm control API).
 CONTRACT_TOTALS = (
@@ -202,6 +212,7 @@ class Sampler:
             dreq / dt,
             (last["faults"] - first["faults"]) / dreq,
             last["swap_read_bytes"] - first["swap_read_bytes"],
+            (last.get("wakes", 0) - first.get("wakes", 0)) / dreq,
         )
 
 
@@ -212,12 +223,23 @@ class Window:
     rps: float
     faults_per_request: float
     swap_read_bytes: int
+    wakes_per_request: float = 0.0  # with hibernation: hibernated VMs woken per request
 
     @property
     def in_core(self) -> bool:
         """Its throughput measured the in-core CPU cost: nothing came back from swap (on a
         modeled disk even a few misses per thousand requests bound it) and few faults."""
         return self.swap_read_bytes == 0 and self.faults_per_request < FAULTS_PER_REQUEST_IN_CORE
+
+
+def host_us_per_fault(window: Window, cpu_us: float) -> float | None:
+    """What a busy window's second left after its requests (`cpu_us` each) and wakes (the
+    model's wake CPU each), shared by its faults; None without faults or time left."""
+    if window.faults_per_request <= 0:
+        return None
+    per_request_us = cpu_us + window.wakes_per_request * DEFAULT_WAKE_CPU_US
+    spare = 1.0 - window.rps * per_request_us * 1e-6
+    return spare / (window.rps * window.faults_per_request) * 1e6 if spare > 0 else None
 
 
 @dataclass(frozen=True)
@@ -413,7 +435,9 @@ class Run:
         bench = diskbench.measure(self.out, cfg.block_bytes, fp_est)
         r.diskbench = bench.as_dict()
 
-        self.containment = Containment.create(self.run_id, memory_limit(cfg.mem_bytes, cfg.vms))
+        self.containment = Containment.create(
+            self.run_id, memory_limit(cfg.mem_bytes, cfg.vms, cfg.max_live)
+        )
         stack.callback(self._release_containment)
         r.containment = self.containment.describe()
         if self.containment.warning:
@@ -557,7 +581,8 @@ class Run:
 
     def _settle(self) -> None:
         """Zipf load until the pager has swapped in SETTLE_TURNS times the VMs the budget holds
-        (at most SETTLE_MAX_S): its policy then starts the warm-up in its own steady state."""
+        and SETTLE_MIN_REQUESTS were served (at most SETTLE_MAX_S): its policy then starts the
+        warm-up in its own steady state."""
         cfg = self.cfg
         footprint = estimate_footprint(cfg.ws_bytes, cfg.block_bytes)
         fit = cfg.mem_bytes // footprint
@@ -575,8 +600,14 @@ class Run:
                 (self.sampler.samples[-1]["swap_read_bytes"] - first["swap_read_bytes"]) / footprint
             )
 
+        def served():
+            return self.sampler.samples[-1]["requests"] - first["requests"]
+
         spec = replace(
-            self.load, duration_s=SETTLE_MAX_S, concurrency=max(cfg.concurrency, SETTLE_CONCURRENCY)
+            self.load,
+            duration_s=SETTLE_MAX_S,
+            concurrency=max(cfg.concurrency, SETTLE_CONCURRENCY),
+            seed=cfg.seed + SETTLE_SEED_OFFSET,
         )
         with self.reporter.phase("settle", target, "swap-ins") as update:
 
@@ -591,7 +622,7 @@ class Run:
                 "settle",
                 tick=tick,
                 alive=self._alive,
-                until=lambda: swapped_in() >= target,
+                until=lambda: swapped_in() >= target and served() >= SETTLE_MIN_REQUESTS,
             )
         self.sampler.sample("settle")
         done = swapped_in()
@@ -660,9 +691,10 @@ class Run:
     def _awake_in_first_cell(self) -> int:
         """The VMs --max-live keeps awake in the cell that holds VM 0 (all VMs without a cap).
 
-        densevm splits the cap evenly over its cells, which hold consecutive VMs: the
-        calibration window's VMs share the first cell, and more of them than its share would
-        wake one another all phase long."""
+        The calibration window's VMs share the first cell (cells hold consecutive VMs). Until
+        densevm's first cut over all cells, the cell's even share of the cap is its cap; then
+        the window's VMs are the host's most recently used, which the cut keeps awake. More of
+        them than the share would wake one another at the start of the phase."""
         cfg = self.cfg
         if cfg.max_live is None:
             return cfg.vms
@@ -704,22 +736,19 @@ class Run:
         """The settle phase's host time per fault, stored when it is taken.
 
         The settle phase pages with the disk model off and enough requests in flight to keep
-        the host busy, so its second half spends the host's time on requests and faults alone:
-        1 s = requests/s x cpu_us + faults/s x fault_us. That is what bounds throughput with
-        --disk none, and the CPU side of a modeled disk's misses.
+        the host busy, so its second half spends the host's time on requests, faults and (with
+        hibernation) wakes alone: 1 s = requests/s x cpu_us + faults/s x fault_us + wakes/s x
+        the model's wake CPU. That is what bounds throughput with --disk none, and the CPU side
+        of a modeled disk's misses. The model charges wakes apart (its wake term), so their
+        CPU is taken out here rather than counted twice.
         """
         cfg = self.cfg
         window = self.sampler.late_window("settle")
-        if window and cpu_us is not None and window.faults_per_request > 0:
-            rps, faults_per_request = window.rps, window.faults_per_request
-            spare = 1.0 - rps * cpu_us * 1e-6
-            if spare > 0:
-                fault_us = spare / (rps * faults_per_request) * 1e6
-                calibration.store_fault_us(cfg.block_bytes, fault_us, cfg.vms, "settle phase")
-                yield (
-                    fault_us,
-                    f"settle phase ({rps * faults_per_request:,.0f} faults/s, disk model off)",
-                )
+        fault_us = host_us_per_fault(window, cpu_us) if window and cpu_us is not None else None
+        if window and fault_us is not None:
+            calibration.store_fault_us(cfg.block_bytes, fault_us, cfg.vms, "settle phase")
+            faults_s = window.rps * window.faults_per_request
+            yield fault_us, f"settle phase ({faults_s:,.0f} faults/s, disk model off)"
 
     # -- results ---------------------------------------------------------------
 
@@ -859,5 +888,6 @@ def _raise_fd_limit() -> None:
 def run(
     cfg: RunConfig, reporter: Reporter | None = None, bins: Binaries | None = None
 ) -> RunResult:
-    """Library entry: one validated configuration, one result."""
-    return Run(cfg, bins or Binaries.find(), reporter).execute()
+    """Library entry: one configuration, one result. It is validated (again) here, which
+    also resolves its defaults, so a sweep's point runs as `scalebench` would run it."""
+    return Run(validate(cfg), bins or Binaries.find(), reporter).execute()

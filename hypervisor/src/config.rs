@@ -26,11 +26,11 @@ pub const HELD_PER_CELL: usize = 2048;
 const FD_HEADROOM: u64 = 1024 + HELD_PER_CELL as u64;
 /// Kernel memory a 1-vCPU KVM VM holds (docs/host-facts.md, "Costs of KVM operations"):
 /// a VM count the host cannot hold is refused up front.
-const KERNEL_BYTES_PER_VM: u64 = 600 << 10;
+pub const KERNEL_BYTES_PER_VM: u64 = 600 << 10;
 /// Host memory a hibernated VM keeps (its system pages and records in the
 /// cell and the parent): 35 KiB measured asleep at 2,000 and 4,000 VMs
 /// (experiments/bench/hibernation.py, 2026-11-28), rounded up.
-const ASLEEP_BYTES_PER_VM: u64 = 64 << 10;
+pub const ASLEEP_BYTES_PER_VM: u64 = 64 << 10;
 /// A request writes one word in every 4th working-set page by default.
 pub const DEFAULT_WS_WRITE_STRIDE: u32 = 4;
 
@@ -133,8 +133,9 @@ pub struct ServeArgs {
     /// memory goes to swap; its next connection wakes it. Default: never.
     #[arg(long)]
     pub idle_after: Option<f64>,
-    /// Most VMs awake at once: past it, the least recently used idle VM is
-    /// hibernated (needs --idle-after). Default: no cap.
+    /// Most VMs awake at once over all cells: past it, the host's least
+    /// recently used idle VMs are hibernated, whichever cell holds them
+    /// (needs --idle-after). Default: no cap.
     #[arg(long)]
     pub max_live: Option<u32>,
 }
@@ -210,28 +211,39 @@ pub struct Hibernation {
     pub idle_after: Duration,
     /// Most VMs awake at once over all cells (`--max-live`).
     pub max_live: Option<u32>,
-    /// Cells at boot, over which `max_live` is split.
+    /// Cells at boot, over which `max_live` is shared out.
     pub cells: u32,
 }
 
 impl Hibernation {
-    /// VMs of cell `cell`, of `capacity`, that hold descriptors: with
-    /// hibernation only awake VMs do (a sleeping one has no eventfd), so
-    /// its share of `--max-live` when capped; the cap is soft (a wake storm
-    /// goes past it for a while), and the headroom covers that.
-    pub fn vms_with_fds(&self, cell: u32, capacity: u32) -> u32 {
-        self.cell_max_live(cell)
-            .map_or(capacity, |live| live.min(capacity))
+    /// VMs of a cell of `capacity` that may hold descriptors: with
+    /// hibernation only awake VMs do (a sleeping one has no eventfd), and
+    /// under a cap one cell may hold all the awake VMs of the host; the cap
+    /// is soft (a wake storm goes past it for a while), and the headroom
+    /// covers that.
+    pub fn vms_with_fds(&self, capacity: u32) -> u32 {
+        self.max_live.map_or(capacity, |live| live.min(capacity))
     }
 
-    /// Cell `cell`'s share of `--max-live`: an even split over the cells
-    /// at boot, the remainder to the first ones; a cell started later by
-    /// `create` gets an even share too. At least one VM awake per cell.
+    /// Cell `cell`'s share of `--max-live`, its cap until the parent's first
+    /// cut: an even split over the cells at boot, the remainder to the
+    /// first ones; a cell started later by `create` gets an even share too.
+    /// At least one VM per cell.
     pub fn cell_max_live(&self, cell: u32) -> Option<u32> {
         let total = self.max_live?;
         let cells = self.cells.max(1);
         let extra = u32::from(cell < total % cells);
         Some((total / cells + extra).max(1))
+    }
+
+    /// What cell `cell` keeps awake whatever the other cells report: a
+    /// quarter of its share (at least one). The rest of the cap goes to
+    /// the host's most recently used VMs, whichever cell holds them
+    /// (`link::idle_profile`); a cell that lies about its VMs can take at
+    /// most that rest from the others.
+    pub fn cell_floor(&self, cell: u32) -> u32 {
+        self.cell_max_live(cell)
+            .map_or(0, |share| (share / 4).max(1))
     }
 }
 
@@ -571,15 +583,49 @@ pub fn pager_config(args: &ServeArgs, layout: &RamLayout) -> Result<PagerConfig,
 }
 
 /// Most VMs a cell holds: `--cell-vms`, or the default for the regime the
-/// flags put the VMs in.
+/// flags put the VMs in, raised where the host's limits need larger cells.
 pub fn cell_vms(args: &ServeArgs, layout: &RamLayout, pager: &PagerConfig) -> u32 {
     args.cell_vms.unwrap_or_else(|| {
-        default_cell_vms(
+        let regime = default_cell_vms(
             args.vms,
             layout.request_blocks_bytes(pager.block_bytes),
             pager.budget_bytes,
-        )
+        );
+        cells_that_fit(args.vms, regime, args.max_live, |cell_vms, live| {
+            max_vms(cell_vms, live).0
+        })
     })
+}
+
+/// The smallest cell size from `regime` up to `vms` whose cells the host's
+/// limits allow (`allowed(cell_vms, live)`, [`max_vms`]), or `regime` when
+/// none does (the start then names the bound). Each cell costs tasks and
+/// descriptors, so at 100,000 VMs asleep cells of 100 would need 1,000
+/// processes and 36,000 descriptors in the parent; larger cells hold more
+/// of them within the same limits (hypervisor/README.md, "Choosing
+/// --cell-vms").
+pub fn cells_that_fit(
+    vms: u32,
+    regime: u32,
+    live: Option<u32>,
+    allowed: impl Fn(u32, Option<u32>) -> u32,
+) -> u32 {
+    let fits = |cell_vms: u32| allowed(cell_vms, live) >= vms;
+    if fits(regime) || !fits(vms.max(regime)) {
+        return regime;
+    }
+    // Larger cells fit more VMs (fewer cells, each with at most
+    // MAX_HOLDERS holders): the smallest that fits, by bisection.
+    let (mut low, mut high) = (regime, vms.max(regime));
+    while high - low > 1 {
+        let mid = low + (high - low) / 2;
+        if fits(mid) {
+            high = mid;
+        } else {
+            low = mid;
+        }
+    }
+    high
 }
 
 /// Most VMs a cell holds by default while every VM's working set fits in the
@@ -903,6 +949,26 @@ mod tests {
             default_cell_vms(u32::MAX, u64::MAX, 1 << 30),
             PAGING_CELL_VMS
         );
+    }
+
+    #[test]
+    fn default_cells_grow_only_as_far_as_the_host_limits_need() {
+        // A host that allows 10 cells, whatever their size.
+        let ten_cells = |cell_vms: u32, _live: Option<u32>| cell_vms * 10;
+        assert_eq!(cells_that_fit(900, 100, Some(50), ten_cells), 100);
+        assert_eq!(cells_that_fit(100_000, 100, Some(50), ten_cells), 10_000);
+        assert_eq!(cells_that_fit(100_001, 100, Some(50), ten_cells), 10_001);
+        // Nothing fits: the regime's size, refused at the start with its bound.
+        assert_eq!(cells_that_fit(5_000, 100, None, |_, _| 10), 100);
+        // The live cap is what the limits are asked about.
+        let by_live = |cell_vms: u32, live: Option<u32>| {
+            if live == Some(10) {
+                cell_vms * 100
+            } else {
+                cell_vms
+            }
+        };
+        assert_eq!(cells_that_fit(20_000, 100, Some(10), by_live), 200);
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! notifies guests through their irqfds, only when a guest is idle.
 
 use crate::cell::cpu_governor::CpuGovernor;
-use crate::cell::hibernation::{self, Candidate, SleepStats};
+use crate::cell::hibernation::{self, Candidate, Cap, SleepStats};
 use crate::cell::listener::{self, ACCEPTS_PER_TURN};
 use crate::cell::microvm::{self, AdoptError, MicroVm, Sleep};
 use crate::cell::proxy::{self, Drained, Proxy, Readiness, MIN_REQUEST_BYTES};
@@ -19,6 +19,7 @@ use crate::guest::abi;
 use crate::holder::builder::BuildContext;
 use crate::holder::{self, FromHolder, Holder, Presence};
 use crate::link::framing::{FrameError, LineStream};
+use crate::link::idle_profile::Now;
 use crate::link::pager_link::PagerLink;
 use crate::link::protocol::{FromCell, Request, ToCell, MAX_LINK_LINE};
 use crate::scheduling::VcpuCpus;
@@ -246,6 +247,9 @@ pub struct CellLoop {
     hibernation: Option<Hibernation>,
     /// Index of this cell (its share of `--max-live`).
     cell: u32,
+    /// With `--max-live`, the parent's latest cut over every cell
+    /// (`hibernation::Cap::Global`).
+    cut: Option<u64>,
     /// Hibernations and wakes so far.
     sleep_stats: SleepStats,
     /// The last look for VMs to hibernate.
@@ -334,6 +338,7 @@ impl CellLoop {
             bells: Vec::new(),
             hibernation: setup.hibernation,
             cell: setup.cell,
+            cut: None,
             sleep_stats: SleepStats::default(),
             last_sleep_sweep: Instant::now(),
         })
@@ -427,7 +432,7 @@ impl CellLoop {
                 .is_some_and(|at| at <= Instant::now())
             {
                 self.last_sleep_sweep = Instant::now();
-                self.hibernate_idle();
+                self.hibernate_idle(true);
             }
             self.proxy
                 .resume_accepts(&mut self.vms, self.poll.registry());
@@ -693,8 +698,9 @@ impl CellLoop {
     }
 
     /// Hibernates the VMs idle too long, and past `--max-live` the least
-    /// recently used.
-    fn hibernate_idle(&mut self) {
+    /// recently used of the host (the parent's cut); with `report`, tells
+    /// the parent what is awake here for its next cut.
+    fn hibernate_idle(&mut self, report: bool) {
         let Some(hibernation) = self.hibernation else {
             return;
         };
@@ -718,15 +724,21 @@ impl CellLoop {
                 VmEntry::Dead(_) | VmEntry::Forgotten => None,
             })
             .collect();
-        let max_live = hibernation.cell_max_live(self.cell);
-        let chosen = hibernation::choose(
-            &candidates,
-            hibernation.idle_after,
-            max_live,
-            Instant::now(),
-        );
-        for index in chosen {
+        let share = hibernation.cell_max_live(self.cell);
+        let floor = hibernation.cell_floor(self.cell);
+        let cap = match (share, self.cut) {
+            (None, _) => Cap::None,
+            (Some(share), None) => Cap::Local { share },
+            (Some(_), Some(cut)) => Cap::Global { cut, floor },
+        };
+        let now = Now::read();
+        let chosen = hibernation::choose(&candidates, hibernation.idle_after, cap, &now);
+        for &index in &chosen {
             self.hibernate(index);
+        }
+        if report && share.is_some() {
+            let profile = hibernation::profile(&candidates, &chosen, floor, &now);
+            self.parent.send(&FromCell::Idle { profile });
         }
         // Holders of VMs created asleep, which never woke, leave too.
         for h in 0..self.holders.len() {
@@ -1025,7 +1037,7 @@ impl CellLoop {
                 // Its memory comes back while the holder makes its vCPU.
                 self.parent.send(&FromCell::Waking { vm: id });
                 // Room under --max-live for the one waking.
-                self.hibernate_idle();
+                self.hibernate_idle(false);
             }
             Some(Err(e)) => self.wake_failed(index, format!("holder link: {e}")),
             None => {}
@@ -1173,6 +1185,14 @@ impl CellLoop {
                     self.holder_attached(holder as usize, error);
                     continue;
                 }
+                Ok(Request {
+                    req: ToCell::SleepBefore { ms },
+                    ..
+                }) => {
+                    self.cut = Some(ms);
+                    self.hibernate_idle(false);
+                    continue;
+                }
                 Ok(Request { id, req }) => (id, self.handle(req)),
                 Err(e) => {
                     crate::log!("densevm: cell link: bad request: {e}");
@@ -1187,7 +1207,10 @@ impl CellLoop {
 
     fn handle(&mut self, request: ToCell) -> Value {
         match request {
-            ToCell::Go | ToCell::Shutdown | ToCell::HolderAttached { .. } => {
+            ToCell::Go
+            | ToCell::Shutdown
+            | ToCell::HolderAttached { .. }
+            | ToCell::SleepBefore { .. } => {
                 json!({ "error": "not expected now" })
             }
             ToCell::Stats { per_vm } => {

@@ -1,13 +1,17 @@
 //! Hibernation of a cell's idle VMs (`--idle-after`, `--max-live`): which
 //! VMs go to sleep, and the counts and wake latencies the stats report.
+//! Past `--max-live` the parent's cut over every cell's report decides
+//! (`link::idle_profile`), so the host's least recently used VMs go first.
 //!
 //! A hibernated VM keeps its memory (which the pager moves to swap), its
 //! rings and its listener; its holder releases its vCPU, thread and KVM VM.
 //! Its next connection wakes it on a new vCPU (`holder::ToHolder::Wake`).
 
 use crate::config::Hibernation;
+use crate::link::idle_profile::{IdleProfile, Now};
 use crate::link::wake_latency;
 use serde_json::{json, Value};
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 /// Longest between two looks for idle VMs.
@@ -33,24 +37,69 @@ pub fn sweep_interval(hibernation: &Hibernation) -> Duration {
 }
 
 /// The VMs to hibernate now, least recently used first: every unused VM idle
-/// for `idle_after`, and past the cap on awake VMs as many more unused ones,
-/// least recently used first, as bring the awake count down to it.
-pub fn choose(
-    candidates: &[Candidate],
-    idle_after: Duration,
-    max_live: Option<u32>,
-    now: Instant,
-) -> Vec<usize> {
-    let mut sleepers: Vec<&Candidate> = candidates.iter().filter(|c| c.awake && c.unused).collect();
-    sleepers.sort_by_key(|c| c.last_active);
+/// for `idle_after`, and those `cap` takes.
+pub fn choose(candidates: &[Candidate], idle_after: Duration, cap: Cap, now: &Now) -> Vec<usize> {
+    let sleepers = sleepers(candidates);
     let due = sleepers
         .iter()
-        .take_while(|c| now.saturating_duration_since(c.last_active) >= idle_after)
+        .take_while(|c| now.instant.saturating_duration_since(c.last_active) >= idle_after)
         .count();
     let awake = candidates.iter().filter(|c| c.awake).count();
-    let over_cap = max_live.map_or(0, |cap| awake.saturating_sub(cap as usize));
-    let count = due.max(over_cap).min(sleepers.len());
+    let capped = match cap {
+        Cap::None => 0,
+        Cap::Local { share } => awake.saturating_sub(share as usize),
+        Cap::Global { cut, floor } => sleepers
+            .iter()
+            .take_while(|c| now.ms_of(c.last_active) <= cut)
+            .count()
+            .min(awake.saturating_sub(floor as usize)),
+    };
+    let count = due.max(capped).min(sleepers.len());
     sleepers[..count].iter().map(|c| c.index).collect()
+}
+
+/// The unused awake VMs, least recently used first.
+fn sleepers(candidates: &[Candidate]) -> Vec<&Candidate> {
+    let mut sleepers: Vec<&Candidate> = candidates.iter().filter(|c| c.awake && c.unused).collect();
+    sleepers.sort_by_key(|c| c.last_active);
+    sleepers
+}
+
+/// What the cell reports for the parent's next cut once `chosen` sleep:
+/// its VMs awake but those, and of its unused ones the least recently used
+/// that it would let sleep past `floor`.
+pub fn profile(candidates: &[Candidate], chosen: &[usize], floor: u32, now: &Now) -> IdleProfile {
+    let going: HashSet<usize> = chosen.iter().copied().collect();
+    let awake = candidates.iter().filter(|c| c.awake).count() - going.len();
+    let eligible = awake.saturating_sub(floor as usize);
+    let idle = sleepers(candidates)
+        .into_iter()
+        .filter(|c| !going.contains(&c.index))
+        .take(eligible)
+        .map(|c| c.last_active);
+    IdleProfile::of(awake as u32, idle, now)
+}
+
+/// How a cell applies `--max-live`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cap {
+    /// No cap.
+    None,
+    /// No cut from the parent yet: the cell's even share of the cap is its
+    /// cap.
+    Local {
+        /// Its share.
+        share: u32,
+    },
+    /// The parent's cut over every cell ([`crate::link::idle_profile::global_cut`]): unused VMs last
+    /// in use at or before this CLOCK_MONOTONIC millisecond sleep (0: none
+    /// need to), while more than `floor` are awake.
+    Global {
+        /// The cut.
+        cut: u64,
+        /// What the cell keeps awake whatever the cut.
+        floor: u32,
+    },
 }
 
 /// A cell's hibernation counters.
@@ -88,17 +137,13 @@ impl SleepStats {
 mod tests {
     use super::*;
 
-    fn choose_ms(
-        vms: &[Candidate],
-        idle_ms: u64,
-        max_live: Option<u32>,
-        now: Instant,
-    ) -> Vec<usize> {
-        choose(vms, Duration::from_millis(idle_ms), max_live, now)
+    fn choose_ms(vms: &[Candidate], idle_ms: u64, share: Option<u32>, now: &Now) -> Vec<usize> {
+        let cap = share.map_or(Cap::None, |share| Cap::Local { share });
+        choose(vms, Duration::from_millis(idle_ms), cap, now)
     }
 
     #[test]
-    fn max_live_is_split_over_the_cells_at_boot() {
+    fn each_cell_keeps_an_even_share_of_max_live() {
         let split = Hibernation {
             idle_after: Duration::from_secs(1),
             max_live: Some(7),
@@ -119,60 +164,87 @@ mod tests {
             .cell_max_live(0),
             None
         );
-        // Only awake VMs hold descriptors: a cell's share of the cap, at
-        // most its capacity, or every VM without a cap.
-        assert_eq!(split.vms_with_fds(0, 8000), 3);
-        assert_eq!(split.vms_with_fds(0, 2), 2);
+        // Only awake VMs hold descriptors: one cell may hold all the cap
+        // allows, at most its capacity, or every VM without a cap.
+        assert_eq!(split.vms_with_fds(8000), 7);
+        assert_eq!(split.vms_with_fds(2), 2);
         let uncapped = Hibernation {
             max_live: None,
             ..split
         };
-        assert_eq!(uncapped.vms_with_fds(0, 8000), 8000);
+        assert_eq!(uncapped.vms_with_fds(8000), 8000);
     }
 
-    fn candidate(index: usize, idle_ms: u64, now: Instant) -> Candidate {
+    fn candidate(index: usize, idle_ms: u64, now: &Now) -> Candidate {
         Candidate {
             index,
             awake: true,
             unused: true,
-            last_active: now - Duration::from_millis(idle_ms),
+            last_active: now.instant - Duration::from_millis(idle_ms),
         }
     }
 
     #[test]
     fn only_unused_vms_idle_long_enough_sleep() {
-        let now = Instant::now();
-        let mut busy = candidate(2, 5_000, now);
+        let now = Now::read();
+        let mut busy = candidate(2, 5_000, &now);
         busy.unused = false;
-        let mut asleep = candidate(3, 5_000, now);
+        let mut asleep = candidate(3, 5_000, &now);
         asleep.awake = false;
         let vms = [
-            candidate(0, 100, now),
-            candidate(1, 2_000, now),
+            candidate(0, 100, &now),
+            candidate(1, 2_000, &now),
             busy,
             asleep,
         ];
-        assert_eq!(choose_ms(&vms, 1_000, None, now), vec![1]);
+        assert_eq!(choose_ms(&vms, 1_000, None, &now), vec![1]);
     }
 
     #[test]
     fn past_the_cap_the_least_recently_used_sleep_first() {
-        let now = Instant::now();
+        let now = Now::read();
         let vms: Vec<Candidate> = [30, 10, 50, 20, 40]
             .iter()
             .enumerate()
-            .map(|(i, &ms)| candidate(i, ms, now))
+            .map(|(i, &ms)| candidate(i, ms, &now))
             .collect();
         // Five awake, at most three: the two idle longest go, oldest first.
-        assert_eq!(choose_ms(&vms, 60_000, Some(3), now), vec![2, 4]);
-        assert!(choose_ms(&vms, 60_000, Some(5), now).is_empty());
+        assert_eq!(choose_ms(&vms, 60_000, Some(3), &now), vec![2, 4]);
+        assert!(choose_ms(&vms, 60_000, Some(5), &now).is_empty());
     }
 
     #[test]
     fn the_cap_never_takes_a_vm_in_use() {
-        let now = Instant::now();
-        let mut vms: Vec<Candidate> = (0..4).map(|i| candidate(i, 10, now)).collect();
+        let now = Now::read();
+        let mut vms: Vec<Candidate> = (0..4).map(|i| candidate(i, 10, &now)).collect();
         vms.iter_mut().take(3).for_each(|c| c.unused = false);
-        assert_eq!(choose_ms(&vms, 60_000, Some(1), now), vec![3]);
+        assert_eq!(choose_ms(&vms, 60_000, Some(1), &now), vec![3]);
+    }
+
+    #[test]
+    fn past_its_floor_a_cell_hibernates_what_the_cut_takes_and_reports_the_rest() {
+        let now = Now::read();
+        // 20 awake VMs idle 1..20 s (VM i idle i + 1 s).
+        let vms: Vec<Candidate> = (0..20)
+            .map(|i| candidate(i, (i as u64 + 1) * 1000, &now))
+            .collect();
+        let long = Duration::from_secs(3600);
+        let ago = |s: u64| now.ms_of(now.instant - Duration::from_secs(s));
+        let cut = |cut, floor| Cap::Global { cut, floor };
+        let chosen = choose(&vms, long, cut(ago(19), 2), &now);
+        assert_eq!(chosen, vec![19, 18]);
+        // It reports the 18 left awake, of which 16 may sleep past its floor
+        // of 2: the oldest 16, idle 3..18 s.
+        let report = profile(&vms, &chosen, 2, &now);
+        assert_eq!(report.awake, 18);
+        assert_eq!(report.points.first().unwrap(), &(ago(18), 1));
+        assert_eq!(report.points.last().unwrap(), &(ago(3), 16));
+        // Its floor it keeps whatever the cut: a lying neighbour cannot take
+        // a cell's every VM.
+        assert_eq!(choose(&vms, long, cut(u64::MAX, 19), &now), vec![19]);
+        // No cut needed: only the timer.
+        assert!(choose(&vms, long, cut(0, 2), &now).is_empty());
+        let timer = Duration::from_millis(18_500);
+        assert_eq!(choose(&vms, timer, cut(0, 2), &now), vec![19, 18]);
     }
 }

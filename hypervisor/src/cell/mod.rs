@@ -150,9 +150,9 @@ fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
         home,
         background: densevm_cpus,
     };
-    let fd_vms = settings.hibernation.map_or(config.capacity, |h| {
-        h.vms_with_fds(config.cell, config.capacity)
-    });
+    let fd_vms = settings
+        .hibernation
+        .map_or(config.capacity, |h| h.vms_with_fds(config.capacity));
     config::ensure_fd_budget(fd_vms, settings.fds_per_vm)?;
     let mut ctx = build_context(&config)?;
     // Without hibernation every VM boots on eventfds made here, before the

@@ -20,6 +20,7 @@
 //! deadline, in [`deadline`].
 
 use crate::config::CellSettings;
+use crate::link::idle_profile::IdleProfile;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::time::Duration;
@@ -153,6 +154,13 @@ pub enum ToCell {
     },
     /// Stop every VM and exit.
     Shutdown,
+    /// A notice, not answered, to a cell's [`FromCell::Idle`]: its VMs last
+    /// in use at or before CLOCK_MONOTONIC millisecond `ms` may sleep for
+    /// `--max-live` (0: none need to), down to its floor.
+    SleepBefore {
+        /// The cut, over every cell's profile.
+        ms: u64,
+    },
     /// A notice, not answered: the restarted holder `holder` of
     /// [`FromCell::HolderStarted`] is attached to the pager (`error`: why
     /// not); its VMs may run.
@@ -196,6 +204,13 @@ pub enum FromCell {
     Waking {
         /// Its id.
         vm: u32,
+    },
+    /// With `--max-live`, at each look for VMs to hibernate: how many of
+    /// its VMs are awake and when its unused ones were last in use. The
+    /// parent answers with [`ToCell::SleepBefore`].
+    Idle {
+        /// Its awake VMs.
+        profile: IdleProfile,
     },
     /// Holder `holder`, which had left with all its VMs asleep, was
     /// started again to wake one: its userfaultfd comes with this line. The

@@ -10,6 +10,7 @@ use super::steering::{Steering, SteeringError};
 use crate::config::CellSettings;
 use crate::link::fds::{self, recv_with_fds, FdStream};
 use crate::link::framing::{FrameError, LineStream};
+use crate::link::idle_profile::IdleProfile;
 use crate::link::protocol::{
     deadline, CellConfig, FromCell, Hello, Request, ToCell, MAX_LINK_LINE,
 };
@@ -294,6 +295,7 @@ impl PendingCell {
                     dead: None,
                     next_request: 1,
                     forgotten: Vec::new(),
+                    idle: None,
                     stopped: Vec::new(),
                 })
             }
@@ -575,6 +577,8 @@ pub struct Cell {
     forgotten: Vec<bool>,
     /// VMs reported stopped, per holder (space).
     stopped: Vec<u32>,
+    /// With `--max-live`: its latest report of its awake VMs.
+    pub idle: Option<IdleProfile>,
 }
 
 impl Cell {

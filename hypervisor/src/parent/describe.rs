@@ -47,6 +47,8 @@ pub fn describe(args: &ServeArgs) -> Result<Value, ConfigError> {
             "cell_vms": cell_vms,
             "max_vms": max_vms,
             "max_vms_bound": bound,
+            "kernel_bytes_per_live_vm": config::KERNEL_BYTES_PER_VM,
+            "host_bytes_per_hibernated_vm": config::ASLEEP_BYTES_PER_VM,
         },
         "swap": {
             "vms_sized_for": config::vms_with_headroom(args.vms),

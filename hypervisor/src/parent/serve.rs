@@ -67,7 +67,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, ConfigError> {
         .map_err(|e| ConfigError(e.to_string()))?;
     let largest_cell = cell_vms.min(args.vms);
     let fd_vms = cell_hibernation(args, cell_sizes.len() as u32)
-        .map_or(largest_cell, |h| h.vms_with_fds(0, largest_cell));
+        .map_or(largest_cell, |h| h.vms_with_fds(largest_cell));
     ensure_fd_budget(fd_vms, fds_per_vm(args))
         .map_err(|e| ConfigError(format!("--cell-vms {cell_vms}: {e}")))?;
     let trace = match &args.record_trace {

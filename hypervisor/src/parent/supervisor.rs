@@ -20,6 +20,7 @@
 
 use crate::config::{self, CellSettings};
 use crate::link::framing::{FrameError, LineStream, More};
+use crate::link::idle_profile::global_cut;
 use crate::link::protocol::{deadline, FromCell, ToCell};
 use crate::link::wake_latency;
 use crate::parent::api::{self, Request};
@@ -454,6 +455,21 @@ impl Supervisor {
                 return Err(CellFault::Hostile(format!(
                     "reported VM {vm} hibernated or woken, which it does not hold"
                 )))
+            }
+            FromCell::Idle { profile } => {
+                let max_live = self.settings.hibernation.and_then(|h| h.max_live);
+                let Some(max_live) = max_live else {
+                    return Err(CellFault::Hostile(
+                        "an idle profile without --max-live".into(),
+                    ));
+                };
+                profile.check(cell.capacity).map_err(CellFault::Hostile)?;
+                cell.idle = Some(profile);
+                let live = self.cells.iter().filter(|c| c.dead.is_none());
+                let ms = global_cut(live.filter_map(|c| c.idle.as_ref()), max_live);
+                if let Err(e) = self.cells[index].notify(&ToCell::SleepBefore { ms }) {
+                    self.end_cell(index, End::Link(e));
+                }
             }
             FromCell::HolderStarted { holder } => {
                 let space = cell.spaces.get(holder as usize).copied();
