@@ -45,7 +45,7 @@ BAD = [
     (["--mem", "64T"], "not within this host's memory"),
     (["--disk", "floppy"], "unknown disk model"),
     (["--object", "medium"], "invalid choice"),
-    (["--vms", "100000"], "more than this host's memory"),
+    (["--vms", "100000", "--idle-after", "60", "--max-live", "100000"], "host's memory"),
     (["run", "--policy", "lru"], "--policy must be"),
     (["model", "--block", "3k", "--cpu-us", "10"], "power of two"),
     (["sweep", "/nonexistent/fig.toml"], "cannot read experiment file"),

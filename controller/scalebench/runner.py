@@ -613,7 +613,9 @@ class Run:
 
             def tick(_elapsed: float) -> None:
                 self.sampler.maybe("settle")
-                update(min(swapped_in(), target))
+                # Both ends count: the bar fills as the slower of the two does.
+                requests_done = target * served() // SETTLE_MIN_REQUESTS
+                update(min(swapped_in(), requests_done, target))
 
             doc = run_load(
                 self.bins.zipfperf,

@@ -601,7 +601,7 @@ pub fn cell_vms(args: &ServeArgs, layout: &RamLayout, pager: &PagerConfig) -> u3
 /// limits allow (`allowed(cell_vms, live)`, [`max_vms`]), or `regime` when
 /// none does (the start then names the bound). Each cell costs tasks and
 /// descriptors, so at 100,000 VMs asleep cells of 100 would need 1,000
-/// processes and 36,000 descriptors in the parent; larger cells hold more
+/// processes and 41,000 descriptors in the parent; larger cells hold more
 /// of them within the same limits (hypervisor/README.md, "Choosing
 /// --cell-vms").
 pub fn cells_that_fit(
