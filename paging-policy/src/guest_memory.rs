@@ -114,7 +114,8 @@ pub struct SpaceHandoff {
 /// userfaultfd in missing and write-protect modes. Unmapped on drop.
 #[derive(Debug)]
 pub struct GuestMemory {
-    memfd: OwnedFd,
+    /// `None` once [`GuestMemory::close_memfd`] closed this process's copy.
+    memfd: Option<OwnedFd>,
     /// `None` once [`GuestMemory::hand_over`] gave it to the pager.
     uffd: Mutex<Option<Uffd>>,
     base: NonNull<u8>,
@@ -209,7 +210,7 @@ impl GuestMemory {
         // SAFETY: advice on our own mapping.
         unsafe { libc::madvise(ptr, len, libc::MADV_NOHUGEPAGE) };
         Ok(GuestMemory {
-            memfd,
+            memfd: Some(memfd),
             uffd: Mutex::new(None),
             base,
             len,
@@ -236,9 +237,17 @@ impl GuestMemory {
         self.len
     }
 
-    /// The memfd behind the mapping.
-    pub fn memfd(&self) -> std::os::fd::BorrowedFd<'_> {
-        self.memfd.as_fd()
+    /// The memfd behind the mapping, until [`GuestMemory::close_memfd`].
+    pub fn memfd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.memfd.as_ref().map(|fd| fd.as_fd())
+    }
+
+    /// Closes this process's descriptor of the memfd and keeps the mapping:
+    /// a process that has handed the memory to the pager and only maps it
+    /// then holds no descriptor for it. Handoffs are refused afterwards;
+    /// [`GuestMemory::take_uffd`] still works.
+    pub fn close_memfd(&mut self) {
+        self.memfd = None;
     }
 
     /// Never: guest memory has at least one page.
@@ -262,22 +271,38 @@ impl GuestMemory {
     /// never finish exiting (seen: cells stuck in `kvm_destroy_vm`, their
     /// listeners bound until reboot).
     pub fn hand_over(&self) -> Result<SpaceHandoff, PagerError> {
-        let uffd = self
-            .uffd
-            .lock()
-            .expect("uffd")
-            .take()
-            .ok_or_else(handed_over)?;
-        self.handoff_with(uffd.into_fd())
+        let memfd = self.dup_memfd()?;
+        Ok(SpaceHandoff {
+            uffd: self.take_uffd()?,
+            memfd,
+            base: self.base.as_ptr() as usize,
+            len: self.len,
+        })
+    }
+
+    /// The userfaultfd alone, given away as [`GuestMemory::hand_over`] gives
+    /// it: for a process whose pager already has the memfd (a restarted
+    /// densevm holder).
+    pub fn take_uffd(&self) -> Result<OwnedFd, PagerError> {
+        let uffd = self.uffd.lock().expect("uffd").take();
+        Ok(uffd.ok_or_else(handed_over)?.into_fd())
     }
 
     fn handoff_with(&self, uffd: OwnedFd) -> Result<SpaceHandoff, PagerError> {
         Ok(SpaceHandoff {
             uffd,
-            memfd: self.memfd.try_clone().map_err(io_error("dup(memfd)"))?,
+            memfd: self.dup_memfd()?,
             base: self.base.as_ptr() as usize,
             len: self.len,
         })
+    }
+
+    fn dup_memfd(&self) -> Result<OwnedFd, PagerError> {
+        let memfd = self.memfd.as_ref().ok_or_else(|| PagerError::Mm {
+            op: "dup(memfd)",
+            source: std::io::Error::other("this process closed its memfd"),
+        })?;
+        memfd.try_clone().map_err(io_error("dup(memfd)"))
     }
 }
 
@@ -341,5 +366,25 @@ mod tests {
         drop(handoff);
         let byte = finished.recv_timeout(std::time::Duration::from_secs(10));
         assert_eq!(byte, Ok(0), "the pager went away: the fault completes");
+    }
+
+    #[test]
+    fn a_process_that_closed_its_memfd_keeps_the_mapping_and_gives_only_its_uffd() {
+        // Not registered yet, so that this thread may touch it unserved.
+        let mut memory = GuestMemory::unregistered(64 << 10).unwrap();
+        // SAFETY: inside the mapping, which outlives the accesses.
+        unsafe { std::ptr::write_volatile(memory.as_ptr(), 7u8) }
+        memory.close_memfd();
+        assert!(memory.memfd().is_none());
+        // SAFETY: as above.
+        assert_eq!(unsafe { std::ptr::read_volatile(memory.as_ptr()) }, 7);
+        memory.register().unwrap();
+        let mut handed = memory.hand_over().unwrap_err().to_string();
+        assert!(handed.contains("closed its memfd"), "{handed}");
+        // Refused before it took the userfaultfd: that one is still given.
+        let uffd = memory.take_uffd().unwrap();
+        assert!(crate::guest_memory::is_userfaultfd(uffd.as_fd()));
+        handed = memory.take_uffd().unwrap_err().to_string();
+        assert!(handed.contains("handed over"), "{handed}");
     }
 }

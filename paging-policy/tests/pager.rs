@@ -833,9 +833,9 @@ fn attach_space_refuses_an_inconsistent_handoff_and_keeps_descriptors_private() 
     h.memfd = unsealed;
     refused(h, "sealed against shrinking");
     // GuestMemory's own memfd is sealed: it cannot shrink.
-    assert!(check_sealed(memory.memfd(), memory.len()).is_ok());
+    assert!(check_sealed(memory.memfd().unwrap(), memory.len()).is_ok());
     assert_ne!(
-        unsafe { libc::ftruncate(memory.memfd().as_raw_fd(), 4096) },
+        unsafe { libc::ftruncate(memory.memfd().unwrap().as_raw_fd(), 4096) },
         0,
         "guest RAM must not shrink"
     );

@@ -198,15 +198,23 @@ fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
         .iter()
         .enumerate()
         .flat_map(|(h, uffd)| {
-            let memfd = ctx.ram.part(h).expect("the front maps every part").memfd();
+            let part = ctx.ram.part(h).expect("the front maps every part");
+            let memfd = part
+                .memfd()
+                .expect("the front closes its memfds after the hello");
             [uffd.as_raw_fd(), memfd.as_raw_fd()]
         })
         .chain([listener.as_raw_fd()])
         .collect();
     link.send_with_fds(&[&line[..]], &fds)
         .map_err(|e| link_error("hand the guest memory to the parent", e.into()))?;
-    // The pager's copies of the userfaultfds must be the only ones.
+    // The pager's copies of the userfaultfds must be the only ones. The
+    // memfds the front needs no more: it keeps their mappings (holders it
+    // starts again inherit them), and its descriptors would be two a holder
+    // for as long as the cell runs.
     drop(uffds);
+    ctx.ram.close_memfds();
+    ctx.sys.close_memfds();
     match read_message::<Request>(&link)?.req {
         ToCell::Go => {}
         other => return Err(CellError::Unexpected(other)),

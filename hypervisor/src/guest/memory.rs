@@ -393,6 +393,15 @@ impl HolderSlots {
         self.memories.len()
     }
 
+    /// Closes this process's memfd of every part, keeping the mappings (the
+    /// front, once the pager has its copies).
+    pub fn close_memfds(&mut self) {
+        self.memories
+            .iter_mut()
+            .flatten()
+            .for_each(GuestMemory::close_memfd);
+    }
+
     /// Unmaps every part but `holder`'s (in a holder, just after the fork).
     pub fn keep_only(&mut self, holder: usize) {
         for (h, memory) in self.memories.iter_mut().enumerate() {

@@ -828,8 +828,8 @@ fn run(
     keep.extend(
         [&ctx.ram, &ctx.sys]
             .iter()
-            .filter_map(|slots| slots.part(index))
-            .map(|part| part.memfd().as_raw_fd()),
+            .filter_map(|slots| slots.part(index)?.memfd())
+            .map(|memfd| memfd.as_raw_fd()),
     );
     let mut eventfds: Eventfds = match inherited {
         Some(inherited) => inherited
@@ -856,8 +856,8 @@ fn run(
         return 1;
     }
     let memory = ctx.ram.part(index).expect("own part");
-    let handoff = match memory.register().and_then(|()| memory.hand_over()) {
-        Ok(handoff) => handoff,
+    let uffd = match memory.register().and_then(|()| memory.take_uffd()) {
+        Ok(uffd) => uffd,
         Err(e) => {
             crate::log!("densevm: error: holder {index}: register guest RAM: {e}");
             return 1;
@@ -865,13 +865,13 @@ fn run(
     };
     let ready = serde_json::to_vec(&FromHolder::Ready).expect("serializes");
     if link
-        .send_with_fds(&[&ready[..]], &[handoff.uffd.as_raw_fd()])
+        .send_with_fds(&[&ready[..]], &[uffd.as_raw_fd()])
         .is_err()
     {
         return 1;
     }
     // The pager's copy of the userfaultfd must be the only one.
-    drop(handoff);
+    drop(uffd);
     let link = std::sync::Arc::new(link);
     let exits = std::sync::Arc::clone(&link);
     ctx.on_exit = std::sync::Arc::new(move |vm: u32, reason: &str| {
