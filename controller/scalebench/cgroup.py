@@ -40,7 +40,7 @@ def memory_limit(budget_bytes: int, vms: int, live: int | None = None) -> int:
     """budget + 1 MiB per live VM + a hibernated VM's share for the others + 256 MiB: see
     MARGIN_* for why. `live` is --max-live (None: every VM live)."""
     awake = vms if live is None else min(live, vms)
-    asleep = (vms - awake) * fact("config.host_bytes_per_hibernated_vm") if awake < vms else 0
+    asleep = (vms - awake) * fact("config.host_bytes_per_hibernated_vm")
     return budget_bytes + awake * MARGIN_PER_VM_BYTES + asleep + MARGIN_FIXED_BYTES
 
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from .binaries import REPO_ROOT as REPO_ROOT
 from .binaries import bin_dir as bin_dir
 from .binaries import binary as binary
-from .cgroup import MARGIN_PER_VM_BYTES, memory_limit
+from .cgroup import memory_limit
 from .describe import describe_config, fact
 from .disks import disk_model
 from .errors import ConfigError
@@ -180,9 +180,9 @@ def with_scale_to_zero_if_needed(cfg: RunConfig, mem: int, host: int) -> RunConf
     given; else cfg."""
     if cfg.idle_after is not None or cfg.max_live is not None or memory_limit(mem, cfg.vms) <= host:
         return cfg
-    asleep = fact("config.host_bytes_per_hibernated_vm")
-    spare = host - memory_limit(mem, 0) - cfg.vms * asleep
-    fits = spare // (MARGIN_PER_VM_BYTES - asleep)
+    # The limit grows by the same step for each VM kept live rather than asleep.
+    all_asleep = memory_limit(mem, cfg.vms, 0)
+    fits = (host - all_asleep) // (memory_limit(mem, cfg.vms, 1) - all_asleep)
     return cfg.with_(idle_after=DEFAULT_IDLE_AFTER_S, max_live=max(1, min(DEFAULT_MAX_LIVE, fits)))
 
 
