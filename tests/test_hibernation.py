@@ -11,6 +11,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,19 @@ def kvm_objects(pids: list[int]) -> dict[str, int]:
         for kind in counts:
             counts[kind] += target.startswith(f"anon_inode:{kind}")
     return counts
+
+
+def uffds(pids: list[int]) -> int:
+    return sum(t == "anon_inode:[userfaultfd]" for t in fd_targets(pids))
+
+
+def kinds(targets: Counter) -> Counter:
+    """Descriptors by kind (`socket`, `anon_inode:[eventfd]`, a path), without the
+    inode numbers that tell two sockets apart."""
+    out: Counter = Counter()
+    for target, n in targets.items():
+        out[target.split(":[")[0] if target.startswith(("socket:", "pipe:")) else target] += n
+    return out
 
 
 def descendants(pid: int) -> list[int]:
@@ -192,12 +206,20 @@ def test_holders_leave_when_their_vms_all_sleep_and_come_back_for_a_wake(tmp_pat
         cells = children(m.proc.pid)
         # Sleeping VMs keep no process: each cell is its front alone.
         assert wait_for(lambda: all(children(c) == [] for c in cells), timeout=10)
+        # Nor a descriptor of their holders': the pager (in the parent) drops a departed
+        # holder's userfaultfd, and the front its link.
+        monitor = [m.proc.pid, *cells]
+        assert wait_for(lambda: uffds(monitor) == 0, timeout=10), fd_targets(monitor)
+        away = Counter(fd_targets(monitor))
         # A wake starts the VM's holder again, and the VM answers from its memory intact.
         for round in range(3):
             vm = 5 + round
             assert get(m.addr(vm)).body == SMALL
             assert sum(len(children(c)) for c in cells) == 1
+            assert uffds(monitor) == 1
             assert wait_for(lambda: all(children(c) == [] for c in cells), timeout=10)
+            assert wait_for(lambda: uffds(monitor) == 0, timeout=10), fd_targets(monitor)
+        assert kinds(Counter(fd_targets(monitor))) == kinds(away)
         # Every holder comes back for its VMs, several at once.
         serve_every_vm(m, range(24))
         t = totals(m)

@@ -100,7 +100,8 @@ const STOP_KEY: u64 = u64::MAX;
 /// the registered mapping.
 struct Space {
     id: SpaceId,
-    uffd: Uffd,
+    /// `None` once its process left ([`Pager::release_process`]).
+    uffd: Option<Uffd>,
     memfd: OwnedFd,
     /// Address of the mapping in its process.
     base: usize,
@@ -110,6 +111,34 @@ struct Space {
     /// An operation on it failed (not ESRCH): it is no longer served and
     /// its owner has been told ([`Pager::take_failures`]).
     failed: AtomicBool,
+}
+
+impl Space {
+    /// Its userfaultfd; once its process left, the error an ioctl on a
+    /// descriptor whose process is gone gives (ESRCH), which
+    /// [`Pager::tolerate`] skips.
+    fn uffd(&self) -> Result<&Uffd, PagerError> {
+        self.uffd.as_ref().ok_or_else(|| PagerError::Uffd {
+            op: "userfaultfd",
+            source: std::io::Error::from_raw_os_error(libc::ESRCH),
+        })
+    }
+
+    /// Puts its userfaultfd in the pager's epoll set, if it has one.
+    fn start_polling(&self, epoll: &OwnedFd) -> Result<(), PagerError> {
+        match &self.uffd {
+            Some(uffd) => epoll_ctl(epoll, libc::EPOLL_CTL_ADD, uffd.as_raw_fd(), self.id as u64),
+            None => Ok(()),
+        }
+    }
+
+    /// Takes its userfaultfd out of the pager's epoll set, if it has one.
+    fn stop_polling(&self, epoll: &OwnedFd) -> Result<(), PagerError> {
+        match &self.uffd {
+            Some(uffd) => epoll_ctl(epoll, libc::EPOLL_CTL_DEL, uffd.as_raw_fd(), self.id as u64),
+            None => Ok(()),
+        }
+    }
 }
 
 /// A part of the run the pager stopped serving while every other went on
@@ -400,12 +429,7 @@ impl Pager {
         if space.failed.swap(true, Ordering::SeqCst) {
             return;
         }
-        let _ = epoll_ctl(
-            &self.epoll,
-            libc::EPOLL_CTL_DEL,
-            space.uffd.as_raw_fd(),
-            space.id as u64,
-        );
+        let _ = space.stop_polling(&self.epoll);
         self.report(PagerFailure {
             space: space.id,
             vm: None,
@@ -465,19 +489,14 @@ impl Pager {
         let id = st.next_space;
         let space = Arc::new(Space {
             id,
-            uffd: Uffd::from_fd(handoff.uffd),
+            uffd: Some(Uffd::from_fd(handoff.uffd)),
             memfd: handoff.memfd,
             base: handoff.base,
             len: handoff.len,
             gone: AtomicBool::new(false),
             failed: AtomicBool::new(false),
         });
-        epoll_ctl(
-            &self.epoll,
-            libc::EPOLL_CTL_ADD,
-            space.uffd.as_raw_fd(),
-            id as u64,
-        )?;
+        space.start_polling(&self.epoll)?;
         st.next_space += 1;
         st.spaces.insert(id, space);
         Ok(id)
@@ -620,12 +639,7 @@ impl Pager {
         for vm in vms {
             self.unregister_vm(vm);
         }
-        let _ = epoll_ctl(
-            &self.epoll,
-            libc::EPOLL_CTL_DEL,
-            target.uffd.as_raw_fd(),
-            space as u64,
-        );
+        let _ = target.stop_polling(&self.epoll);
         self.lock().spaces.remove(&space);
     }
 
@@ -643,59 +657,14 @@ impl Pager {
     /// space is unknown or failed, or the old descriptor stays in use past
     /// [`REATTACH_WAIT`].
     pub fn reattach_space(&self, space: SpaceId, uffd: OwnedFd) -> Result<(), PagerError> {
-        let refused = |why: &str| PagerError::BadSpace {
-            reason: format!("reattach space {space}: {why}"),
-        };
         if !crate::guest_memory::is_userfaultfd(std::os::fd::AsFd::as_fd(&uffd)) {
-            return Err(refused("the descriptor is not a userfaultfd"));
+            return Err(reattach_refused(
+                space,
+                "the descriptor is not a userfaultfd",
+            ));
         }
         keep_private(&uffd, true)?;
-        let mut old = {
-            let mut st = self.lock();
-            let old = match st.spaces.get(&space) {
-                Some(old) if !old.failed.load(Ordering::SeqCst) => Arc::clone(old),
-                Some(_) => return Err(refused("it failed")),
-                None => return Err(refused("no such space")),
-            };
-            let new = Arc::new(Space {
-                id: space,
-                uffd: Uffd::from_fd(uffd),
-                memfd: old
-                    .memfd
-                    .try_clone()
-                    .map_err(|e| refused(&format!("its memfd: {e}")))?,
-                base: old.base,
-                len: old.len,
-                gone: AtomicBool::new(false),
-                failed: AtomicBool::new(false),
-            });
-            let vms: Vec<VmId> = st
-                .regions
-                .range((space, 0)..=(space, usize::MAX))
-                .map(|(_, &(vm, _))| vm)
-                .collect();
-            for vm in vms {
-                if let Some(place) = st.places.get_mut(&vm) {
-                    place.space = Arc::clone(&new);
-                }
-                st.ledger.assume_dirty(vm);
-            }
-            // Faults on the new descriptor wait in it until it is read.
-            epoll_ctl(
-                &self.epoll,
-                libc::EPOLL_CTL_DEL,
-                old.uffd.as_raw_fd(),
-                space as u64,
-            )?;
-            epoll_ctl(
-                &self.epoll,
-                libc::EPOLL_CTL_ADD,
-                new.uffd.as_raw_fd(),
-                space as u64,
-            )?;
-            st.spaces.insert(space, new);
-            old
-        };
+        let mut old = self.replace_process(space, Some(Uffd::from_fd(uffd)))?;
         let started = Instant::now();
         loop {
             match Arc::try_unwrap(old) {
@@ -705,9 +674,68 @@ impl Pager {
                     old = still;
                     std::thread::sleep(Duration::from_micros(200));
                 }
-                Err(_) => return Err(refused("the old descriptor stayed in use")),
+                Err(_) => return Err(reattach_refused(space, "the old descriptor stayed in use")),
             }
         }
+    }
+
+    /// The process that mapped `space` left (a densevm holder whose VMs all
+    /// sleep): the pager drops its userfaultfd, closed as soon as nothing
+    /// in flight uses it, so a space asleep holds no descriptor of its own
+    /// but the memfd. Until a process attaches again
+    /// ([`Pager::reattach_space`]) the space is served as one whose process
+    /// is gone: blocks brought back (a late prefetch) go into the memfd.
+    /// Refused like [`Pager::reattach_space`] for a space unknown or failed.
+    pub fn release_process(&self, space: SpaceId) -> Result<(), PagerError> {
+        self.replace_process(space, None).map(drop)
+    }
+
+    /// Puts a [`Space`] with `uffd` in place of `space`'s and returns the
+    /// old one, which operations in flight may still hold. With a new
+    /// process its VMs' resident blocks are taken as dirty: the old one's
+    /// write protection did not pass to it.
+    fn replace_process(
+        &self,
+        space: SpaceId,
+        uffd: Option<Uffd>,
+    ) -> Result<Arc<Space>, PagerError> {
+        let mut st = self.lock();
+        let old = match st.spaces.get(&space) {
+            Some(old) if !old.failed.load(Ordering::SeqCst) => Arc::clone(old),
+            Some(_) => return Err(reattach_refused(space, "it failed")),
+            None => return Err(reattach_refused(space, "no such space")),
+        };
+        let attached = uffd.is_some();
+        let new = Arc::new(Space {
+            id: space,
+            uffd,
+            memfd: old
+                .memfd
+                .try_clone()
+                .map_err(|e| reattach_refused(space, &format!("its memfd: {e}")))?,
+            base: old.base,
+            len: old.len,
+            gone: AtomicBool::new(!attached),
+            failed: AtomicBool::new(false),
+        });
+        let vms: Vec<VmId> = st
+            .regions
+            .range((space, 0)..=(space, usize::MAX))
+            .map(|(_, &(vm, _))| vm)
+            .collect();
+        for vm in vms {
+            if let Some(place) = st.places.get_mut(&vm) {
+                place.space = Arc::clone(&new);
+            }
+            if attached {
+                st.ledger.assume_dirty(vm);
+            }
+        }
+        // Faults on the new descriptor wait in it until it is read.
+        old.stop_polling(&self.epoll)?;
+        new.start_polling(&self.epoll)?;
+        st.spaces.insert(space, new);
+        Ok(old)
     }
 
     /// Tells the policy that a VM served a request (the clock's reference
@@ -883,7 +911,10 @@ impl Pager {
             let Some(space) = self.lock().spaces.get(&(ready[0].u64 as SpaceId)).cloned() else {
                 continue;
             };
-            match space.uffd.read_fault() {
+            let Some(uffd) = &space.uffd else {
+                continue;
+            };
+            match uffd.read_fault() {
                 Ok(Some(f)) => {
                     // A panic would leave the fault's blocks busy forever:
                     // it stops the run instead, like any fatal error.
@@ -1019,7 +1050,7 @@ impl Pager {
     fn wake(&self, addrs: &mut Vec<WakeAddr>) {
         for (space, a) in addrs.drain(..) {
             // A failed wake means the range is gone (VM destroyed).
-            let _ = space.uffd.wake(a, self.block);
+            let _ = space.uffd().and_then(|uffd| uffd.wake(a, self.block));
         }
     }
 
@@ -1052,7 +1083,10 @@ impl Pager {
             }
             Classified::Unprotect => {
                 drop(st);
-                self.tolerate(space, space.uffd.write_protect(baddr, self.block, false))?;
+                let unprotected = space
+                    .uffd()
+                    .and_then(|uffd| uffd.write_protect(baddr, self.block, false));
+                self.tolerate(space, unprotected)?;
                 let mut st = self.lock();
                 s.wakes.clear();
                 st.ledger.end_unprotect(vm, block, &mut s.wakes);
@@ -1190,10 +1224,11 @@ impl Pager {
         // that the ledger and the stats account for the install.
         let bs = self.block;
         for run in runs(&plan, |a, b| b.block == a.block + 1) {
+            let at = place.addr(plan[run.start].block, bs);
             let _ = place
                 .space
-                .uffd
-                .wake(place.addr(plan[run.start].block, bs), run.len() * bs);
+                .uffd()
+                .and_then(|uffd| uffd.wake(at, run.len() * bs));
         }
         s.plan = plan;
         r
@@ -1253,12 +1288,9 @@ impl Pager {
             let dst = place.addr(plan[i].block, bs);
             // SAFETY: source is our buffer of (j-i) blocks; the destination
             // blocks are registered and absent (busy in the ledger).
-            let copied = unsafe {
-                place
-                    .space
-                    .uffd
-                    .copy(dst, buf[i * bs..].as_ptr(), (j - i) * bs, !plan[i].dirty)
-            };
+            let copied = place.space.uffd().and_then(|uffd| unsafe {
+                uffd.copy(dst, buf[i * bs..].as_ptr(), (j - i) * bs, !plan[i].dirty)
+            });
             match copied {
                 // Its process is gone (a holder that left with its VMs
                 // asleep, a prefetch that came after): the blocks go to the
@@ -1323,12 +1355,10 @@ impl Pager {
         // 1. Stop writers: from here on a write blocks on the protection.
         for run in &adjacent_runs {
             let space = &places[run.start].space;
-            self.tolerate(
-                space,
-                space
-                    .uffd
-                    .write_protect(addr(run.start), run.len() * bs, true),
-            )?;
+            let protected = space
+                .uffd()
+                .and_then(|uffd| uffd.write_protect(addr(run.start), run.len() * bs, true));
+            self.tolerate(space, protected)?;
         }
         // 2. A block flagged dirty whose memory still hashes like its swap
         //    copy (zeros without one) needs no write: the copy stays. One to
@@ -1467,7 +1497,13 @@ fn keep_private(fd: &OwnedFd, nonblocking: bool) -> Result<(), PagerError> {
     Ok(())
 }
 
-/// Reads guest memory at `offset` of a space's memfd.
+/// Why [`Pager::reattach_space`] or [`Pager::release_process`] refused.
+fn reattach_refused(space: SpaceId, why: &str) -> PagerError {
+    PagerError::BadSpace {
+        reason: format!("reattach space {space}: {why}"),
+    }
+}
+
 /// Writes all of `buf` into the memfd at `offset`.
 fn pwrite_all(memfd: &OwnedFd, buf: &[u8], offset: usize) -> Result<(), PagerError> {
     use std::os::unix::fs::FileExt;
@@ -1481,6 +1517,7 @@ fn pwrite_all(memfd: &OwnedFd, buf: &[u8], offset: usize) -> Result<(), PagerErr
         })
 }
 
+/// Reads guest memory at `offset` of a space's memfd.
 fn pread_exact(memfd: &OwnedFd, buf: &mut [u8], offset: usize) -> Result<(), PagerError> {
     let mut done = 0;
     while done < buf.len() {

@@ -1029,6 +1029,70 @@ fn a_vm_unregistered_during_its_hibernation_leaks_nothing() {
     pager.shutdown();
 }
 
+/// Issue 40: a space whose process left (a densevm holder whose VMs all
+/// sleep) keeps no userfaultfd in the pager: the memory's registration ends,
+/// so another descriptor can register it. A prefetch that comes meanwhile
+/// goes into the memfd, and once a new process attaches, the VM's data is
+/// whole, written or not, through another hibernation.
+#[test]
+fn a_space_released_by_its_process_holds_no_userfaultfd_and_comes_back_intact() {
+    let vm_ram = HIB_BLOCKS * HIB_BLOCK as usize;
+    let cfg = config("demand", HIB_BLOCK, 2 * vm_ram as u64, "released");
+    let pager = Pager::new(cfg, 1, vm_ram as u64).unwrap();
+    let memory = GuestMemory::new(vm_ram).unwrap();
+    let space = pager.attach_space(memory.hand_over().unwrap()).unwrap();
+    pager.register_vm(0, space, 0, vm_ram).unwrap();
+    let word = |i: usize| memory.as_ptr() as usize + i * HIB_BLOCK as usize;
+    // SAFETY (every access below): inside the mapping, which outlives them.
+    let read = |i: usize| unsafe { std::ptr::read_volatile(word(i) as *const u64) };
+    let write = |i: usize, v: u64| unsafe { std::ptr::write_volatile(word(i) as *mut u64, v) };
+    for i in 0..HIB_BLOCKS {
+        write(i, 0xB000 + i as u64);
+    }
+    let pager_ref = &pager;
+    let resident = |want: u64| move || vm_counter(pager_ref, 0, "resident_bytes") == want;
+    let full = HIB_BLOCKS as u64 * HIB_BLOCK;
+    pager.hibernate(0);
+    wait_until(&pager, "VM 0 left memory", resident(0));
+    pager.release_process(space).unwrap();
+    assert!(
+        memory.register().is_ok(),
+        "the pager still holds the released process's userfaultfd"
+    );
+    let second = memory.take_uffd().unwrap();
+    drop(second);
+    pager.note_woken(0);
+    wait_until(
+        &pager,
+        "the prefetch came back into the memfd",
+        resident(full),
+    );
+    for i in 0..HIB_BLOCKS {
+        assert_eq!(
+            read(i),
+            0xB000 + i as u64,
+            "block {i}, before the new process"
+        );
+    }
+    memory.register().unwrap();
+    pager
+        .reattach_space(space, memory.take_uffd().unwrap())
+        .unwrap();
+    for i in (0..HIB_BLOCKS).step_by(2) {
+        write(i, 0xC000 + i as u64);
+    }
+    pager.hibernate(0);
+    wait_until(&pager, "VM 0 left memory again", resident(0));
+    for i in 0..HIB_BLOCKS {
+        let want = if i % 2 == 0 { 0xC000 } else { 0xB000 } + i as u64;
+        assert_eq!(read(i), want, "block {i}, after the second hibernation");
+    }
+    let refused = pager.release_process(space + 1).unwrap_err().to_string();
+    assert!(refused.contains("no such space"), "{refused}");
+    assert_eq!(pager.fatal_error(), None);
+    pager.shutdown();
+}
+
 /// Issue 40: under wsswap too a VM woken from hibernation gets its whole set
 /// back in one batch and one read, before it touches any of it.
 #[test]

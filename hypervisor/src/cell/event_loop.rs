@@ -301,7 +301,7 @@ impl CellLoop {
         }
         for (index, holder) in setup.holders.iter().enumerate() {
             poll.registry().register(
-                &mut mio::unix::SourceFd(&holder.link.as_raw_fd()),
+                &mut mio::unix::SourceFd(&holder.link()?.as_raw_fd()),
                 token(KIND_HOLDER, index),
                 Interest::READABLE,
             )?;
@@ -877,11 +877,13 @@ impl CellLoop {
             Err(e) => return self.fail_waiting(h, format!("restart holder {h}: {e}")),
         };
         holder.waiting = std::mem::take(&mut self.holders[h].waiting);
-        let registered = self.poll.registry().register(
-            &mut mio::unix::SourceFd(&holder.link.as_raw_fd()),
-            token(KIND_HOLDER, h),
-            Interest::READABLE,
-        );
+        let registered = holder.link().and_then(|link| {
+            self.poll.registry().register(
+                &mut mio::unix::SourceFd(&link.as_raw_fd()),
+                token(KIND_HOLDER, h),
+                Interest::READABLE,
+            )
+        });
         self.holders[h] = holder;
         let told = registered.and_then(|()| {
             self.parent.send_with_fd(
@@ -1082,14 +1084,20 @@ impl CellLoop {
     /// Holder `h` is gone: left as asked, or crashed, its VMs with it.
     fn holder_gone(&mut self, h: usize) {
         let holder = &mut self.holders[h];
-        let _ = self
-            .poll
-            .registry()
-            .deregister(&mut mio::unix::SourceFd(&holder.link.as_raw_fd()));
+        if let Ok(link) = holder.link() {
+            let _ = self
+                .poll
+                .registry()
+                .deregister(&mut mio::unix::SourceFd(&link.as_raw_fd()));
+        }
         if holder.presence == Presence::Leaving {
             // Its link closes as it exits: a moment, or it is killed.
             holder.reap(HOLDER_EXIT);
             holder.presence = Presence::Away;
+            // Away, it keeps no descriptor here nor in the parent's pager.
+            holder.close_link();
+            self.parent.send(&FromCell::HolderLeft { holder: h as u32 });
+            let holder = &self.holders[h];
             if !holder.waiting.is_empty() {
                 self.restart_holder(h);
             }

@@ -325,8 +325,9 @@ pub enum Presence {
 pub struct Holder {
     /// Its pid.
     pub pid: i32,
-    /// The front's end of the link (nonblocking once the holder is ready).
-    pub link: UnixDatagram,
+    /// The front's end of the link (nonblocking once the holder is ready);
+    /// `None` once it left ([`Holder::close_link`]).
+    link: Option<UnixDatagram>,
     first_slot: u32,
     slots: u32,
     /// Why it is gone, once it crashed.
@@ -347,6 +348,19 @@ impl Holder {
         self.dead.is_none() && self.presence == Presence::Present
     }
 
+    /// The front's end of its link; an error once it left.
+    pub fn link(&self) -> std::io::Result<&UnixDatagram> {
+        self.link
+            .as_ref()
+            .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::NotConnected))
+    }
+
+    /// Closes the link of a holder that left, its process reaped: a holder
+    /// away holds no descriptor in the front.
+    pub fn close_link(&mut self) {
+        self.link = None;
+    }
+
     /// The cell's slots it owns.
     pub fn slots(&self) -> std::ops::Range<usize> {
         self.first_slot as usize..(self.first_slot + self.slots) as usize
@@ -355,12 +369,14 @@ impl Holder {
     fn send(&self, request: &ToHolder) -> std::io::Result<()> {
         let record = serde_json::to_vec(request).expect("holder requests serialize");
         loop {
-            match self.link.send(&record) {
+            match self.link()?.send(&record) {
                 Ok(_) => return Ok(()),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    wait_fd(self.link.as_raw_fd(), libc::POLLOUT, Duration::from_secs(1))
-                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => wait_fd(
+                    self.link()?.as_raw_fd(),
+                    libc::POLLOUT,
+                    Duration::from_secs(1),
+                ),
                 Err(e) => return Err(e),
             }
         }
@@ -388,14 +404,16 @@ impl Holder {
             serde_json::to_vec(&ToHolder::Wake { vm, boot }).expect("holder requests serialize");
         loop {
             match self
-                .link
+                .link()?
                 .send_with_fds(&[&record[..]], &[irq.as_raw_fd(), doorbell.as_raw_fd()])
             {
                 Ok(_) => return Ok(()),
                 Err(e) if e.errno() == libc::EINTR => continue,
-                Err(e) if e.errno() == libc::EAGAIN => {
-                    wait_fd(self.link.as_raw_fd(), libc::POLLOUT, Duration::from_secs(1))
-                }
+                Err(e) if e.errno() == libc::EAGAIN => wait_fd(
+                    self.link()?.as_raw_fd(),
+                    libc::POLLOUT,
+                    Duration::from_secs(1),
+                ),
                 Err(e) => return Err(std::io::Error::from_raw_os_error(e.errno())),
             }
         }
@@ -416,7 +434,7 @@ impl Holder {
     pub fn read(&self) -> std::io::Result<Option<Vec<Record>>> {
         let mut out = Vec::new();
         loop {
-            match receive(&self.link)? {
+            match receive(self.link()?)? {
                 Received::Record(message, fds) => out.push((message, fds)),
                 Received::Nothing => return Ok(Some(out)),
                 Received::Closed => return Ok(None),
@@ -463,7 +481,11 @@ impl Holder {
             if left.is_zero() {
                 return Err(HolderError::NoAnswer(self.pid));
             }
-            wait_fd(self.link.as_raw_fd(), libc::POLLIN, left);
+            let link = self.link().map_err(|source| HolderError::Read {
+                pid: self.pid,
+                source,
+            })?;
+            wait_fd(link.as_raw_fd(), libc::POLLIN, left);
             let Some(records) = self.read().map_err(|source| HolderError::Read {
                 pid: self.pid,
                 source,
@@ -737,7 +759,7 @@ fn spawn(
         }
         pid => Ok(Holder {
             pid,
-            link: ours,
+            link: Some(ours),
             first_slot,
             slots,
             dead: None,
@@ -755,17 +777,17 @@ impl Holder {
     fn wait_ready(&mut self) -> Result<OwnedFd, HolderError> {
         let deadline = Instant::now() + deadline::HOLDER_START;
         loop {
+            let link = self.link().map_err(HolderError::Link)?;
             wait_fd(
-                self.link.as_raw_fd(),
+                link.as_raw_fd(),
                 libc::POLLIN,
                 deadline.saturating_duration_since(Instant::now()),
             );
-            self.link.set_nonblocking(true).map_err(HolderError::Link)?;
-            let received =
-                receive::<FromHolder>(&self.link).map_err(|source| HolderError::Read {
-                    pid: self.pid,
-                    source,
-                })?;
+            link.set_nonblocking(true).map_err(HolderError::Link)?;
+            let received = receive::<FromHolder>(link).map_err(|source| HolderError::Read {
+                pid: self.pid,
+                source,
+            })?;
             match received {
                 Received::Record(FromHolder::Ready, mut fds) if fds.len() == 1 => {
                     return Ok(fds.pop().expect("one descriptor"));

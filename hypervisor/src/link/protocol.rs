@@ -212,6 +212,13 @@ pub enum FromCell {
         /// Its awake VMs.
         profile: IdleProfile,
     },
+    /// Holder `holder` left, every VM of it asleep, and its process is
+    /// gone: the parent's pager drops its userfaultfd. A
+    /// [`FromCell::HolderStarted`] gives it a new one.
+    HolderLeft {
+        /// Its index in the cell.
+        holder: u32,
+    },
     /// Holder `holder`, which had left with all its VMs asleep, was
     /// started again to wake one: its userfaultfd comes with this line. The
     /// parent attaches it to the pager in place of the old one and answers

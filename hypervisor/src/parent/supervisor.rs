@@ -471,6 +471,16 @@ impl Supervisor {
                     self.end_cell(index, End::Link(e));
                 }
             }
+            FromCell::HolderLeft { holder } => {
+                let Some(&space) = cell.spaces.get(holder as usize) else {
+                    return Err(CellFault::Hostile(format!(
+                        "reported holder {holder} left, which it does not have"
+                    )));
+                };
+                // Refused only for a space that failed (its VMs were told)
+                // or is gone: nothing is left to release.
+                let _ = self.pager.release_process(space);
+            }
             FromCell::HolderStarted { holder } => {
                 let space = cell.spaces.get(holder as usize).copied();
                 let uffd = cell.link.as_mut().and_then(|link| link.stream.take_fd());
