@@ -102,10 +102,7 @@ struct Space {
     id: SpaceId,
     /// `None` once its process left ([`Pager::release_process`]).
     uffd: Option<Uffd>,
-    /// Shared with the other spaces cut from the same memfd.
-    memfd: Arc<OwnedFd>,
-    /// Offset in the memfd of the mapping's first byte.
-    memfd_offset: usize,
+    memfd: OwnedFd,
     /// Address of the mapping in its process.
     base: usize,
     len: usize,
@@ -494,7 +491,6 @@ impl Pager {
             id,
             uffd: Some(Uffd::from_fd(handoff.uffd)),
             memfd: handoff.memfd,
-            memfd_offset: handoff.memfd_offset,
             base: handoff.base,
             len: handoff.len,
             gone: AtomicBool::new(false),
@@ -507,8 +503,7 @@ impl Pager {
     }
 
     /// Registers a VM's RAM: bytes `[offset, offset + len)` of the space's
-    /// mapping (and of its memfd from the space's own offset), not touched
-    /// yet; `len` is a non-zero multiple of the block
+    /// memfd, not touched yet; `len` is a non-zero multiple of the block
     /// size, at most the `vm_ram_bytes` given to [`Pager::new`].
     pub fn register_vm(
         &self,
@@ -572,9 +567,9 @@ impl Pager {
         st.places.insert(
             vm,
             Place {
-                base: addr,
-                offset: space.memfd_offset + offset,
                 space,
+                base: addr,
+                offset,
                 len,
             },
         );
@@ -714,8 +709,10 @@ impl Pager {
         let new = Arc::new(Space {
             id: space,
             uffd,
-            memfd: Arc::clone(&old.memfd),
-            memfd_offset: old.memfd_offset,
+            memfd: old
+                .memfd
+                .try_clone()
+                .map_err(|e| reattach_refused(space, &format!("its memfd: {e}")))?,
             base: old.base,
             len: old.len,
             gone: AtomicBool::new(!attached),

@@ -325,36 +325,19 @@ impl Arena {
 }
 
 /// Equal slots of memory that a cell's front and one of its holders both
-/// map: one memfd for the cell, mapped once, `slots_per_holder` slots a
-/// holder (VM `first_id + i` in slot `i`).
+/// map: one memfd mapping per holder, `slots_per_holder` slots each (VM
+/// `first_id + i` in slot `i`).
 ///
-/// The front maps the whole memfd before it forks the holders; each holder
-/// then keeps only its part of the mapping ([`HolderSlots::keep_only`]), so
-/// a page of a holder's VMs is mapped in no other holder and a kernel walk
-/// over its mappings meets only that holder's KVM notifiers. One mapping
-/// keeps the VMA count constant, and one memfd the pager's descriptors: a
-/// cell whose VMs all sleep holds two mappings and the parent one memfd,
-/// however many holders it has.
+/// The front maps every holder's part before it forks them; each holder
+/// then unmaps the others' ([`HolderSlots::keep_only`]), so a page of a
+/// holder's VMs is mapped in no other holder and a kernel walk over its
+/// mappings meets only that holder's KVM notifiers. One mapping per holder
+/// keeps the VMA count constant.
 pub struct HolderSlots {
-    /// The whole memfd in the front; a holder's part in a holder.
-    memory: GuestMemory,
-    /// Slot of the mapping's first byte: 0 in the front, a holder's first.
-    first_slot: usize,
-    slots: usize,
+    memories: Vec<Option<GuestMemory>>,
     slot_bytes: usize,
     slots_per_holder: usize,
     release: Release,
-}
-
-/// Where holder part `h` of a [`HolderSlots`] lies, in the front.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Part {
-    /// Its address (the same in its holder, which inherits the mapping).
-    pub base: usize,
-    /// Its length: its slots' bytes.
-    pub len: usize,
-    /// Its offset in the memfd.
-    pub memfd_offset: usize,
 }
 
 impl HolderSlots {
@@ -385,73 +368,57 @@ impl HolderSlots {
         slots_per_holder: usize,
         release: Release,
     ) -> Result<Self, paging_policy::PagerError> {
+        let slots_per_holder = slots_per_holder.max(1);
+        let memories = (0..slots.div_ceil(slots_per_holder))
+            .map(|h| {
+                let held = slots_per_holder.min(slots - h * slots_per_holder);
+                GuestMemory::unregistered(slot_bytes * held).map(Some)
+            })
+            .collect::<Result<_, _>>()?;
         Ok(HolderSlots {
-            memory: GuestMemory::unregistered(slot_bytes * slots)?,
-            first_slot: 0,
-            slots,
+            memories,
             slot_bytes,
-            slots_per_holder: slots_per_holder.max(1),
+            slots_per_holder,
             release,
         })
     }
 
+    /// Holder `holder`'s part, if this process maps it.
+    pub fn part(&self, holder: usize) -> Option<&GuestMemory> {
+        self.memories.get(holder)?.as_ref()
+    }
+
     /// Number of parts (holders).
     pub fn parts(&self) -> usize {
-        self.slots.div_ceil(self.slots_per_holder)
+        self.memories.len()
     }
 
-    /// Holder `h`'s part; `None` past the last, or in a holder (which maps
-    /// only its own: [`HolderSlots::memory`]).
-    pub fn part(&self, h: usize) -> Option<Part> {
-        let first = h.checked_mul(self.slots_per_holder)?;
-        if self.first_slot != 0 || first >= self.slots {
-            return None;
+    /// Closes this process's memfd of every part, keeping the mappings (the
+    /// front, once the pager has its copies).
+    pub fn close_memfds(&mut self) {
+        self.memories
+            .iter_mut()
+            .flatten()
+            .for_each(GuestMemory::close_memfd);
+    }
+
+    /// Unmaps every part but `holder`'s (in a holder, just after the fork).
+    pub fn keep_only(&mut self, holder: usize) {
+        for (h, memory) in self.memories.iter_mut().enumerate() {
+            if h != holder {
+                memory.take();
+            }
         }
-        let held = self.slots_per_holder.min(self.slots - first);
-        let memfd_offset = first * self.slot_bytes;
-        Some(Part {
-            base: self.memory.as_ptr() as usize + memfd_offset,
-            len: held * self.slot_bytes,
-            memfd_offset,
-        })
     }
 
-    /// The memory this process maps: all of it in the front, its own part
-    /// in a holder.
-    pub fn memory(&self) -> &GuestMemory {
-        &self.memory
-    }
-
-    /// Closes this process's memfd, keeping the mapping (the front, once
-    /// the pager has its copy).
-    pub fn close_memfd(&mut self) {
-        self.memory.close_memfd();
-    }
-
-    /// Unmaps every part but `holder`'s and closes the memfd, through which
-    /// the others could be mapped again (in a holder, just after the fork).
-    pub fn keep_only(&mut self, holder: usize) -> Result<(), paging_policy::PagerError> {
-        let part = self
-            .part(holder)
-            .ok_or_else(|| paging_policy::PagerError::Mm {
-                op: "keep a holder's part",
-                source: io::Error::other(format!("no part {holder}")),
-            })?;
-        self.memory.narrow(part.memfd_offset, part.len)?;
-        self.memory.close_memfd();
-        self.first_slot = holder * self.slots_per_holder;
-        Ok(())
-    }
-
-    /// Slot `index`; `None` past the end or outside this process's part.
+    /// Slot `index`; `None` past the end or in a part this process dropped.
     pub fn slot(&self, index: usize) -> Option<Mapping> {
-        let offset = index.checked_sub(self.first_slot)? * self.slot_bytes;
-        if index >= self.slots || offset + self.slot_bytes > self.memory.len() {
-            return None;
-        }
-        // SAFETY: in bounds of the mapping, which lives as long as the cell.
-        let base = unsafe { self.memory.as_ptr().add(offset) };
-        Some(Mapping {
+        let memory = self.part(index / self.slots_per_holder)?;
+        let offset = (index % self.slots_per_holder) * self.slot_bytes;
+        // SAFETY: in bounds of the part (which holds `slots_per_holder`
+        // slots, or the rest), which lives as long as the cell.
+        let base = unsafe { memory.as_ptr().add(offset) };
+        (offset + self.slot_bytes <= memory.len()).then(|| Mapping {
             base: NonNull::new(base).expect("non-null slot"),
             len: self.slot_bytes,
             release: self.release,
