@@ -47,7 +47,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -111,6 +111,9 @@ struct Space {
     /// An operation on it failed (not ESRCH): it is no longer served and
     /// its owner has been told ([`Pager::take_failures`]).
     failed: AtomicBool,
+    /// The space it replaced ([`Pager::replace_process`]), alive while an
+    /// operation begun on it is in flight.
+    previous: Weak<Space>,
 }
 
 impl Space {
@@ -130,6 +133,13 @@ impl Space {
             Some(uffd) => epoll_ctl(epoll, libc::EPOLL_CTL_ADD, uffd.as_raw_fd(), self.id as u64),
             None => Ok(()),
         }
+    }
+
+    /// Whether an operation in flight may still use it or a space it
+    /// replaced: the caller holds one reference.
+    fn in_use(self: &Arc<Self>) -> bool {
+        Arc::strong_count(self) > 1
+            || std::iter::successors(self.previous.upgrade(), |s| s.previous.upgrade()).count() > 0
     }
 
     /// Takes its userfaultfd out of the pager's epoll set, if it has one.
@@ -495,6 +505,7 @@ impl Pager {
             len: handoff.len,
             gone: AtomicBool::new(false),
             failed: AtomicBool::new(false),
+            previous: Weak::new(),
         });
         space.start_polling(&self.epoll)?;
         st.next_space += 1;
@@ -649,8 +660,9 @@ impl Pager {
     /// their swap stay as they are, except that their resident blocks are
     /// taken as dirty (see [`Ledger::assume_dirty`]).
     ///
-    /// Returns once nothing in flight still uses the old descriptor (an
-    /// eviction holds its space from write-protect to hole punch), so from
+    /// Returns once nothing in flight still uses the old descriptor, nor
+    /// the one before a [`Pager::release_process`] (an eviction holds its
+    /// space from write-protect to hole punch), so from
     /// then on every write-protect, copy and wake reaches the new process:
     /// the caller lets the space's VMs run only after this returns. Refused
     /// with [`PagerError::BadSpace`] if `uffd` is not a userfaultfd, the
@@ -664,19 +676,18 @@ impl Pager {
             ));
         }
         keep_private(&uffd, true)?;
-        let mut old = self.replace_process(space, Some(Uffd::from_fd(uffd)))?;
+        let old = self.replace_process(space, Some(Uffd::from_fd(uffd)))?;
         let started = Instant::now();
-        loop {
-            match Arc::try_unwrap(old) {
-                // The last user is gone: the old descriptors close here.
-                Ok(_) => return Ok(()),
-                Err(still) if started.elapsed() < REATTACH_WAIT => {
-                    old = still;
-                    std::thread::sleep(Duration::from_micros(200));
-                }
-                Err(_) => return Err(reattach_refused(space, "the old descriptor stayed in use")),
+        // Nothing begun on the old space, nor on the departed process's it
+        // replaced ([`Pager::release_process`]), may still write-protect,
+        // copy or punch: it would miss the new process's writes.
+        while old.in_use() {
+            if started.elapsed() >= REATTACH_WAIT {
+                return Err(reattach_refused(space, "the old descriptor stayed in use"));
             }
+            std::thread::sleep(Duration::from_micros(200));
         }
+        Ok(())
     }
 
     /// The process that mapped `space` left (a densevm holder whose VMs all
@@ -717,6 +728,7 @@ impl Pager {
             len: old.len,
             gone: AtomicBool::new(!attached),
             failed: AtomicBool::new(false),
+            previous: Arc::downgrade(&old),
         });
         let vms: Vec<VmId> = st
             .regions

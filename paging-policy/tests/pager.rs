@@ -1093,6 +1093,32 @@ fn a_space_released_by_its_process_holds_no_userfaultfd_and_comes_back_intact() 
     pager.shutdown();
 }
 
+/// Issue 40: a holder that leaves while its last VM's hibernation is still
+/// being written, and comes back at once: the reattach returns only once
+/// that eviction, begun on the departed process's descriptor, is done.
+/// Before, it waited only for the space the release made, and the eviction
+/// went on punching blocks the new process could already be writing.
+#[test]
+fn a_reattach_after_a_release_waits_for_what_began_before_the_release() {
+    let (pager, a, _b) = hibernation_pager("demand", "hdd", "release-inflight");
+    let out = || total(&pager, "hibernated_blocks_out");
+    let space = a.space().unwrap();
+    pager.hibernate(0);
+    wait_until(&pager, "a first part is out", || out() > 0);
+    pager.release_process(space).unwrap();
+    assert!(out() < HIB_BLOCKS as u64, "no race: the hibernation ended");
+    // A new process's descriptor (this test has one process: an unregistered one).
+    let uffd = paging_policy::uffd::Uffd::new().unwrap().into_fd();
+    pager.reattach_space(space, uffd).unwrap();
+    assert_eq!(
+        out(),
+        HIB_BLOCKS as u64,
+        "the reattach returned with the eviction still under way"
+    );
+    assert_eq!(pager.fatal_error(), None);
+    pager.shutdown();
+}
+
 /// Issue 40: under wsswap too a VM woken from hibernation gets its whole set
 /// back in one batch and one read, before it touches any of it.
 #[test]
