@@ -50,12 +50,26 @@ def fd_targets(pid: int) -> dict[int, tuple[str, int]]:
     return out
 
 
+def guest_mappings(pid: int) -> list[tuple[int, int, int]]:
+    """The guest-memory memfds `pid` maps: (inode, first byte, end) in the memfd,
+    a mapping each."""
+    out = []
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/memfd:densevm-guest-ram"):
+            start, end = (int(a, 16) for a in fields[0].split("-"))
+            offset = int(fields[2], 16)
+            out.append((int(fields[4]), offset, offset + end - start))
+    return out
+
+
 def guest_memory(pids: list[int]) -> tuple[set[int], int]:
-    """Inodes of the guest-RAM memfds these processes hold, and how many
-    userfaultfds they hold."""
+    """Inodes of the guest-memory memfds these processes hold or map, and how
+    many userfaultfds they hold."""
     memfds: set[int] = set()
     uffds = 0
     for pid in pids:
+        memfds |= {inode for inode, _, _ in guest_mappings(pid)}
         for target, inode in fd_targets(pid).values():
             # The guest image (one read-only memfd per cell) is no guest's memory.
             if target.startswith("/memfd:") and not target.startswith("/memfd:densevm-image"):
@@ -72,7 +86,8 @@ def test_a_cell_started_at_runtime_holds_no_other_cells_memory(tmp_path):
         assert len(first_cells) == 2
         first_tree = [c for cell in first_cells for c in (cell, *children(cell))]
         first_memfds, _ = guest_memory(first_tree)
-        assert first_memfds, "the first cells map their guest RAM from memfds"
+        # Each cell's RAM and system pages: a memfd each.
+        assert len(first_memfds) == 4, "the first cells map their guest memory from memfds"
         own_memfds, own_uffds = guest_memory([first_cells[0], *children(first_cells[0])])
 
         assert len(m.control({"cmd": "create", "count": 100})["created"]) == 100
@@ -342,20 +357,27 @@ def test_a_stopped_cell_does_not_make_the_parent_deaf(tmp_path):
         assert m.stop() == 0
 
 
-def test_a_guest_memfd_cannot_be_shrunk_by_its_holder(tmp_path):
-    m = start(tmp_path, 4, "127.240.0.0", "--cell-vms", "4", "--cell-placement", "floating")
+def test_a_guest_memfd_cannot_be_shrunk_and_no_holder_holds_one(tmp_path):
+    """Guest RAM is a memfd sealed against shrinking wherever a descriptor of it is
+    (the parent's pager); a holder holds none: the cell's one memfd would let it map
+    the other holders' memory."""
+    m = start(tmp_path, 20, "127.240.0.0", "--cell-vms", "20", "--cell-placement", "floating")
     try:
         (cell,) = children(m.proc.pid)
         holders = children(cell)
-        assert holders
+        assert len(holders) == 3
         F_GET_SEALS = 1034
         F_SEAL_SHRINK = 0x2
-        for holder in holders:
-            for fd, (target, _) in fd_targets(holder).items():
-                if target.startswith("/memfd:"):
-                    with open(f"/proc/{holder}/fd/{fd}", "rb") as f:
+        sealed = 0
+        for pid in (m.proc.pid, cell, *holders):
+            for fd, (target, _) in fd_targets(pid).items():
+                if target.startswith("/memfd:densevm-guest"):
+                    assert pid not in holders, f"holder {pid} holds {target}"
+                    with open(f"/proc/{pid}/fd/{fd}", "rb") as f:
                         seals = fcntl.fcntl(f.fileno(), F_GET_SEALS)
-                    assert seals & F_SEAL_SHRINK, f"holder {holder}'s {target} can shrink"
+                    assert seals & F_SEAL_SHRINK, f"process {pid}'s {target} can shrink"
+                    sealed += 1
+        assert sealed == 1, "the parent holds the cell's guest-RAM memfd, once"
     finally:
         assert m.stop() == 0
 
@@ -430,8 +452,10 @@ def fd_flags(pid: int, fd: int) -> int:
 
 def test_each_holder_holds_only_its_own_descriptors(tmp_path):
     """Holders are forked with every descriptor they do not need closed: no
-    other holder's interrupts, doorbells or memory; and what the cell
-    receives from its holders is close-on-exec."""
+    other holder's interrupts or doorbells, and no memfd (the cell's one
+    memfd would map every holder's memory); each maps only its own part of
+    the cell's memory; and what the cell receives from its holders is
+    close-on-exec."""
     per_holder = 8  # hypervisor/src/holder/mod.rs HOLDER_VMS
     m = start(
         tmp_path,
@@ -443,15 +467,22 @@ def test_each_holder_holds_only_its_own_descriptors(tmp_path):
         (cell,) = children(m.proc.pid)
         holders = children(cell)
         assert len(holders) == 3
-        seen: set[int] = set()
+        seen: list[tuple[int, int, int]] = []
         for holder in holders:
             targets = [t for t, _ in fd_targets(holder).values()]
             eventfds = sum("[eventfd]" in t for t in targets)
             assert eventfds <= 2 * per_holder, f"holder {holder} holds {eventfds} eventfds"
-            memfds, uffds = guest_memory([holder])
+            assert not any(t.startswith("/memfd:densevm-guest") for t in targets), targets
+            _, uffds = guest_memory([holder])
             assert uffds == 0, "the pager's userfaultfd is the only one"
-            assert len(memfds) == 2 and not memfds & seen, "another holder's memory"
-            seen |= memfds
+            mapped = guest_mappings(holder)
+            # Its RAM, and its system pages (with guard pages between them).
+            assert len({inode for inode, _, _ in mapped}) == 2, mapped
+            for inode, first, end in mapped:
+                assert not any(inode == i and first < e and s < end for i, s, e in seen), (
+                    "another holder's memory"
+                )
+            seen += mapped
             sockets = sum(t.startswith("socket:") for t in targets)
             assert sockets == 1, f"holder {holder} holds more than its link: {targets}"
         stats = [fd for fd, (t, _) in fd_targets(cell).items() if "kvm-vcpu-stats" in t]

@@ -50,6 +50,10 @@ def uffds(pids: list[int]) -> int:
     return sum(t == "anon_inode:[userfaultfd]" for t in fd_targets(pids))
 
 
+def memfds(pids: list[int]) -> int:
+    return sum("memfd:densevm-guest-ram" in t for t in fd_targets(pids))
+
+
 def kinds(targets: Counter) -> Counter:
     """Descriptors by kind (`socket`, `anon_inode:[eventfd]`, a path), without the
     inode numbers that tell two sockets apart."""
@@ -211,6 +215,12 @@ def test_holders_leave_when_their_vms_all_sleep_and_come_back_for_a_wake(tmp_pat
         monitor = [m.proc.pid, *cells]
         assert wait_for(lambda: uffds(monitor) == 0, timeout=10), fd_targets(monitor)
         away = Counter(fd_targets(monitor))
+        # One guest-RAM memfd a cell, in the parent's pager; each front maps it and its
+        # system pages' memfd once, however many holders the cell has.
+        assert memfds(monitor) == memfds([m.proc.pid]) == len(cells), fd_targets(monitor)
+        for cell in cells:
+            maps = Path(f"/proc/{cell}/maps").read_text().count("densevm-guest-ram")
+            assert maps == 2, (cell, maps)
         # A wake starts the VM's holder again, and the VM answers from its memory intact.
         for round in range(3):
             vm = 5 + round

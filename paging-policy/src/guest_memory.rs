@@ -1,16 +1,18 @@
 //! Guest RAM that the pager can serve from another process: a memfd mapped
 //! shared, registered whole with a userfaultfd of the process that maps it.
 //!
-//! A densevm cell maps one per holder (the child process that owns those
-//! VMs), the holder registers it and hands both descriptors to the pager
-//! ([`GuestMemory::hand_over`], sent with SCM_RIGHTS); the pager installs
-//! blocks through the userfaultfd, reads victims with `pread` on the memfd
-//! and frees them with `fallocate(PUNCH_HOLE)`, which also unmaps them from
-//! the holder. Tests use it in one process, with threads as vCPUs.
+//! A densevm cell maps one for all its VMs; each holder (the child process
+//! that owns some of them) keeps only its part of the mapping
+//! ([`GuestMemory::narrow`]), registers it and hands its userfaultfd to the
+//! pager, which has the cell's memfd once for every part (sent with
+//! SCM_RIGHTS). The pager installs blocks through the userfaultfd, reads
+//! victims with `pread` on the memfd and frees them with
+//! `fallocate(PUNCH_HOLE)`, which also unmaps them from the holder. Tests
+//! use it in one process, with threads as vCPUs.
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use crate::error::PagerError;
 use crate::uffd::Uffd;
@@ -74,15 +76,20 @@ pub(crate) fn is_userfaultfd(fd: BorrowedFd<'_>) -> bool {
 /// Checks everything a cell hands over for one space before the pager
 /// touches it (the pager runs it in [`crate::Pager::attach_space`]): a
 /// page-aligned, non-empty mapping inside a user address space, a
-/// userfaultfd, and a memfd that [`check_sealed`] accepts. Every refusal is
-/// a [`PagerError::BadSpace`], one line.
+/// userfaultfd, and a memfd that [`check_sealed`] accepts as long as the
+/// mapping's end. Every refusal is a [`PagerError::BadSpace`], one line.
 pub fn check_handoff(handoff: &SpaceHandoff) -> Result<(), PagerError> {
-    let (base, len) = (handoff.base, handoff.len);
+    let (base, len, at) = (handoff.base, handoff.len, handoff.memfd_offset);
     if base == 0 || !base.is_multiple_of(4096) || len == 0 || !len.is_multiple_of(4096) {
         return Err(refused(format!(
             "mapping {base:#x}+{len:#x} is not a non-empty run of whole pages"
         )));
     }
+    let Some(end) = at.checked_add(len).filter(|_| at.is_multiple_of(4096)) else {
+        return Err(refused(format!(
+            "memfd offset {at:#x} is not whole pages, or ends past any memfd"
+        )));
+    };
     if base
         .checked_add(len)
         .is_none_or(|end| end > USER_ADDRESS_END)
@@ -94,7 +101,7 @@ pub fn check_handoff(handoff: &SpaceHandoff) -> Result<(), PagerError> {
     if !is_userfaultfd(handoff.uffd.as_fd()) {
         return Err(refused("its uffd descriptor is not a userfaultfd".into()));
     }
-    check_sealed(handoff.memfd.as_fd(), len)
+    check_sealed(handoff.memfd.as_fd(), end)
 }
 
 /// What the pager needs of a [`GuestMemory`], possibly in another process.
@@ -102,8 +109,11 @@ pub fn check_handoff(handoff: &SpaceHandoff) -> Result<(), PagerError> {
 pub struct SpaceHandoff {
     /// The userfaultfd the memory is registered with.
     pub uffd: OwnedFd,
-    /// The memfd behind the mapping.
-    pub memfd: OwnedFd,
+    /// The memfd behind the mapping, which the spaces cut from one memfd
+    /// share (a densevm cell's holders).
+    pub memfd: Arc<OwnedFd>,
+    /// Offset in the memfd of the mapping's first byte.
+    pub memfd_offset: usize,
     /// Address of the mapping in the process that holds it.
     pub base: usize,
     /// Length of the mapping (and of the memfd).
@@ -120,6 +130,8 @@ pub struct GuestMemory {
     uffd: Mutex<Option<Uffd>>,
     base: NonNull<u8>,
     len: usize,
+    /// Offset in the memfd of `base` (not 0 once [`GuestMemory::narrow`]ed).
+    memfd_offset: usize,
 }
 
 // SAFETY: plain shared memory; guests and the pager synchronise through
@@ -214,7 +226,44 @@ impl GuestMemory {
             uffd: Mutex::new(None),
             base,
             len,
+            memfd_offset: 0,
         })
+    }
+
+    /// Keeps only bytes `offset..offset + len` of the mapping mapped (whole
+    /// pages, inside it) and unmaps the rest: a process that serves one part
+    /// of a memory shared by parts (a densevm holder, after its fork) maps
+    /// nothing of the others. Before registering: refused once a
+    /// userfaultfd is registered over the whole.
+    pub fn narrow(&mut self, offset: usize, len: usize) -> Result<(), PagerError> {
+        let fits = offset.is_multiple_of(4096)
+            && len.is_multiple_of(4096)
+            && len > 0
+            && offset.checked_add(len).is_some_and(|end| end <= self.len);
+        if !fits || self.uffd.lock().expect("uffd").is_some() {
+            return Err(PagerError::Mm {
+                op: "narrow guest memory",
+                source: std::io::Error::other(format!(
+                    "{offset:#x}+{len:#x} is not whole pages inside {:#x} bytes, or the memory is registered",
+                    self.len
+                )),
+            });
+        }
+        let end = offset + len;
+        for (from, to) in [(0, offset), (end, self.len)] {
+            // SAFETY: a range of our own mapping that nothing of ours uses:
+            // it is not this process's part.
+            if from < to
+                && unsafe { libc::munmap(self.base.as_ptr().add(from).cast(), to - from) } != 0
+            {
+                return Err(mm_error("munmap(other parts)"));
+            }
+        }
+        // SAFETY: `offset` is inside the mapping.
+        self.base = NonNull::new(unsafe { self.base.as_ptr().add(offset) }).expect("non-null");
+        self.len = len;
+        self.memfd_offset += offset;
+        Ok(())
     }
 
     /// Registers the whole mapping with a new userfaultfd of the calling
@@ -260,7 +309,8 @@ impl GuestMemory {
     pub fn handoff(&self) -> Result<SpaceHandoff, PagerError> {
         let uffd = self.uffd.lock().expect("uffd");
         let uffd = uffd.as_ref().ok_or_else(handed_over)?;
-        self.handoff_with(uffd.try_clone().map_err(io_error("dup(userfaultfd)"))?)
+        let uffd = uffd.try_clone().map_err(io_error("dup(userfaultfd)"))?;
+        self.handoff_with(uffd, self.dup_memfd()?)
     }
 
     /// Like [`GuestMemory::handoff`], but this process gives its userfaultfd
@@ -272,12 +322,7 @@ impl GuestMemory {
     /// listeners bound until reboot).
     pub fn hand_over(&self) -> Result<SpaceHandoff, PagerError> {
         let memfd = self.dup_memfd()?;
-        Ok(SpaceHandoff {
-            uffd: self.take_uffd()?,
-            memfd,
-            base: self.base.as_ptr() as usize,
-            len: self.len,
-        })
+        self.handoff_with(self.take_uffd()?, memfd)
     }
 
     /// The userfaultfd alone, given away as [`GuestMemory::hand_over`] gives
@@ -288,10 +333,11 @@ impl GuestMemory {
         Ok(uffd.ok_or_else(handed_over)?.into_fd())
     }
 
-    fn handoff_with(&self, uffd: OwnedFd) -> Result<SpaceHandoff, PagerError> {
+    fn handoff_with(&self, uffd: OwnedFd, memfd: OwnedFd) -> Result<SpaceHandoff, PagerError> {
         Ok(SpaceHandoff {
             uffd,
-            memfd: self.dup_memfd()?,
+            memfd: Arc::new(memfd),
+            memfd_offset: self.memfd_offset,
             base: self.base.as_ptr() as usize,
             len: self.len,
         })

@@ -102,7 +102,10 @@ struct Space {
     id: SpaceId,
     /// `None` once its process left ([`Pager::release_process`]).
     uffd: Option<Uffd>,
-    memfd: OwnedFd,
+    /// Shared with the other spaces cut from the same memfd.
+    memfd: Arc<OwnedFd>,
+    /// Offset in the memfd of the mapping's first byte.
+    memfd_offset: usize,
     /// Address of the mapping in its process.
     base: usize,
     len: usize,
@@ -501,6 +504,7 @@ impl Pager {
             id,
             uffd: Some(Uffd::from_fd(handoff.uffd)),
             memfd: handoff.memfd,
+            memfd_offset: handoff.memfd_offset,
             base: handoff.base,
             len: handoff.len,
             gone: AtomicBool::new(false),
@@ -514,7 +518,8 @@ impl Pager {
     }
 
     /// Registers a VM's RAM: bytes `[offset, offset + len)` of the space's
-    /// memfd, not touched yet; `len` is a non-zero multiple of the block
+    /// mapping (and of its memfd from the space's own offset), not touched
+    /// yet; `len` is a non-zero multiple of the block
     /// size, at most the `vm_ram_bytes` given to [`Pager::new`].
     pub fn register_vm(
         &self,
@@ -578,9 +583,9 @@ impl Pager {
         st.places.insert(
             vm,
             Place {
-                space,
                 base: addr,
-                offset,
+                offset: space.memfd_offset + offset,
+                space,
                 len,
             },
         );
@@ -720,10 +725,8 @@ impl Pager {
         let new = Arc::new(Space {
             id: space,
             uffd,
-            memfd: old
-                .memfd
-                .try_clone()
-                .map_err(|e| reattach_refused(space, &format!("its memfd: {e}")))?,
+            memfd: Arc::clone(&old.memfd),
+            memfd_offset: old.memfd_offset,
             base: old.base,
             len: old.len,
             gone: AtomicBool::new(!attached),

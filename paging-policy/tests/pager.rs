@@ -807,10 +807,19 @@ fn attach_space_refuses_an_inconsistent_handoff_and_keeps_descriptors_private() 
     h.len = 2 * memory.len();
     refused(h, "holds");
     let mut h = memory.handoff().unwrap();
+    h.memfd_offset = 4096;
+    refused(h, "holds");
+    let mut h = memory.handoff().unwrap();
+    h.memfd_offset = 100;
+    refused(h, "memfd offset");
+    let mut h = memory.handoff().unwrap();
+    h.memfd_offset = usize::MAX - 4095;
+    refused(h, "memfd offset");
+    let mut h = memory.handoff().unwrap();
     h.uffd = h.memfd.try_clone().unwrap();
     refused(h, "not a userfaultfd");
     let mut h = memory.handoff().unwrap();
-    h.memfd = h.uffd.try_clone().unwrap();
+    h.memfd = Arc::new(h.uffd.try_clone().unwrap());
     refused(h, "not a memory file");
     let mut h = memory.handoff().unwrap();
     let pipe = {
@@ -819,7 +828,7 @@ fn attach_space_refuses_an_inconsistent_handoff_and_keeps_descriptors_private() 
         unsafe { libc::close(fds[1]) };
         unsafe { OwnedFd::from_raw_fd(fds[0]) }
     };
-    h.memfd = pipe;
+    h.memfd = Arc::new(pipe);
     refused(h, "not a memory file");
     // A memfd its sharer could shrink under the pager's reads.
     let unsealed = unsafe {
@@ -830,7 +839,7 @@ fn attach_space_refuses_an_inconsistent_handoff_and_keeps_descriptors_private() 
     };
     assert!(check_sealed(unsealed.as_fd(), memory.len()).is_err());
     let mut h = memory.handoff().unwrap();
-    h.memfd = unsealed;
+    h.memfd = Arc::new(unsealed);
     refused(h, "sealed against shrinking");
     // GuestMemory's own memfd is sealed: it cannot shrink.
     assert!(check_sealed(memory.memfd().unwrap(), memory.len()).is_ok());
@@ -1115,6 +1124,78 @@ fn a_reattach_after_a_release_waits_for_what_began_before_the_release() {
         HIB_BLOCKS as u64,
         "the reattach returned with the eviction still under way"
     );
+    assert_eq!(pager.fatal_error(), None);
+    pager.shutdown();
+}
+
+/// Issue 40: a space cut from a memfd that other spaces share (a densevm
+/// cell's holder keeps its part of the cell's one memfd) is paged at its
+/// offset in the memfd: its blocks go out and come back there, and the
+/// other parts' bytes stay untouched.
+#[test]
+fn a_space_cut_from_a_shared_memfd_is_paged_at_its_offset() {
+    use std::os::fd::AsRawFd;
+    let vm_ram = HIB_BLOCKS * HIB_BLOCK as usize;
+    let cfg = config("demand", HIB_BLOCK, 2 * vm_ram as u64, "cut");
+    let pager = Pager::new(cfg, 1, vm_ram as u64).unwrap();
+    let mut memory = GuestMemory::unregistered(3 * vm_ram).unwrap();
+    let memfd = memory.memfd().unwrap().try_clone_to_owned().unwrap();
+    let at = |offset: usize| {
+        let mut word = [0u8; 8];
+        // SAFETY: reading 8 bytes of our memfd into our buffer.
+        let n = unsafe {
+            libc::pread(
+                memfd.as_raw_fd(),
+                word.as_mut_ptr().cast(),
+                8,
+                offset as i64,
+            )
+        };
+        assert_eq!(n, 8);
+        u64::from_ne_bytes(word)
+    };
+    // SAFETY: the first part is mapped until the narrowing below.
+    unsafe { std::ptr::write_volatile(memory.as_ptr().cast::<u64>(), 0x5EED) };
+    memory.narrow(vm_ram, vm_ram).unwrap();
+    assert!(memory.narrow(0, 2 * vm_ram).is_err(), "past the part");
+    memory.register().unwrap();
+    assert!(memory.narrow(0, 4096).is_err(), "registered");
+    let handoff = memory.handoff().unwrap();
+    assert_eq!(handoff.memfd_offset, vm_ram);
+    let space = pager.attach_space(handoff).unwrap();
+    pager.register_vm(0, space, 0, vm_ram).unwrap();
+    let word = |i: usize| memory.as_ptr() as usize + i * HIB_BLOCK as usize;
+    for i in 0..HIB_BLOCKS {
+        // SAFETY: inside the part's mapping.
+        unsafe { std::ptr::write_volatile(word(i) as *mut u64, 0xD000 + i as u64) };
+    }
+    assert_eq!(
+        at(vm_ram + HIB_BLOCK as usize),
+        0xD001,
+        "the part is its slice of the memfd"
+    );
+    let pager_ref = &pager;
+    let resident = |want: u64| move || vm_counter(pager_ref, 0, "resident_bytes") == want;
+    pager.hibernate(0);
+    wait_until(&pager, "VM 0 left memory", resident(0));
+    assert_eq!(
+        at(vm_ram + HIB_BLOCK as usize),
+        0,
+        "its blocks were freed in the memfd"
+    );
+    pager.note_woken(0);
+    wait_until(
+        &pager,
+        "VM 0 came back",
+        resident(HIB_BLOCKS as u64 * HIB_BLOCK),
+    );
+    for i in 0..HIB_BLOCKS {
+        // SAFETY: as above.
+        let v = unsafe { std::ptr::read_volatile(word(i) as *const u64) };
+        assert_eq!(v, 0xD000 + i as u64, "block {i}");
+    }
+    assert_eq!(at(0), 0x5EED, "another part's bytes were touched");
+    assert_eq!(at(2 * vm_ram), 0);
     assert_eq!(pager.fatal_error(), None);
     pager.shutdown();
 }

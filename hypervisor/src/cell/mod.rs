@@ -181,8 +181,8 @@ fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
         .map(|h| {
             let part = ctx.ram.part(h).expect("the front maps every part");
             Space {
-                base: part.as_ptr() as usize,
-                len: part.len(),
+                base: part.base,
+                len: part.len,
             }
         })
         .collect();
@@ -194,27 +194,24 @@ fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
     };
     let mut line = serde_json::to_vec(&hello).expect("hello serializes");
     line.push(b'\n');
+    let memfd = ctx
+        .ram
+        .memory()
+        .memfd()
+        .expect("the front closes its memfd after the hello");
     let fds: Vec<_> = uffds
         .iter()
-        .enumerate()
-        .flat_map(|(h, uffd)| {
-            let part = ctx.ram.part(h).expect("the front maps every part");
-            let memfd = part
-                .memfd()
-                .expect("the front closes its memfds after the hello");
-            [uffd.as_raw_fd(), memfd.as_raw_fd()]
-        })
-        .chain([listener.as_raw_fd()])
+        .map(|uffd| uffd.as_raw_fd())
+        .chain([memfd.as_raw_fd(), listener.as_raw_fd()])
         .collect();
     link.send_with_fds(&[&line[..]], &fds)
         .map_err(|e| link_error("hand the guest memory to the parent", e.into()))?;
     // The pager's copies of the userfaultfds must be the only ones. The
     // memfds the front needs no more: it keeps their mappings (holders it
-    // starts again inherit them), and its descriptors would be two a holder
-    // for as long as the cell runs.
+    // starts again inherit them).
     drop(uffds);
-    ctx.ram.close_memfds();
-    ctx.sys.close_memfds();
+    ctx.ram.close_memfd();
+    ctx.sys.close_memfd();
     match read_message::<Request>(&link)?.req {
         ToCell::Go => {}
         other => return Err(CellError::Unexpected(other)),

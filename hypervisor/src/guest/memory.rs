@@ -325,19 +325,37 @@ impl Arena {
 }
 
 /// Equal slots of memory that a cell's front and one of its holders both
-/// map: one memfd mapping per holder, `slots_per_holder` slots each (VM
-/// `first_id + i` in slot `i`).
+/// map: one memfd for the cell, mapped once, `slots_per_holder` slots a
+/// holder (VM `first_id + i` in slot `i`).
 ///
-/// The front maps every holder's part before it forks them; each holder
-/// then unmaps the others' ([`HolderSlots::keep_only`]), so a page of a
-/// holder's VMs is mapped in no other holder and a kernel walk over its
-/// mappings meets only that holder's KVM notifiers. One mapping per holder
-/// keeps the VMA count constant.
+/// The front maps the whole memfd before it forks the holders; each holder
+/// then keeps only its part of the mapping ([`HolderSlots::keep_only`]), so
+/// a page of a holder's VMs is mapped in no other holder and a kernel walk
+/// over its mappings meets only that holder's KVM notifiers. One mapping
+/// keeps the VMA count constant, and one memfd the pager's descriptors: a
+/// cell whose VMs all sleep holds two mappings and the parent one memfd,
+/// however many holders it has.
 pub struct HolderSlots {
-    memories: Vec<Option<GuestMemory>>,
+    /// The whole memfd in the front; a holder's part in a holder.
+    memory: GuestMemory,
+    /// The part this process kept ([`HolderSlots::keep_only`]): `None` in
+    /// the front, which maps them all.
+    kept: Option<usize>,
+    slots: usize,
     slot_bytes: usize,
     slots_per_holder: usize,
     release: Release,
+}
+
+/// Where holder part `h` of a [`HolderSlots`] lies, in the front.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Part {
+    /// Its address (the same in its holder, which inherits the mapping).
+    pub base: usize,
+    /// Its length: its slots' bytes.
+    pub len: usize,
+    /// Its offset in the memfd.
+    pub memfd_offset: usize,
 }
 
 impl HolderSlots {
@@ -368,57 +386,74 @@ impl HolderSlots {
         slots_per_holder: usize,
         release: Release,
     ) -> Result<Self, paging_policy::PagerError> {
-        let slots_per_holder = slots_per_holder.max(1);
-        let memories = (0..slots.div_ceil(slots_per_holder))
-            .map(|h| {
-                let held = slots_per_holder.min(slots - h * slots_per_holder);
-                GuestMemory::unregistered(slot_bytes * held).map(Some)
-            })
-            .collect::<Result<_, _>>()?;
         Ok(HolderSlots {
-            memories,
+            memory: GuestMemory::unregistered(slot_bytes * slots)?,
+            kept: None,
+            slots,
             slot_bytes,
-            slots_per_holder,
+            slots_per_holder: slots_per_holder.max(1),
             release,
         })
     }
 
-    /// Holder `holder`'s part, if this process maps it.
-    pub fn part(&self, holder: usize) -> Option<&GuestMemory> {
-        self.memories.get(holder)?.as_ref()
-    }
-
     /// Number of parts (holders).
     pub fn parts(&self) -> usize {
-        self.memories.len()
+        self.slots.div_ceil(self.slots_per_holder)
     }
 
-    /// Closes this process's memfd of every part, keeping the mappings (the
-    /// front, once the pager has its copies).
-    pub fn close_memfds(&mut self) {
-        self.memories
-            .iter_mut()
-            .flatten()
-            .for_each(GuestMemory::close_memfd);
-    }
-
-    /// Unmaps every part but `holder`'s (in a holder, just after the fork).
-    pub fn keep_only(&mut self, holder: usize) {
-        for (h, memory) in self.memories.iter_mut().enumerate() {
-            if h != holder {
-                memory.take();
-            }
+    /// Holder `h`'s part; `None` past the last, or in a holder (which maps
+    /// only its own: [`HolderSlots::memory`]).
+    pub fn part(&self, h: usize) -> Option<Part> {
+        let first = h.checked_mul(self.slots_per_holder)?;
+        if self.kept.is_some() || first >= self.slots {
+            return None;
         }
+        let held = self.slots_per_holder.min(self.slots - first);
+        let memfd_offset = first * self.slot_bytes;
+        Some(Part {
+            base: self.memory.as_ptr() as usize + memfd_offset,
+            len: held * self.slot_bytes,
+            memfd_offset,
+        })
     }
 
-    /// Slot `index`; `None` past the end or in a part this process dropped.
+    /// The memory this process maps: all of it in the front, its own part
+    /// in a holder.
+    pub fn memory(&self) -> &GuestMemory {
+        &self.memory
+    }
+
+    /// Closes this process's memfd, keeping the mapping (the front, once
+    /// the pager has its copy).
+    pub fn close_memfd(&mut self) {
+        self.memory.close_memfd();
+    }
+
+    /// Unmaps every part but `holder`'s and closes the memfd, through which
+    /// the others could be mapped again (in a holder, just after the fork).
+    pub fn keep_only(&mut self, holder: usize) -> Result<(), paging_policy::PagerError> {
+        let part = self
+            .part(holder)
+            .ok_or_else(|| paging_policy::PagerError::Mm {
+                op: "keep a holder's part",
+                source: io::Error::other(format!("no part {holder}")),
+            })?;
+        self.memory.narrow(part.memfd_offset, part.len)?;
+        self.memory.close_memfd();
+        self.kept = Some(holder);
+        Ok(())
+    }
+
+    /// Slot `index`; `None` past the end or outside this process's part.
     pub fn slot(&self, index: usize) -> Option<Mapping> {
-        let memory = self.part(index / self.slots_per_holder)?;
-        let offset = (index % self.slots_per_holder) * self.slot_bytes;
-        // SAFETY: in bounds of the part (which holds `slots_per_holder`
-        // slots, or the rest), which lives as long as the cell.
-        let base = unsafe { memory.as_ptr().add(offset) };
-        (offset + self.slot_bytes <= memory.len()).then(|| Mapping {
+        let first_slot = self.kept.map_or(0, |h| h * self.slots_per_holder);
+        let offset = index.checked_sub(first_slot)? * self.slot_bytes;
+        if index >= self.slots || offset + self.slot_bytes > self.memory.len() {
+            return None;
+        }
+        // SAFETY: in bounds of the mapping, which lives as long as the cell.
+        let base = unsafe { self.memory.as_ptr().add(offset) };
+        Some(Mapping {
             base: NonNull::new(base).expect("non-null slot"),
             len: self.slot_bytes,
             release: self.release,
@@ -437,6 +472,38 @@ impl HolderSlots {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_holder_keeps_only_its_part_of_the_cells_one_memory() {
+        let slot = 2 * 4096;
+        // Parts of two slots: 0-1, 2-3 and 4.
+        let mut slots = HolderSlots::guest_ram(slot, 5, 2).unwrap();
+        assert_eq!(slots.parts(), 3);
+        let parts: Vec<Part> = (0..3).map(|h| slots.part(h).unwrap()).collect();
+        assert!(slots.part(3).is_none());
+        assert_eq!(
+            parts
+                .iter()
+                .map(|p| (p.memfd_offset, p.len))
+                .collect::<Vec<_>>(),
+            [(0, 2 * slot), (2 * slot, 2 * slot), (4 * slot, slot)]
+        );
+        assert_eq!(parts[1].base, parts[0].base + 2 * slot, "one mapping");
+        slots.slot(3).unwrap().write_obj(8, 0x7a_u64);
+        slots.keep_only(1).unwrap();
+        assert!(slots.memory().memfd().is_none(), "a holder keeps no memfd");
+        assert_eq!(slots.memory().as_ptr() as usize, parts[1].base);
+        assert_eq!(slots.memory().len(), 2 * slot);
+        assert_eq!(slots.slot(3).unwrap().read_volatile::<u64>(8), 0x7a);
+        assert!(slots.slot(2).is_some());
+        for other in [0, 1, 4, 5] {
+            assert!(
+                slots.slot(other).is_none(),
+                "slot {other} is another holder's"
+            );
+        }
+        assert!(slots.part(1).is_none() && slots.keep_only(0).is_err());
+    }
 
     #[test]
     fn a_pack_keeps_what_the_kept_ranges_held_and_the_pages_are_freed() {

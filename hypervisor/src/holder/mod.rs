@@ -835,10 +835,17 @@ fn run(
             return 1;
         }
     }
-    ctx.ram.keep_only(index);
-    ctx.sys.keep_only(index);
+    if let Err(e) = ctx
+        .ram
+        .keep_only(index)
+        .and_then(|()| ctx.sys.keep_only(index))
+    {
+        crate::log!("densevm: error: holder {index}: keep its part of the memory: {e}");
+        return 1;
+    }
     // Every descriptor but those this holder needs: no other holder's
-    // interrupts or doorbells, nor anything else the front had open.
+    // interrupts or doorbells, nor anything else the front had open (the
+    // cell's memfds, through which other holders' memory could be mapped).
     let own = first_slot as usize..(first_slot + slots) as usize;
     let mut keep = vec![
         libc::STDOUT_FILENO,
@@ -847,12 +854,6 @@ fn run(
         ctx.kvm.as_raw_fd(),
         ctx.image.memfd.as_raw_fd(),
     ];
-    keep.extend(
-        [&ctx.ram, &ctx.sys]
-            .iter()
-            .filter_map(|slots| slots.part(index)?.memfd())
-            .map(|memfd| memfd.as_raw_fd()),
-    );
     let mut eventfds: Eventfds = match inherited {
         Some(inherited) => inherited
             .irqs
@@ -877,7 +878,7 @@ fn run(
         crate::log!("densevm: error: holder {index}: close inherited descriptors: {e}");
         return 1;
     }
-    let memory = ctx.ram.part(index).expect("own part");
+    let memory = ctx.ram.memory();
     let uffd = match memory.register().and_then(|()| memory.take_uffd()) {
         Ok(uffd) => uffd,
         Err(e) => {

@@ -3,8 +3,9 @@
 //! message carrying descriptors.
 //!
 //! 1. parent -> cell: [`CellConfig`].
-//! 2. cell -> parent: [`Hello`], with a userfaultfd and a guest-RAM memfd
-//!    attached (SCM_RIGHTS) for each of the cell's holders.
+//! 2. cell -> parent: [`Hello`], with a userfaultfd for each of the cell's
+//!    holders, then its one guest-RAM memfd and its listening socket
+//!    attached (SCM_RIGHTS).
 //! 3. parent -> cell: [`ToCell::Go`] once the pager holds the cell's memory
 //!    and knows its VMs; the cell boots them.
 //! 4. From then on the parent sends [`ToCell`] requests, one at a time, each
@@ -88,8 +89,9 @@ pub struct CellConfig {
     pub capacity: u32,
 }
 
-/// The cell's first message; its descriptors travel with it, a
-/// userfaultfd and a memfd per entry of `spaces`, in that order.
+/// The cell's first message; its descriptors travel with it: a
+/// userfaultfd per entry of `spaces`, in that order, then the guest-RAM
+/// memfd whose consecutive slices the spaces are, then the cell's socket.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Hello {
     /// The cell's pid.
@@ -103,7 +105,8 @@ pub struct Hello {
 }
 
 /// One holder's guest RAM, mapped at the same address in the holder and
-/// in the cell's front.
+/// in the cell's front: the slice of the cell's memfd after the spaces
+/// before it.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Space {
     /// Address of the mapping.

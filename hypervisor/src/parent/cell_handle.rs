@@ -63,8 +63,9 @@ pub enum HelloError {
         /// How many the slots need.
         needed: u64,
     },
-    /// Not a userfaultfd and a memfd per space, then the cell's socket.
-    #[error("{fds} descriptors for {spaces} spaces (two each, then the cell's socket)")]
+    /// Not a userfaultfd per space, then the guest-RAM memfd and the cell's
+    /// socket.
+    #[error("{fds} descriptors for {spaces} spaces (a userfaultfd each, then the memfd and the cell's socket)")]
     Descriptors {
         /// How many came.
         fds: usize,
@@ -408,21 +409,25 @@ impl PendingCell {
         spaces: &mut Vec<SpaceId>,
     ) -> Result<(), StartFailure> {
         let mut fds = received.into_iter();
-        for space in &hello.spaces {
-            let (Some(uffd), Some(memfd)) = (fds.next(), fds.next()) else {
-                unreachable!("two descriptors a space, checked by check_hello")
-            };
+        let uffds: Vec<OwnedFd> = fds.by_ref().take(hello.spaces.len()).collect();
+        let (Some(memfd), Some(listener)) = (fds.next(), fds.next()) else {
+            unreachable!("the memfd and the socket follow the spaces, checked by check_hello")
+        };
+        // One memfd for every holder's part: each part is a slice of it, at
+        // the slots before it.
+        let memfd = std::sync::Arc::new(memfd);
+        let mut memfd_offset = 0;
+        for (space, uffd) in hello.spaces.iter().zip(uffds) {
             let handoff = SpaceHandoff {
                 uffd,
-                memfd,
+                memfd: std::sync::Arc::clone(&memfd),
+                memfd_offset,
                 base: space.base,
                 len: space.len,
             };
             spaces.push(pager.attach_space(handoff)?);
+            memfd_offset += space.len;
         }
-        let listener = fds
-            .next()
-            .expect("the socket follows the spaces, checked by check_hello");
         // The map keeps the socket; the cell's copy is its only descriptor.
         steering.add_cell(self.index, &listener)?;
         drop(listener);
@@ -459,7 +464,8 @@ impl PendingCell {
 
 /// Checks a cell's hello against what the parent started it for: its pid,
 /// one whole-page space per holder of `holder_vms` slots, as long as those
-/// slots, not overlapping; two descriptors a space; the host's platform.
+/// slots, not overlapping; a userfaultfd a space, then the memfd and the
+/// socket; the host's platform.
 fn check_hello(
     hello: &Hello,
     pid: u32,
@@ -481,14 +487,14 @@ fn check_hello(
         });
     }
     let needed = capacity.div_ceil(hello.holder_vms) as u64;
-    if hello.spaces.len() as u64 != needed || hello.spaces.len() > (fds::MAX_FDS - 1) / 2 {
+    if hello.spaces.len() as u64 != needed || hello.spaces.len() > fds::MAX_FDS - 2 {
         return Err(HelloError::Spaces {
             spaces: hello.spaces.len(),
             capacity,
             needed,
         });
     }
-    if fds != 2 * hello.spaces.len() + 1 {
+    if fds != hello.spaces.len() + 2 {
         return Err(HelloError::Descriptors {
             fds,
             spaces: hello.spaces.len(),
@@ -744,7 +750,7 @@ mod tests {
     fn a_hello_that_fits_the_cell_is_accepted() {
         const RAM: usize = 1 << 20;
         let good = hello(8, &[(1 << 30, 8 * RAM), (2 << 30, 2 * RAM)]);
-        check_hello(&good, 7, 10, 5, RAM, "kvm").unwrap();
+        check_hello(&good, 7, 10, 4, RAM, "kvm").unwrap();
     }
 
     #[test]
@@ -756,6 +762,13 @@ mod tests {
             (hello(8, &[(base, 8 * RAM)]), 10, 3, "kvm", "need 2"),
             (hello(8, &[(base, 8 * RAM)]), 8, 1, "kvm", "descriptors"),
             (hello(8, &[(base, 8 * RAM)]), 8, 2, "kvm", "descriptors"),
+            (
+                hello(4, &[(base, 4 * RAM), (base + 4 * RAM, 4 * RAM)]),
+                8,
+                5,
+                "kvm",
+                "descriptors",
+            ),
             (hello(8, &[(base + 1, 8 * RAM)]), 8, 3, "kvm", "whole pages"),
             (hello(8, &[(base, 4 * RAM)]), 8, 3, "kvm", "as long as"),
             (
@@ -768,7 +781,7 @@ mod tests {
             (
                 hello(4, &[(base, 4 * RAM), (base + RAM, 4 * RAM)]),
                 8,
-                5,
+                4,
                 "kvm",
                 "overlaps",
             ),
