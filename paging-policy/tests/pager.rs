@@ -1038,6 +1038,14 @@ fn a_vm_unregistered_during_its_hibernation_leaks_nothing() {
     pager.shutdown();
 }
 
+/// A demand pager for one VM of `HIB_BLOCKS` blocks, room for two, and the
+/// VM's RAM bytes.
+fn one_vm_pager(tag: &str) -> (Arc<Pager>, usize) {
+    let vm_ram = HIB_BLOCKS * HIB_BLOCK as usize;
+    let cfg = config("demand", HIB_BLOCK, 2 * vm_ram as u64, tag);
+    (Pager::new(cfg, 1, vm_ram as u64).unwrap(), vm_ram)
+}
+
 /// Issue 40: a space whose process left (a densevm holder whose VMs all
 /// sleep) keeps no userfaultfd in the pager: the memory's registration ends,
 /// so another descriptor can register it. A prefetch that comes meanwhile
@@ -1045,9 +1053,7 @@ fn a_vm_unregistered_during_its_hibernation_leaks_nothing() {
 /// whole, written or not, through another hibernation.
 #[test]
 fn a_space_released_by_its_process_holds_no_userfaultfd_and_comes_back_intact() {
-    let vm_ram = HIB_BLOCKS * HIB_BLOCK as usize;
-    let cfg = config("demand", HIB_BLOCK, 2 * vm_ram as u64, "released");
-    let pager = Pager::new(cfg, 1, vm_ram as u64).unwrap();
+    let (pager, vm_ram) = one_vm_pager("released");
     let memory = GuestMemory::new(vm_ram).unwrap();
     let space = pager.attach_space(memory.hand_over().unwrap()).unwrap();
     pager.register_vm(0, space, 0, vm_ram).unwrap();
@@ -1135,9 +1141,7 @@ fn a_reattach_after_a_release_waits_for_what_began_before_the_release() {
 #[test]
 fn a_space_cut_from_a_shared_memfd_is_paged_at_its_offset() {
     use std::os::fd::AsRawFd;
-    let vm_ram = HIB_BLOCKS * HIB_BLOCK as usize;
-    let cfg = config("demand", HIB_BLOCK, 2 * vm_ram as u64, "cut");
-    let pager = Pager::new(cfg, 1, vm_ram as u64).unwrap();
+    let (pager, vm_ram) = one_vm_pager("cut");
     let mut memory = GuestMemory::unregistered(3 * vm_ram).unwrap();
     let memfd = memory.memfd().unwrap().try_clone_to_owned().unwrap();
     let at = |offset: usize| {
