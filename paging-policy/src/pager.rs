@@ -130,10 +130,11 @@ impl Space {
         })
     }
 
-    /// Puts its userfaultfd in the pager's epoll set, if it has one.
-    fn start_polling(&self, epoll: &OwnedFd) -> Result<(), PagerError> {
+    /// Adds its userfaultfd to the pager's epoll set, or takes it out
+    /// (`op`: EPOLL_CTL_ADD or EPOLL_CTL_DEL), if it has one.
+    fn poll(&self, epoll: &OwnedFd, op: libc::c_int) -> Result<(), PagerError> {
         match &self.uffd {
-            Some(uffd) => epoll_ctl(epoll, libc::EPOLL_CTL_ADD, uffd.as_raw_fd(), self.id as u64),
+            Some(uffd) => epoll_ctl(epoll, op, uffd.as_raw_fd(), self.id as u64),
             None => Ok(()),
         }
     }
@@ -143,14 +144,6 @@ impl Space {
     fn in_use(self: &Arc<Self>) -> bool {
         Arc::strong_count(self) > 1
             || std::iter::successors(self.previous.upgrade(), |s| s.previous.upgrade()).count() > 0
-    }
-
-    /// Takes its userfaultfd out of the pager's epoll set, if it has one.
-    fn stop_polling(&self, epoll: &OwnedFd) -> Result<(), PagerError> {
-        match &self.uffd {
-            Some(uffd) => epoll_ctl(epoll, libc::EPOLL_CTL_DEL, uffd.as_raw_fd(), self.id as u64),
-            None => Ok(()),
-        }
     }
 }
 
@@ -442,7 +435,7 @@ impl Pager {
         if space.failed.swap(true, Ordering::SeqCst) {
             return;
         }
-        let _ = space.stop_polling(&self.epoll);
+        let _ = space.poll(&self.epoll, libc::EPOLL_CTL_DEL);
         self.report(PagerFailure {
             space: space.id,
             vm: None,
@@ -511,7 +504,7 @@ impl Pager {
             failed: AtomicBool::new(false),
             previous: Weak::new(),
         });
-        space.start_polling(&self.epoll)?;
+        space.poll(&self.epoll, libc::EPOLL_CTL_ADD)?;
         st.next_space += 1;
         st.spaces.insert(id, space);
         Ok(id)
@@ -655,7 +648,7 @@ impl Pager {
         for vm in vms {
             self.unregister_vm(vm);
         }
-        let _ = target.stop_polling(&self.epoll);
+        let _ = target.poll(&self.epoll, libc::EPOLL_CTL_DEL);
         self.lock().spaces.remove(&space);
     }
 
@@ -747,8 +740,8 @@ impl Pager {
             }
         }
         // Faults on the new descriptor wait in it until it is read.
-        old.stop_polling(&self.epoll)?;
-        new.start_polling(&self.epoll)?;
+        old.poll(&self.epoll, libc::EPOLL_CTL_DEL)?;
+        new.poll(&self.epoll, libc::EPOLL_CTL_ADD)?;
         st.spaces.insert(space, new);
         Ok(old)
     }
