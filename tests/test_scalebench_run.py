@@ -40,6 +40,13 @@ FAKE_DENSEVM = textwrap.dedent("""\
     t0 = time.monotonic()
     # Faults begin with the touch (bracketed by "disk" requests), after the calibration.
     touched = []
+    # The swap device slows 4x once the FAKE zipfperf marks its load phase (FAKE_IO_SLOWS).
+    slowed_at = []
+    def io_slowed(t):
+        mark = os.environ.get("FAKE_IO_SLOWS")
+        if mark and not slowed_at and os.path.exists(mark):
+            slowed_at.append(t)
+        return 0.3 * (t - slowed_at[0]) if slowed_at else 0.0
     def stats():
         t = time.monotonic() - t0
         # Paging from boot on: the calibration pages.
@@ -53,7 +60,7 @@ FAKE_DENSEVM = textwrap.dedent("""\
                  "resident_bytes": 512 << 20, "budget_bytes": 1 << 30, "block_bytes": 32768,
                  "faults": int(paging * 100), "blocks_in": 0, "blocks_out": 0,
                  "swap_read_bytes": int(paging * 100) * 32768, "swap_write_bytes": 0,
-                 "io_seconds": t * 0.1,
+                 "io_seconds": t * 0.1 + io_slowed(t),
                  "disk_usage": {{"busy_seconds": paging * 0.5, "requests": int(paging * 100),
                                 "positioned": int(paging * 50),
                                 "positioning_seconds": int(paging * 50) * 0.01}},
@@ -106,6 +113,8 @@ FAKE_ZIPFPERF = textwrap.dedent("""\
     interrupted = []
     signal.signal(signal.SIGINT, lambda *_: interrupted.append(1))
     t0, d = time.monotonic(), float(opt("--duration"))
+    if os.environ.get("FAKE_IO_SLOWS") and d < 60:  # the load phase, not the settle phase
+        open(os.environ["FAKE_IO_SLOWS"], "w").close()
     while time.monotonic() - t0 < d and not interrupted:
         time.sleep(0.02)
     d = time.monotonic() - t0
@@ -371,6 +380,34 @@ def test_the_host_time_per_fault_is_calibrated_by_the_settle_phase(fakes):
     # A flag still wins.
     flagged = run(small_config(fakes, cpu_us=1.0, fault_us=40.0), bins=Binaries.find())
     assert flagged.calibration["fault_source"] == "flag" and flagged.model["fault_us"] == 40.0
+
+
+def test_the_swap_devices_time_a_block_is_recorded_and_a_drift_after_calibration_warned(
+    fakes, monkeypatch
+):
+    # The FAKE densevm spends 0.1 s of I/O a second on 100 blocks: 1 ms a block throughout.
+    steady = run(small_config(fakes, cpu_us=1.0), bins=Binaries.find())
+    assert steady.status == "ok", steady.error
+    assert steady.swap_io_us_per_block["settle"] == pytest.approx(1000.0, rel=0.2)
+    assert steady.swap_io_us_per_block["measure"] == pytest.approx(1000.0, rel=0.2)
+    assert not [w for w in steady.warnings if "swap device" in w]
+    # Its device slows 4x when the load begins, after the settle phase calibrated.
+    monkeypatch.setenv("FAKE_IO_SLOWS", str(fakes / "slow"))
+    drifted = run(small_config(fakes, cpu_us=1.0), bins=Binaries.find())
+    assert drifted.status == "ok", drifted.error
+    then, now = (drifted.swap_io_us_per_block[k] for k in ("settle", "measure"))
+    assert now / then == pytest.approx(4.0, rel=0.25)
+    [warning] = [w for w in drifted.warnings if "swap device" in w]
+    assert "in the settle phase" in warning and "measured/model" in warning
+
+
+def test_swap_io_a_block_is_the_io_time_over_blocks_read_and_written():
+    from scalebench.runner import swap_io_us_per_block
+
+    first = {"swap_read_bytes": 0, "swap_write_bytes": 0, "io_seconds": 1.0}
+    last = {"swap_read_bytes": 3 << 15, "swap_write_bytes": 1 << 15, "io_seconds": 1.008}
+    assert swap_io_us_per_block(first, last, 1 << 15) == pytest.approx(2000.0)
+    assert swap_io_us_per_block(first, first, 1 << 15) is None
 
 
 def test_regime_counts_misses_not_faults():

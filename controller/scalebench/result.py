@@ -96,6 +96,8 @@ class RunResult:
     swap_read_mbps: float | None = None  # MB/s = 10^6 bytes/s
     swap_write_mbps: float | None = None
     disk_busy: float | None = None  # densevm io_seconds per wall second
+    # the swap device's µs per block read or written: {"settle": ..., "measure": ...}
+    swap_io_us_per_block: dict = field(default_factory=dict)
     drive: dict = field(
         default_factory=dict
     )  # the modeled drives over the measurement, see RESULTS.md

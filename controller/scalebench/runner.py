@@ -74,6 +74,11 @@ SETTLE_MIN_REQUESTS = 10_000
 # warm-up woke no VM for its first 3,000 requests, where a quarter of requests wake one).
 SETTLE_SEED_OFFSET = 1_000_003
 SETTLE_CONCURRENCY = 64
+# The swap device's time per block (real I/O, also with --disk none) may move by this
+# factor between the settle phase, which calibrates the host time per fault, and the
+# measurement before the run warns. This host's disk drifted from 1.0 to 1.6-8 ms a block
+# within one 100,000-VM measurement (docs/host-facts.md, "The swap disk's speed drifts").
+SWAP_IO_DRIFT = 1.5
 # The stats totals the measurement is computed from (INTERFACES.md, densevm control API).
 CONTRACT_TOTALS = (
     "requests",
@@ -193,8 +198,8 @@ class Sampler:
         if time.monotonic() - self.last >= SAMPLE_INTERVAL_S:
             self.sample(phase)
 
-    def late_window(self, phase: str) -> Window | None:
-        """Requests and paging over the second half of a phase, or None."""
+    def late_rows(self, phase: str) -> tuple[dict, dict] | None:
+        """The samples that bound the second half of a phase, or None."""
         at = [i for i, r in enumerate(self.samples) if r["phase"] == phase]
         if not at:
             return None
@@ -204,7 +209,14 @@ class Sampler:
             rows.pop()  # samples after the load stopped
         if len(rows) < 3:
             return None
-        first, last = rows[len(rows) // 2], rows[-1]
+        return rows[len(rows) // 2], rows[-1]
+
+    def late_window(self, phase: str) -> Window | None:
+        """Requests and paging over the second half of a phase, or None."""
+        bounds = self.late_rows(phase)
+        if bounds is None:
+            return None
+        first, last = bounds
         dt, dreq = last["t"] - first["t"], last["requests"] - first["requests"]
         if dt <= 0 or dreq <= 0:
             return None
@@ -276,6 +288,15 @@ def hibernation_window(before: dict, after: dict, requests: int) -> HibernationW
         wake_us_p50=log2_quantile_us(histogram, 0.5),
         wake_us_p99=log2_quantile_us(histogram, 0.99),
     )
+
+
+def swap_io_us_per_block(first: dict, last: dict, block_bytes: int) -> float | None:
+    """The swap device's time per block moved between two Sampler rows: densevm's I/O seconds
+    over the blocks read and written, µs; None without swap traffic."""
+    moved = sum(last[k] - first[k] for k in ("swap_read_bytes", "swap_write_bytes"))
+    if moved <= 0:
+        return None
+    return (last["io_seconds"] - first["io_seconds"]) / (moved / block_bytes) * 1e6
 
 
 def drive_usage(delta: dict, wall: float) -> dict:
@@ -418,6 +439,7 @@ class Run:
             "fault_us": fault_us,
             "fault_source": fault_source,
         }
+        self._check_swap_io(window[0], window[-1])
         if cpu_us is None:
             r.model = {"error": f"no in-core CPU cost: {source}"}
             r.warnings.append(r.model["error"])
@@ -807,6 +829,27 @@ class Run:
         if self.cfg.idle_after is not None:
             for name, value in asdict(hibernation_window(before, after, d["requests"])).items():
                 setattr(r, name, value)
+
+    def _check_swap_io(self, before: dict, after: dict) -> None:
+        """Records the swap device's time per block in the settle phase's second half and in
+        the measurement, and warns when the host time per fault was calibrated in the former
+        and the device moved by more than SWAP_IO_DRIFT between them: the model's fault cost
+        then no longer describes the measurement (measured/model reads off by the drift)."""
+        r, block = self.result, self.cfg.block_bytes
+        settle = self.sampler.late_rows("settle")
+        r.swap_io_us_per_block = {
+            "settle": settle and swap_io_us_per_block(*settle, block),
+            "measure": swap_io_us_per_block(before, after, block),
+        }
+        then, now = r.swap_io_us_per_block["settle"], r.swap_io_us_per_block["measure"]
+        calibrated = r.calibration["fault_source"].startswith("settle phase")
+        if calibrated and then and now and max(now / then, then / now) > SWAP_IO_DRIFT:
+            r.warnings.append(
+                f"the swap device's time a block went from {then / 1e3:.2f} ms in the settle "
+                f"phase to {now / 1e3:.2f} ms in the measurement (x{now / then:.2f}): the "
+                "host time per fault was calibrated before it moved, so measured/model "
+                "reflects the host's disk as much as the model"
+            )
 
     def _record_model(self, cpu_us: float, bench: diskbench.DiskBench) -> None:
         apply_model(self.result, self.cfg, cpu_us, bench)

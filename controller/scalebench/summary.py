@@ -50,6 +50,11 @@ def summary(r: RunResult) -> str:
         f"{_num(r.swap_read_mbps, '{:.1f}')} MB/s, "
         f"out {_num(r.swap_write_mbps, '{:.1f}')} MB/s"
         + (
+            f", {r.swap_io_us_per_block['measure'] / 1e3:.2f} ms a block"
+            if (r.swap_io_us_per_block or {}).get("measure")
+            else ""
+        )
+        + (
             f"   modeled drive busy {r.drive['utilization']:.0%}, {r.drive['positioning_ms']:.1f} "
             "ms a seek"
             if r.drive
