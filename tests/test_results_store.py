@@ -251,3 +251,22 @@ def test_the_cliff_moves_later_with_smaller_blocks_check():
     assert run_checks([spec], rows({4096: 1500, 32768: 1000, 131072: 800}))[0]["passed"] == "yes"
     assert run_checks([spec], rows({4096: 800, 32768: 1000, 131072: 800}))[0]["passed"] == "NO"
     assert run_checks([spec], rows({4096: 1000, 32768: 1000, 131072: 1000}))[0]["passed"] == "NO"
+
+
+def test_a_figures_title_and_claim_fit_across_its_plot():
+    """Fig 11's title (104 characters) and claim ran off the right edge of its stored plot."""
+    import matplotlib.pyplot as plt
+    from scalebench.plots import _heading
+    from scalebench.sweep import load_experiment
+
+    exp = load_experiment(ROOT / "experiments" / "fig11.toml")
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    _heading(ax, exp.title, exp.claim)
+    fig.canvas.draw()
+    heading = ax.get_title(loc="left")
+    assert heading.startswith("Figure 11") and "Paper: out of core" in heading
+    [text] = [t for t in (ax.title, *ax.texts, *ax.get_children()) if getattr(t, "get_text", None)
+              and t.get_text() == heading]  # fmt: skip
+    # The axes begin up to 1.1 inches from the figure's left edge (log ticks, a y label).
+    assert text.get_window_extent(fig.canvas.get_renderer()).width <= fig.bbox.width - 110
+    plt.close(fig)

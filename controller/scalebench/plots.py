@@ -35,6 +35,8 @@ _PHASE_COLOURS = {
     "load": "#ffffff",
 }
 MEASUREMENT_LABEL = "measurement window"
+# Characters of a 9-point heading line that fit over the axes of an 8-inch figure.
+HEADING_CHARS = 95
 LIVE_LABEL = "VMs awake (live)"
 
 
@@ -219,14 +221,21 @@ def line_plot(
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7, loc="best")
-    if claim:
-        ax.set_title(f"{title}\n" + textwrap.fill(f"Paper: {claim}", 110), fontsize=9, loc="left")
-    else:
-        ax.set_title(title)
+    _heading(ax, title, claim)
     _verdict_lines(fig, verdicts)
     fig.tight_layout(rect=(0, 0.16 * len(verdicts) / fig.get_figheight() + 0.01, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _heading(ax, title: str, claim: str) -> None:
+    """The title over the axes, with the paper's claim under it, both wrapped to fit the
+    8-inch figures: a 104-character title ran off the right edge unwrapped."""
+    if not claim:
+        ax.set_title(title)
+        return
+    lines = [textwrap.fill(title, HEADING_CHARS), textwrap.fill(f"Paper: {claim}", HEADING_CHARS)]
+    ax.set_title("\n".join(lines), fontsize=9, loc="left")
 
 
 def bar_plot(
@@ -250,11 +259,7 @@ def bar_plot(
     ax.set_ylabel(ylabel)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=7)
-    ax.set_title(
-        f"{title}\n" + textwrap.fill(f"Paper: {claim}", 110) if claim else title,
-        fontsize=9,
-        loc="left",
-    )
+    _heading(ax, title, claim)
     _verdict_lines(fig, verdicts)
     fig.tight_layout(rect=(0, 0.16 * len(verdicts) / fig.get_figheight() + 0.01, 1, 1))
     fig.savefig(path, dpi=100)
