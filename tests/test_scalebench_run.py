@@ -399,6 +399,13 @@ def test_the_swap_devices_time_a_block_is_recorded_and_a_drift_after_calibration
     assert now / then == pytest.approx(4.0, rel=0.25)
     [warning] = [w for w in drifted.warnings if "swap device" in w]
     assert "in the settle phase" in warning and "measured/model" in warning
+    # A modeled disk's time counts in the measurement only (the settle phase suspends the
+    # model): no warning for that.
+    (fakes / "slow").unlink()
+    modeled = run(small_config(fakes, cpu_us=1.0, disk="hdd"), bins=Binaries.find())
+    assert modeled.status == "ok", modeled.error
+    assert modeled.swap_io_us_per_block["measure"] > 2 * modeled.swap_io_us_per_block["settle"]
+    assert not [w for w in modeled.warnings if "swap device" in w]
 
 
 def test_swap_io_a_block_is_the_io_time_over_blocks_read_and_written():
