@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -162,6 +164,49 @@ def test_tracer_or_qemu_dying_mid_run_is_a_clear_error(image, libvirt_conn, tmp_
             guest.check_alive()
         name = guest.name
     assert name not in _domain_names(libvirt_conn)
+
+
+@needs_root
+@guest_timeout
+def test_sigterm_to_results_make_ecommerce_tears_its_guest_down(
+    image, libvirt_conn, tmp_path: Path
+) -> None:
+    """The findings bench runs dbtrace two processes below `scalebench results make`. SIGTERM
+    at the top used to kill the bench outright, which left dbtrace, its tracer and the guest
+    running; now each level stops the one below and waits for its teardown."""
+    before = set(_domain_names(libvirt_conn))
+    argv = ["results", "make", "ecommerce", "--work", str(tmp_path / "work")]
+    log = tmp_path / "make.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "scalebench", *argv, "--dest", str(tmp_path / "results")],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        while not set(_domain_names(libvirt_conn)) - before:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=300) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "interrupted" in log.read_text()
+    assert set(_domain_names(libvirt_conn)) == before
+    left = [
+        pid
+        for pid in os.listdir("/proc")
+        if pid.isdigit() and str(tmp_path).encode() in _cmdline(int(pid))
+    ]
+    assert not left, [_cmdline(int(pid)) for pid in left]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 @needs_root

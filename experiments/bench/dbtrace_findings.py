@@ -32,6 +32,15 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "controller"))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(ROOT / "controller"), os.environ.get("PYTHONPATH", "")]
+)
+
+from scalebench.procs import Child  # noqa: E402
+
+# How long a terminated dbtrace run may take to tear its guest and libvirtd down.
+DBTRACE_TEARDOWN_S = 120.0
 MIXES = (
     ("tpcw", "browsing"),
     ("tpcw", "ordering"),
@@ -65,14 +74,19 @@ def run_default(
         "--out",
         str(out),
     ]
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(ROOT / "controller"), os.environ.get("PYTHONPATH", "")]),
-    )
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=False)
-    (out / "stdout.txt").write_text(proc.stdout)
-    if proc.returncode != 0:
-        print(f"dbtrace_findings: {workload} {mix} failed (exit {proc.returncode})", flush=True)
+    child = Child(cmd, stdout=subprocess.PIPE, stderr=None)
+    try:
+        stdout, _ = child.popen.communicate()
+    except BaseException:
+        # Terminated or interrupted: dbtrace tears its guest and libvirtd down on SIGTERM;
+        # killed outright it would leave them running.
+        child.stop(DBTRACE_TEARDOWN_S)
+        raise
+    (out / "stdout.txt").write_text(stdout.decode(errors="replace"))
+    if child.popen.returncode != 0:
+        print(
+            f"dbtrace_findings: {workload} {mix} failed (exit {child.popen.returncode})", flush=True
+        )
         return None
     return json.loads((out / "result.json").read_text())
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from ..procs import stop_signals_deferred
 from .domain import DomainSpec, pick_domain_type
 from .errors import DbTraceError
 from .image import GuestImage, ensure_image
@@ -175,10 +176,14 @@ class DbGuest:
             nbd_socket=nbd_socket,
             qcow2_overlay=qcow2,
         )
-        try:
-            self.domain = self.conn.createXML(spec.to_xml(), 0)  # type: ignore[attr-defined]
-        except libvirt.libvirtError as err:
-            raise DbTraceError(f"libvirt could not start the guest: {err}") from err
+        # A stop signal taken mid-creation either lost the domain's handle or had libvirt
+        # destroy a domain still starting, which left its QEMU running: it waits until the
+        # domain is created and held, so that teardown destroys it.
+        with stop_signals_deferred():
+            try:
+                self.domain = self.conn.createXML(spec.to_xml(), 0)  # type: ignore[attr-defined]
+            except libvirt.libvirtError as err:
+                raise DbTraceError(f"libvirt could not start the guest: {err}") from err
 
     def check_alive(self) -> None:
         """Raise if QEMU or the tracer has died."""
