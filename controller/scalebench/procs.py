@@ -91,6 +91,18 @@ class Child:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGINT)
 
+    def finish(self, grace_s: float) -> tuple[bytes | None, int]:
+        """Waits for it to end (reading its stdout if piped) and returns that and its exit
+        status. Interrupted or terminated meanwhile, stops it (`stop`, grace_s for its own
+        teardown) before the exception goes on: killed outright, what it started (a guest,
+        a daemon) would be left running."""
+        try:
+            stdout, _ = self.popen.communicate()
+        except BaseException:
+            self.stop(grace_s)
+            raise
+        return stdout, self.popen.returncode
+
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM the group, wait up to grace_s, then SIGKILL it; returns the exit status."""
         self._signal_group(signal.SIGTERM)

@@ -55,11 +55,11 @@ COMMANDS = {
     "fig11": "scalebench results make fig11",
     "ecommerce": "scalebench results make ecommerce",
 }
-# Wall time of each command on this project's 2-core host (Fig 9 measured by its grid's
-# 81 points at ~65 s; the others from their grids' warm-up + measurement + boot + touch).
 # How long the terminated findings bench may take to stop its dbtrace run (which may take
 # up to DBTRACE_TEARDOWN_S, experiments/bench/dbtrace_findings.py) before it is killed.
 FINDINGS_TEARDOWN_S = 150.0
+# Wall time of each command on this project's 2-core host (Fig 9 measured by its grid's
+# 81 points at ~65 s; the others from their grids' warm-up + measurement + boot + touch).
 ESTIMATED_HOURS = {"fig08": 1.8, "fig09": 1.5, "fig10": 0.7, "fig11": 1.0, "ecommerce": 1.0}
 
 ECOMMERCE_CLAIM = (
@@ -255,13 +255,7 @@ def _run_findings(work: Path) -> None:
     """The storage study's findings bench, its default runs (dbtrace's 64 MiB cap), into work."""
     script = REPO_ROOT / "experiments" / "bench" / "dbtrace_findings.py"
     child = Child([sys.executable, str(script), "--out", str(work)], stdout=None, stderr=None)
-    try:
-        code = child.popen.wait()
-    except BaseException:
-        # Terminated or interrupted: the bench stops its dbtrace run, which tears its guest
-        # down, before it exits; killed outright it would leave them running.
-        child.stop(FINDINGS_TEARDOWN_S)
-        raise
+    _, code = child.finish(FINDINGS_TEARDOWN_S)
     if not (work / "results.json").exists():
         raise ConfigError(f"{script.name} wrote no results.json (exit {code})")
 

@@ -74,19 +74,10 @@ def run_default(
         "--out",
         str(out),
     ]
-    child = Child(cmd, stdout=subprocess.PIPE, stderr=None)
-    try:
-        stdout, _ = child.popen.communicate()
-    except BaseException:
-        # Terminated or interrupted: dbtrace tears its guest and libvirtd down on SIGTERM;
-        # killed outright it would leave them running.
-        child.stop(DBTRACE_TEARDOWN_S)
-        raise
-    (out / "stdout.txt").write_text(stdout.decode(errors="replace"))
-    if child.popen.returncode != 0:
-        print(
-            f"dbtrace_findings: {workload} {mix} failed (exit {child.popen.returncode})", flush=True
-        )
+    stdout, code = Child(cmd, stdout=subprocess.PIPE, stderr=None).finish(DBTRACE_TEARDOWN_S)
+    (out / "stdout.txt").write_text((stdout or b"").decode(errors="replace"))
+    if code != 0:
+        print(f"dbtrace_findings: {workload} {mix} failed (exit {code})", flush=True)
         return None
     return json.loads((out / "result.json").read_text())
 
