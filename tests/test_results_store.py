@@ -9,12 +9,14 @@ so it has all five phases).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -58,6 +60,61 @@ def fake_ecommerce_runs() -> list[dict]:
         }
         for (w, m), (s, r) in shares.items()
         for _ in range(2)
+    ]
+
+
+def findings_bench():
+    """experiments/bench/dbtrace_findings.py as a module."""
+    path = ROOT / "experiments" / "bench" / "dbtrace_findings.py"
+    spec = importlib.util.spec_from_file_location("dbtrace_findings", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def completed_run(workload: str, mix: str, clients: int = 4, duration: float = 60.0) -> dict:
+    """A FAKE dbtrace result document, as a completed default run leaves it."""
+    return {
+        "options": {"workload": workload, "mix": mix, "clients": clients, "duration_s": duration},
+        "steady": {"reached": True, "steady_after_s": 90.0, "mode": "cv"},
+        "throughput": {"per_minute": 600.0, "per_minute_label": "requests/min"},
+        "metrics": {"read_share": 0.9, "regions_per_1000": 12.0},
+    }
+
+
+def test_the_findings_bench_keeps_only_a_completed_run_with_its_own_options(tmp_path: Path):
+    bench = findings_bench()
+    run = tmp_path / "tpcw-browsing-r1"
+    assert bench.kept_run("tpcw", "browsing", 4, 60.0, run) is None
+    run.mkdir()
+    (run / "result.json").write_text(json.dumps(completed_run("tpcw", "browsing")))
+    assert bench.kept_run("tpcw", "browsing", 4, 60.0, run)["metrics"]["read_share"] == 0.9
+    assert bench.kept_run("tpcw", "browsing", 8, 60.0, run) is None
+    assert bench.kept_run("tpcw", "browsing", 4, 120.0, run) is None
+    assert bench.kept_run("tpcw", "ordering", 4, 60.0, run) is None
+    for written in ('{"options": {"workload": "tp', "[]", '{"options": {}, "metrics": null}'):
+        (run / "result.json").write_text(written)
+        assert bench.kept_run("tpcw", "browsing", 4, 60.0, run) is None
+
+
+def test_the_findings_bench_run_again_resumes_from_the_runs_it_completed(tmp_path: Path):
+    bench = findings_bench()
+    for rnd in (1, 2):
+        for workload, mix in bench.MIXES:
+            run = tmp_path / f"{workload}-{mix}-r{rnd}"
+            run.mkdir()
+            (run / "result.json").write_text(json.dumps(completed_run(workload, mix)))
+    script = ROOT / "experiments" / "bench" / "dbtrace_findings.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--rounds", "2", "--out", str(tmp_path)],
+        check=False, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count(": kept from ") == 2 * len(bench.MIXES)
+    assert " ...\n" not in done.stdout  # no dbtrace run started
+    kept = json.loads((tmp_path / "results.json").read_text())
+    assert [(d["options"]["workload"], d["options"]["mix"]) for d in kept] == [
+        (w, m) for w, m in bench.MIXES for _ in (1, 2)
     ]
 
 

@@ -58,9 +58,10 @@ COMMANDS = {
 # How long the terminated findings bench may take to stop its dbtrace run (which may take
 # up to DBTRACE_TEARDOWN_S, experiments/bench/dbtrace_findings.py) before it is killed.
 FINDINGS_TEARDOWN_S = 150.0
-# Wall time of each command on this project's 2-core host (Fig 9 measured by its grid's
-# 81 points at ~65 s; the others from their grids' warm-up + measurement + boot + touch).
-ESTIMATED_HOURS = {"fig08": 1.8, "fig09": 1.5, "fig10": 0.7, "fig11": 1.0, "ecommerce": 1.0}
+# Wall time of each command on this project's 2-core host: Fig 8, Fig 10 and Fig 11 as
+# their stored runs took (51, 20 and 31 min), the e-commerce findings from 15 runs at ~8 min,
+# Fig 9 from its 81 points at ~65 s.
+ESTIMATED_HOURS = {"fig08": 0.85, "fig09": 1.5, "fig10": 0.35, "fig11": 0.55, "ecommerce": 2.0}
 
 ECOMMERCE_CLAIM = (
     "browsing is read-dominated (TPC-W 99.9/0.1, RUBiS 99/1 by sectors); TPC-C is 60/40 "

@@ -13,7 +13,9 @@ state. The mixes are interleaved round by round. Findings (by sectors):
   browsing to ordering (round by round).
 
 Each run's steady-state verdict is printed beside it; a run that did not reach
-steady state is counted and named in the summary.
+steady state is counted and named in the summary. Run again with the same --out,
+the bench keeps the runs an earlier invocation completed with the same options
+and runs the rest, so an interrupted bench resumes.
 
     python3 experiments/bench/dbtrace_findings.py [--clients 4] [--duration 60] [--rounds 3]
         [--out DIR]
@@ -82,6 +84,24 @@ def run_default(
     return json.loads((out / "result.json").read_text())
 
 
+def kept_run(
+    workload: str, mix: str, clients: int, duration: float, out: Path
+) -> dict[str, Any] | None:
+    """The run an earlier invocation completed in `out` with these options, else None (none,
+    unreadable, or made with other options: it is run again)."""
+    try:
+        doc = json.loads((out / "result.json").read_text())
+    except (OSError, ValueError):
+        return None
+    options = doc.get("options") if isinstance(doc, dict) else None
+    if not isinstance(options, dict) or not all(
+        isinstance(doc.get(k), dict) for k in ("metrics", "steady", "throughput")
+    ):
+        return None
+    made_with = tuple(options.get(k) for k in ("workload", "mix", "clients", "duration_s"))
+    return doc if made_with == (workload, mix, clients, duration) else None
+
+
 def verdict(doc: dict[str, Any]) -> str:
     s = doc["steady"]
     return (
@@ -121,10 +141,13 @@ def main() -> int:
     for rnd in range(1, args.rounds + 1):
         for workload, mix in MIXES:
             done += 1
-            print(f"[{done}/{total}] round {rnd}: {workload} {mix} ...", flush=True)
-            doc = run_default(
-                workload, mix, args.clients, args.duration, args.out / f"{workload}-{mix}-r{rnd}"
-            )
+            run_dir = args.out / f"{workload}-{mix}-r{rnd}"
+            doc = kept_run(workload, mix, args.clients, args.duration, run_dir)
+            if doc is None:
+                print(f"[{done}/{total}] round {rnd}: {workload} {mix} ...", flush=True)
+                doc = run_default(workload, mix, args.clients, args.duration, run_dir)
+            else:
+                print(f"[{done}/{total}] round {rnd}: {workload} {mix}: kept from {run_dir}")
             runs[(workload, mix)].append(doc)
             if doc is None:
                 failed.append(f"{workload} {mix} round {rnd}")
