@@ -164,6 +164,18 @@ def test_a_made_figure_has_points_plots_checks_and_a_manifest(stored: Path):
     assert m["checks"]["passed"] + m["checks"]["failed"] == len(m["checks"]["verdicts"]) > 0
 
 
+def test_a_republished_figure_carries_only_its_experiments_plots(tmp_path: Path):
+    root = tmp_path / "results"
+    work = tmp_path / "work08"
+    fake_make("fig08", root, work, only=["vms=250"])
+    (work / "fig08_retired.png").write_bytes(b"an earlier invocation's plot")
+    (work / "fig08_retired.csv").write_text("x\n1\n")
+    m = fake_make("fig08", root, work, only=["vms=250"])
+    assert not {"fig08_retired.png", "fig08_retired.csv"} & set(m["files"])
+    assert not list((root / "fig08").glob("fig08_retired*"))
+    assert "fig08_throughput.png" in m["files"]
+
+
 def test_every_figure_named_in_the_report_exists(stored: Path, tmp_path: Path):
     page = render_results(stored).read_text()
     for figure in results.FIGURES:

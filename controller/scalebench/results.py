@@ -319,8 +319,9 @@ def publish_sweep(exp, work: Path, dest: Path, context: dict, total: int | None 
     """experiments/results/FIGURE from a finished sweep directory; returns the manifest."""
     sweep = json.loads((work / "sweep.json").read_text())
     docs = list(sweep["points"].values())
-    files = [work / "results.csv", *sorted(work.glob("*.png"))]
-    files += [p for p in sorted(work.glob("*.csv")) if p.name != "results.csv"]
+    # The experiment's own plots and tables only: an earlier invocation's may be in work.
+    files = [work / "results.csv", work / CHECKS]
+    files += [work / f"{plot.name}{ext}" for plot in exp.plots for ext in (".png", ".csv")]
     names = _copy_fresh([f for f in files if f.exists()], dest)
     manifest = _manifest(exp.name, exp.title, exp.claim, exp.differences, context)
     on_cluster = [d for d in docs if (d.get("placement") or {}).get("cluster")]
