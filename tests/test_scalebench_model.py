@@ -13,6 +13,7 @@ from scalebench.model import (
     ModelInput,
     che_hit_ratio,
     che_time,
+    closed_loop,
     closed_loop_misses,
     estimate_footprint,
     estimate_written,
@@ -49,18 +50,19 @@ def test_che_matches_brute_force_lru(n, k, alpha):
     assert che_hit_ratio(n, k, alpha) == pytest.approx(simulated, abs=0.015)
 
 
-def simulated_closed_loop_misses(
+def simulated_closed_loop(
     n: int, k: int, alpha: float, clients: int, requests: int
-) -> float:
+) -> tuple[float, float]:
     """Brute force: `clients` requests in flight over an LRU cache of k VMs whose misses queue
     on one drive (1 s each, so it stays busy). A VM enters the cache when its miss is served;
-    requests that reach it meanwhile wait and then hit. Hits take 0.1 ms."""
+    requests that reach it meanwhile wait and then hit. Hits take 0.1 ms. Returns the misses
+    per request and the mean time from a miss to its VM's arrival."""
     rng = np.random.default_rng(3)
     picks = iter(rng.choice(n, size=requests + clients, p=zipf_popularity(n, alpha)).tolist())
     cache: OrderedDict[int, None] = OrderedDict()
     waiting: dict[int, list[int]] = {}
     events = [(0.0, client, -1) for client in range(clients)]  # (time, client, paged-in VM)
-    drive_free, served, misses = 0.0, 0, 0
+    drive_free, served, misses, waited = 0.0, 0, 0, 0.0
     while served < requests:
         t, client, vm = heapq.heappop(events)
         if vm >= 0:
@@ -82,16 +84,22 @@ def simulated_closed_loop_misses(
             misses += 1
             waiting[vm] = [client]
             drive_free = max(drive_free, t) + 1.0
+            waited += drive_free - t
             heapq.heappush(events, (drive_free, -1, vm))
-    return misses / served
+    return misses / served, waited / misses
 
 
 @pytest.mark.parametrize("n,k,clients", [(400, 340, 16), (400, 360, 32)])
 def test_closed_loop_misses_match_a_simulated_closed_loop(n, k, clients):
-    simulated = simulated_closed_loop_misses(n, k, 1.0, clients, 300_000)
+    simulated, wait = simulated_closed_loop(n, k, 1.0, clients, 300_000)
     assert closed_loop_misses(n, k, 1.0, clients, 0.0) == pytest.approx(simulated, rel=0.15)
     # Che alone (no requests wait on a miss) overstates the misses near the cliff.
     assert 1 - che_hit_ratio(n, k, 1.0) > 1.15 * simulated
+    # A miss waits W = u / X, and the drive (1 s a miss) bounds X at 1 / misses per request.
+    profile, u = closed_loop(n, k, 1.0, clients, 0.0)
+    modeled = u * float(np.sum(zipf_popularity(n, 1.0) * profile))
+    assert modeled == pytest.approx(wait, rel=0.15)
+    assert wait > 0.25 * clients  # several misses queue ahead of each
 
 
 def test_closed_loop_limits():
@@ -170,6 +178,19 @@ def test_in_core_until_the_budget_is_full_then_disk_bound():
     assert below.regime == "in-core" and below.model_rps == pytest.approx(10_000)
     assert above.regime == "disk-bound" and above.model_rps < below.model_rps / 2
     assert below.cache_vms == cliff and cliff < below.cliff_vms < 1.2 * cliff
+
+
+def test_a_miss_waits_for_its_own_io_in_core_and_for_the_queue_past_the_cliff():
+    fp = estimate_footprint(896 * KIB, 32 * KIB)
+    below = predict(hdd_input(vms=GIB // fp))
+    assert below.miss_wait_s == below.miss_s
+    # Past the cliff the 64 requests in flight nearly all wait on misses, served one by one.
+    for block in (4 * KIB, 32 * KIB):
+        past = predict(hdd_input(vms=1250, alpha=1.5, block_bytes=block, in_flight=64))
+        assert past.regime == "disk-bound"
+        assert 0.5 * 64 * past.miss_s < past.miss_wait_s <= 64 * past.miss_s
+    # At 4k a miss is 233 random reads, so the wait is minutes: a 30 s warm-up does not reach it.
+    assert predict(hdd_input(vms=1250, alpha=1.5, block_bytes=4 * KIB)).miss_wait_s > 60
 
 
 def test_a_cliff_past_what_this_host_could_run_is_found():

@@ -255,6 +255,31 @@ def test_a_stored_run_is_remodeled_from_what_it_recorded(completed_run, tmp_path
     assert remodel(path) is None
 
 
+def test_a_window_before_the_closed_loops_steady_state_is_flagged(completed_run, tmp_path):
+    from scalebench.runner import remodel
+    from scalebench.sweep import point_line
+
+    ran, _ = completed_run
+    path = tmp_path / "result.json"
+    shutil.copyfile(ran / "run" / "result.json", path)
+
+    def remodeled_with(**config):
+        doc = json.loads(path.read_text())
+        doc["config"].update(config)
+        path.write_text(json.dumps(doc))
+        return remodel(path)
+
+    # On the modeled drive the out-of-core run's misses queue: a 1 s warm-up is too short.
+    short = remodeled_with(disk="hdd", warmup=1.0)
+    assert short.model["regime"] == "disk-bound" and short.model["steady_window"] is False
+    (warning,) = [w for w in short.warnings if "filling with misses" in w]
+    assert f"a miss waits about {short.model['miss_wait_s']:.0f} s" in warning
+    assert remodel(path).warnings.count(warning) == 1  # remodeled again, warned once
+    assert "the window is before the steady state" in point_line(short)
+    long = remodeled_with(warmup=short.model["miss_wait_s"] + 1)
+    assert long.model["steady_window"] is True and warning not in long.warnings
+
+
 def test_densevm_dying_mid_run_gives_failed_partial_result(fakes, monkeypatch):
     monkeypatch.setenv("FAKE_DENSEVM_DIE_AFTER", "1.2")
     result = run(small_config(fakes, duration=5), bins=Binaries.find())

@@ -204,6 +204,16 @@ def test_acceptance_checks():
     # `only` restricts a check to matching points: wsswap's 1.5 no longer counts.
     demand_only = run_checks([CheckSpec("model_agreement", only={"policy": "demand"})], rows)
     assert [v["passed"] for v in demand_only] == ["yes"] and "4 points" in demand_only[0]["detail"]
+    # A point measured before its closed loop's steady state is left out, by name; one that
+    # was (steady_window True, or a row read back from CSV) counts. The row read back says so
+    # as text.
+    wsswap_late = {**rows[7], "point": "policy=wsswap,vms=1100", "steady_window": "False"}
+    demand_late = {**rows[3], "steady_window": True}
+    agreement = run_checks([CheckSpec("model_agreement")], [*rows[:3], demand_late, wsswap_late])
+    assert agreement[0]["passed"] == "yes"
+    assert agreement[0]["detail"].startswith("4 points")
+    left_out = "left out, measured before the steady state: policy=wsswap,vms=1100"
+    assert left_out in agreement[0]["detail"]
 
 
 def test_unknown_plot_or_check_kinds_are_refused(tmp_path):
@@ -253,3 +263,29 @@ def test_a_sweep_over_two_kinds_of_host_warns(tmp_path):
     ]
     one_kind = run_sweep(exp, tmp_path / "again", FakePointRunner())
     assert one_kind["warnings"] == [] and len(one_kind["hosts"]) == 1
+
+
+def test_a_sweep_plot_marks_zeros_on_a_log_axis_and_windows_before_the_steady_state(
+    tmp_path, monkeypatch
+):
+    import matplotlib.pyplot as plt
+    from scalebench import plots
+
+    figures = []
+    monkeypatch.setattr(plots.plt, "close", figures.append)
+    rows = [
+        {"vms": 500, "throughput_rps": 9000.0, "steady_window": "True", "block": "4k"},
+        {"vms": 1250, "throughput_rps": 3.5, "steady_window": "False", "block": "4k"},
+        {"vms": 2000, "throughput_rps": 0.0, "steady_window": "False", "block": "4k"},
+    ]
+    plots.line_plot(rows, "vms", ["throughput_rps"], ["block"], tmp_path / "p.png", "t", logy=True)
+    assert (tmp_path / "p.png").stat().st_size > 0
+    (ax,) = figures[0].axes
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["block=4k", plots.ZERO_LABEL, plots.UNSTEADY_LABEL]
+    series = ax.lines[0]
+    assert list(series.get_xdata()) == [500.0, 1250.0]  # the 0 is not on the log axis's line
+    marked = {(line.get_marker(), tuple(line.get_xdata())) for line in ax.lines[1:]}
+    assert ("v", (2000.0,)) in marked  # ... but on its bottom edge
+    assert ("x", (1250.0,)) in marked and ("x", (2000.0,)) in marked
+    plt.close(figures[0])

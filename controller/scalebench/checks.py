@@ -11,7 +11,9 @@ check to the points with those settings. Kinds:
 - `cliff_matches_model`: measured cliff within +-tolerance of the model's.
 - `disk_bound_past_cliff`: every point beyond the measured cliff is disk-bound.
 - `model_agreement`: measured/model within +-within everywhere, and within
-  +-most for more than half of the points.
+  +-most for more than half of the points; a point whose window came before the
+  closed loop's steady state (`steady_window` False: the model's steady state is
+  not what it measured) is left out and named.
 - `above`: the `higher` policy's throughput above the `lower` one's at every
   disk-bound point with the same other settings.
 - `cliff_later_with_smaller_x`: in every series, the measured cliff (over vms)
@@ -152,19 +154,30 @@ def _disk_bound_past_cliff(spec: CheckSpec, rows: list[dict]) -> list[dict]:
 
 
 def _model_agreement(spec: CheckSpec, rows: list[dict]) -> list[dict]:
-    ratios = [_f(r, "measured_over_model") for r in rows if _f(r, "measured_over_model")]
+    unsteady = [r for r in rows if str(r.get("steady_window")) == "False"]
+    ratios = [
+        _f(r, "measured_over_model")
+        for r in rows
+        if _f(r, "measured_over_model") and r not in unsteady
+    ]
     if not ratios:
         return [_verdict("measured/model", "all", False, "no modeled points")]
     worst = max(abs(x - 1) for x in ratios)
     close = sum(abs(x - 1) <= spec.most for x in ratios)
     ok = worst <= spec.within and close > len(ratios) / 2
+    left_out = (
+        f"; left out, measured before the steady state: {', '.join(r['point'] for r in unsteady)}"
+        if unsteady
+        else ""
+    )
     return [
         _verdict(
             "measured/model",
             "all",
             ok,
             f"{len(ratios)} points: worst {worst:+.0%} (limit {spec.within:.0%}), "
-            f"{close} within {spec.most:.0%}; range {min(ratios):.2f}..{max(ratios):.2f}",
+            f"{close} within {spec.most:.0%}; range {min(ratios):.2f}..{max(ratios):.2f}"
+            + left_out,
         )
     ]
 

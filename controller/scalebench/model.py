@@ -52,6 +52,12 @@ more for it. Near the cliff this is worth up to 2x: Fig 8's wsswap at 1,100
 VMs measured 2,407 requests/s where Che alone (u = 0) gave 977, and the
 measured misses per request by popularity band matched the formula at W = 2 s.
 
+W is also about how long the loop takes from a warm start to reach this
+steady state: its C requests are on misses within seconds, and the drive
+interleaves their reads, so none is served much before W. A measurement that
+starts sooner (a warm-up shorter than W) sees the loop fill and stall instead:
+at 4k blocks past the cliff W is minutes (64 misses of 233 random reads each).
+
 With hibernation (densevm --idle-after T, --max-live L) a request can find its
 VM asleep and wake it. VM i's requests arrive at l_i = p_i X (Poisson), so it
 has been idle longer than T when one arrives with probability exp(-p_i X T);
@@ -219,14 +225,15 @@ def closed_loop_misses(n: int, k: float, alpha: float, in_flight: int, paging_in
     if k >= n:
         return 0.0
     p = zipf_popularity(n, alpha)
-    return float(np.sum(p * closed_loop_miss_profile(n, k, alpha, in_flight, paging_in)))
+    return float(np.sum(p * closed_loop(n, k, alpha, in_flight, paging_in)[0]))
 
 
-def closed_loop_miss_profile(
+def closed_loop(
     n: int, k: float, alpha: float, in_flight: int, paging_in: float
-) -> np.ndarray:
-    """Per VM (by popularity rank), the share of its requests that miss, in the closed loop
-    of closed_loop_misses (k < n)."""
+) -> tuple[np.ndarray, float]:
+    """The closed loop of closed_loop_misses (k < n): per VM (by popularity rank) the share
+    of its requests that miss, and u = X W, the requests that arrive while one miss is
+    served (the module docstring)."""
     p = zipf_popularity(n, alpha)
 
     def profile(u: float) -> np.ndarray:
@@ -245,7 +252,8 @@ def closed_loop_miss_profile(
         lo, hi = (mid, hi) if waiting(mid) < in_flight else (lo, mid)
         if hi - lo < 1e-6 * hi:
             break
-    return profile((lo + hi) / 2)
+    u = (lo + hi) / 2
+    return profile(u), u
 
 
 def miss_sqrt_distance(n: int, k: float, alpha: float, samples: int = 100_000) -> float:
@@ -421,6 +429,10 @@ class Prediction:
     wake_fraction: float  # requests that wake a hibernated VM (0 without hibernation)
     wake_ms: float  # the latency each wake adds
     wake_cpu_us: float  # the host CPU each wake takes, in the CPU bound
+    # How long a request that misses waits for its VM: its own I/O in core; disk-bound, W of
+    # the closed loop (the module docstring). From a warm start the loop takes about as long
+    # to fill with misses and reach its steady state: nothing a miss waits on is served before.
+    miss_wait_s: float
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -470,6 +482,7 @@ class _Bounds:
     cpu_rps: float  # CPU: requests and, for misses, the pager's work per fault
     disk_rps: float  # swap I/O over the drives the pager's threads keep busy (inf: no misses)
     wake: float = 0.0  # requests that wake a hibernated VM
+    miss_wait_s: float = 0.0  # how long a request that misses waits for its VM
 
     @property
     def rps(self) -> float:
@@ -523,11 +536,13 @@ def _bounds(inp: ModelInput) -> _Bounds:
 
     cpu_rps, wake = _cpu_with_wakes(inp, cpu_s, disk_rps(misses))
     if disk_rps(misses) >= cpu_rps:
-        # The CPU binds: misses are served as they come, without the closed loop's waits.
-        return _Bounds(k, hit, read, write, cpu_rps, disk_rps(misses), wake)
-    misses = closed_loop_misses(inp.vms, k, inp.alpha, inp.in_flight, inp.paging_in)
+        # The CPU binds: misses are served as they come, each waiting for its own I/O.
+        return _Bounds(k, hit, read, write, cpu_rps, disk_rps(misses), wake, read + write)
+    profile, u = closed_loop(inp.vms, k, inp.alpha, inp.in_flight, inp.paging_in)
+    misses = float(np.sum(zipf_popularity(inp.vms, inp.alpha) * profile))
     cpu_rps, wake = _cpu_with_wakes(inp, cpu_s, disk_rps(misses))
-    return _Bounds(k, 1.0 - misses, read, write, cpu_rps, disk_rps(misses), wake)
+    bounds = _Bounds(k, 1.0 - misses, read, write, cpu_rps, disk_rps(misses), wake)
+    return replace(bounds, miss_wait_s=u / bounds.rps)
 
 
 def in_core_cpu_s(inp: ModelInput) -> float:
@@ -588,4 +603,5 @@ def predict(inp: ModelInput) -> Prediction:
         wake_fraction=b.wake,
         wake_ms=inp.wake_s * 1e3,
         wake_cpu_us=inp.wake_cpu_s * 1e6,
+        miss_wait_s=b.miss_wait_s,
     )

@@ -11,6 +11,7 @@ import itertools
 import textwrap
 
 import matplotlib.pyplot as plt
+from matplotlib.transforms import blended_transform_factory
 
 from .units import MIB
 
@@ -38,6 +39,8 @@ MEASUREMENT_LABEL = "measurement window"
 # Characters of a 9-point heading line that fit over the axes of an 8-inch figure.
 HEADING_CHARS = 95
 LIVE_LABEL = "VMs awake (live)"
+UNSTEADY_LABEL = "x: window before the steady state (warm-up < a miss's wait)"
+ZERO_LABEL = "v: none in the window (0 on a log axis)"
 
 
 def phase_spans(result) -> list[tuple[str, float, float]]:
@@ -186,7 +189,9 @@ def line_plot(
     claim: str = "",
     verdicts: list[tuple[bool, str]] | None = None,
 ) -> None:
-    """One line per (series value, y metric) of y against x; rows are CSV-like dicts.
+    """One line per (series value, y metric) of y against x; rows are CSV-like dicts. A
+    point measured before the closed loop's steady state (`steady_window` False) is crossed;
+    on a log y axis a 0 is a triangle on the axis's bottom edge.
 
     `claim` (the paper's, which the figure reproduces) is shown under the title, and
     `verdicts` (passed, text) of the sweep's checks under the axes."""
@@ -195,23 +200,52 @@ def line_plot(
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault(tuple(row.get(s) for s in series), []).append(row)
+    # A log axis cannot show 0: such points sit on its bottom edge, as triangles.
+    bottom = blended_transform_factory(ax.transData, ax.transAxes)
+    marks: set[str] = set()
     for index, (key, group) in enumerate(sorted(groups.items(), key=lambda kv: str(kv[0]))):
         group = sorted(group, key=lambda r: float(r[x]))
+        colour = f"C{index % 10}"
         for yi, y in enumerate(ys):
-            points = [(float(r[x]), float(r[y])) for r in group if r.get(y) not in (None, "")]
-            if not points:
+            valued = [r for r in group if r.get(y) not in (None, "")]
+            if not valued:
                 continue
+            shown = [r for r in valued if not logy or float(r[y]) > 0]
             label = ", ".join(f"{s}={v}" for s, v in zip(series, key, strict=False))
             label = f"{label} {y}" if len(ys) > 1 else label
             # One colour per series; measured solid, the model (and other metrics) dashed/dotted.
             ax.plot(
-                *zip(*points, strict=False),
+                [float(r[x]) for r in shown],
+                [float(r[y]) for r in shown],
                 ("-", "--", ":")[yi % 3],
-                color=f"C{index % 10}",
+                color=colour,
                 marker="o",
                 markersize=3,
                 label=label.strip() or y,
             )
+            zeros = [float(r[x]) for r in valued if r not in shown]
+            if zeros:
+                ax.plot(
+                    zeros, [0.0] * len(zeros), "v", color=colour, transform=bottom, clip_on=False
+                )
+                marks.add(ZERO_LABEL)
+            unsteady = [r for r in valued if str(r.get("steady_window")) == "False"]
+            for where, xy in (
+                (ax.transData, [(float(r[x]), float(r[y])) for r in unsteady if r in shown]),
+                (bottom, [(float(r[x]), 0.0) for r in unsteady if r not in shown]),
+            ):
+                if xy:
+                    ax.plot(
+                        *zip(*xy, strict=False),
+                        "x",
+                        color=colour,
+                        ms=8,
+                        transform=where,
+                        clip_on=False,
+                    )
+                    marks.add(UNSTEADY_LABEL)
+    for mark in sorted(marks):  # the markers' meaning, once each, after the series
+        ax.plot([], [], mark[0], color="grey", label=mark)
     ax.set_xlabel(x)
     ax.set_ylabel(ylabel or ", ".join(ys))
     if logx:

@@ -32,6 +32,7 @@ from .disks import differences, disk_model
 from .model import (
     DEFAULT_FAULT_US,
     DEFAULT_WAKE_CPU_US,
+    Prediction,
     estimate_footprint,
     model_input,
     predict,
@@ -79,6 +80,8 @@ SETTLE_CONCURRENCY = 64
 # measurement before the run warns. This host's disk drifted from 1.0 to 1.6-8 ms a block
 # within one 100,000-VM measurement (docs/host-facts.md, "The swap disk's speed drifts").
 SWAP_IO_DRIFT = 1.5
+# How the warning of a window measured before the closed loop's steady state begins.
+UNSTEADY_WINDOW = "a miss waits about "
 # The stats totals the measurement is computed from (INTERFACES.md, densevm control API).
 CONTRACT_TOTALS = (
     "requests",
@@ -894,9 +897,32 @@ def apply_model(r: RunResult, cfg: RunConfig, cpu_us: float, bench: diskbench.Di
     )
     r.model = p.as_dict()
     r.model["footprint_source"] = "measured" if r.footprint_bytes else "estimated"
+    r.model["steady_window"] = p.regime == "in-core" or p.miss_wait_s <= cfg.warmup
     r.model_rps = p.model_rps
     if r.throughput_rps is not None and p.model_rps > 0:
         r.measured_over_model = r.throughput_rps / p.model_rps
+    # A remodeled run keeps no verdict of the model it had before.
+    r.warnings = [w for w in r.warnings if not w.startswith(UNSTEADY_WINDOW)]
+    if not r.model["steady_window"]:
+        r.warnings.append(unsteady_window(p, cfg))
+
+
+def unsteady_window(p: Prediction, cfg: RunConfig) -> str:
+    """Why a disk-bound run's window did not measure the steady state the model predicts:
+    its warm-up was shorter than the time a miss waits (model.py, W). Starts with
+    UNSTEADY_WINDOW."""
+    timeout = (
+        f"; past the {cfg.timeout:g} s --timeout, the steady state's misses would time out"
+        if p.miss_wait_s > cfg.timeout
+        else ""
+    )
+    return (
+        f"{UNSTEADY_WINDOW}{p.miss_wait_s:.0f} s in the steady state ({cfg.concurrency} "
+        f"requests in flight, {p.miss_s:.2f} s of swap I/O a miss), longer than the "
+        f"{cfg.warmup:g} s warm-up: the window measured the closed loop filling with misses, "
+        f"not the steady state the model predicts (warm up for longer, or put fewer requests "
+        f"in flight){timeout}"
+    )
 
 
 def recorded_fault_us(r: RunResult, cfg: RunConfig) -> float:

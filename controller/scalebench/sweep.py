@@ -49,6 +49,8 @@ CSV_METRICS = (
     "hit_ratio",
     "cliff_vms",
     "model_cpu_us",
+    "miss_wait_s",
+    "steady_window",
     "error",
 )
 
@@ -212,6 +214,8 @@ def csv_row(key: str, doc: dict) -> dict:
         hit_ratio=model.get("hit_ratio"),
         cliff_vms=model.get("cliff_vms"),
         model_cpu_us=model.get("cpu_us"),
+        miss_wait_s=model.get("miss_wait_s"),
+        steady_window=model.get("steady_window"),
     )
     host = doc.get("host") or {}
     row.update(
@@ -317,7 +321,12 @@ def point_line(r: RunResult) -> str:
     if r.status != "ok":
         return f"  failed: {r.error}"
     ratio = f", measured/model {r.measured_over_model:.2f}" if r.measured_over_model else ""
-    return f"  {r.throughput_rps or 0:,.0f} requests/s, {r.regime}{ratio}"
+    unsteady = (
+        f" (a miss waits {r.model['miss_wait_s']:.0f} s: the window is before the steady state)"
+        if r.model.get("steady_window") is False
+        else ""
+    )
+    return f"  {r.throughput_rps or 0:,.0f} requests/s, {r.regime}{ratio}{unsteady}"
 
 
 def _status(record: Path) -> str | None:

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from scalebench.densevm import DenseVMError, control
 from scalebench.disks import disk_model
-from scalebench.model import ModelInput, che_time, closed_loop_miss_profile, zipf_popularity
+from scalebench.model import ModelInput, che_time, closed_loop, zipf_popularity
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,7 +99,7 @@ def main() -> int:
         model["cpu_us"] * 1e-6,
         None,
     )
-    closed = closed_loop_miss_profile(n, k, cfg["alpha"], cfg["concurrency"], inp.paging_in)
+    closed, _ = closed_loop(n, k, cfg["alpha"], cfg["concurrency"], inp.paging_in)
     che = np.exp(-p * che_time(p, k))
     edges = [0, *(round(float(x) * n) for x in args.bands.split(",")), n]
     print(
