@@ -169,6 +169,69 @@ def test_tracer_or_qemu_dying_mid_run_is_a_clear_error(image, libvirt_conn, tmp_
 
 @needs_root
 @guest_timeout
+def test_postgres_dying_in_the_guest_is_a_clear_error(image, libvirt_conn, tmp_path: Path) -> None:
+    """The guest's server gone while its QEMU runs (the kernel's OOM killer did it under a
+    memory.max cap): one error naming it, not pg8000's traceback."""
+    from scalebench.db.guest import DbGuest, GuestConfig
+    from scalebench.db.run import RunOptions, run_on_guest
+    from scalebench.db.sql import connect, lost_connection
+
+    config = GuestConfig(image=image, run_dir=tmp_path, disk="none", trace=False)
+    with DbGuest(config, libvirt_conn) as guest:
+        conn = connect(guest.port, "postgres")
+        with pytest.raises(lost_connection()):  # the server kills itself, this backend first
+            conn.run("COPY (SELECT 1) TO PROGRAM 'pkill -KILL -u postgres'")
+        opts = RunOptions("tpcc", "standard", 1, 5.0, config, warmup_s=0)
+        with pytest.raises(DbTraceError, match="PostgreSQL went away") as raised:
+            run_on_guest(guest, opts)
+        assert str(guest.console_log) in str(raised.value)
+        assert len(str(raised.value).splitlines()) == 1
+
+
+@needs_root
+@guest_timeout
+def test_the_servers_page_cache_is_held_to_its_limit(image, libvirt_conn, tmp_path: Path) -> None:
+    """A scan of TPC-C's stock table (more than 64 MiB): under a limit of 128 MiB its pages
+    stay in the server's page cache; under --db-cache 12 the cache stays near 12 MiB."""
+    from scalebench.db.guest import DbGuest, GuestConfig
+    from scalebench.db.sql import connect
+
+    def cache_mib_after_scan(limit: int) -> float:
+        config = GuestConfig(
+            image=image, run_dir=tmp_path / str(limit), disk="none", trace=False, db_cache_mib=limit
+        )
+        with DbGuest(config, libvirt_conn) as guest:
+            conn = connect(guest.port, "tpcc", timeout=300)
+            ((size,),) = conn.run("SELECT pg_relation_size('stock')")
+            assert size > 64 << 20
+            conn.run("SELECT count(*) FROM stock")
+            time.sleep(2)  # the guest's reclaimer runs twice a second
+            (stat,) = conn.run("SELECT pg_read_file('/sys/fs/cgroup/db/memory.stat')")[0]
+            conn.close()
+        values = dict(line.split() for line in stat.splitlines())
+        return (int(values["file"]) - int(values["shmem"])) / 2**20
+
+    assert cache_mib_after_scan(12) < 16
+    assert cache_mib_after_scan(128) > 40
+
+
+def test_a_lost_server_is_explained_by_the_guest_kernels_oom_kill(tmp_path: Path) -> None:
+    from scalebench.db.guest import DbGuest, GuestConfig
+
+    guest = DbGuest(GuestConfig(image=None, run_dir=tmp_path, domain_type="qemu"), conn=None)
+    guest.console_log.write_text(
+        "SCALEBENCH-DB-READY\n[  313.891182] Memory cgroup out of memory: Killed process 183 "
+        "(postgres) total-vm:109316kB\n"
+    )
+    message = str(guest.server_lost(ConnectionError("network error")))
+    assert message.startswith("the guest's PostgreSQL went away (network error): the guest's")
+    assert 'kernel said "[  313.891182] Memory cgroup out of memory: Killed process 183' in message
+    guest.console_log.write_text("SCALEBENCH-DB-READY\n")
+    assert "kernel said" not in str(guest.server_lost(ConnectionError("network error")))
+
+
+@needs_root
+@guest_timeout
 def test_sigterm_to_results_make_ecommerce_tears_its_guest_down(
     image, libvirt_conn, tmp_path: Path
 ) -> None:
@@ -311,8 +374,8 @@ def test_image_build_failure_is_a_clear_error(tmp_path: Path) -> None:
         ),
         (["dbtrace", "--compare", "--workload", "pgbench"], "no study figures for pgbench"),
         (
-            ["dbtrace", "--workload", "tpcc", "--mix", "standard", "--db-memory", "300"],
-            "--db-memory must be 0 or 64 to 256 MiB (--memory), not 300",
+            ["dbtrace", "--workload", "tpcc", "--mix", "standard", "--db-cache", "300"],
+            "--db-cache must be 0 to 128 MiB (half of --memory), not 300",
         ),
     ],
 )

@@ -56,9 +56,9 @@ def test_xml_nbd_disk_network_and_boot() -> None:
 
 
 def test_the_database_memory_cap_reaches_the_guest_kernel_command_line() -> None:
-    capped = ET.fromstring(spec(db_memory_mib=96).to_xml()).findtext("os/cmdline")
-    assert f"scalebench.db_memory_max={96 << 20}" in capped.split()
-    assert "db_memory_max" not in ET.fromstring(spec().to_xml()).findtext("os/cmdline")
+    capped = ET.fromstring(spec(db_cache_mib=4).to_xml()).findtext("os/cmdline")
+    assert f"scalebench.db_cache_max={4 << 20}" in capped.split()
+    assert "db_cache_max" not in ET.fromstring(spec().to_xml()).findtext("os/cmdline")
 
 
 def test_xml_qcow2_disk_and_kvm() -> None:

@@ -54,7 +54,7 @@ def fake_ecommerce_runs() -> list[dict]:
     }
     return [
         {
-            "options": {"workload": w, "mix": m, "db_memory_mib": 64},
+            "options": {"workload": w, "mix": m, "db_cache_mib": 12},
             "steady": {"reached": True},
             "metrics": {"read_share": s, "regions_per_1000": r, "sectors_read": 1000},
         }
@@ -230,7 +230,7 @@ def test_ecommerce_findings_beside_the_study(stored: Path):
     d = stored / "ecommerce"
     m = json.loads((d / "manifest.json").read_text())
     assert m["checks"]["failed"] == 0 and m["checks"]["passed"] == 5 and m["complete"]
-    assert (d / "study_block_metrics.csv").exists() and "64 MiB" in m["differences"]
+    assert (d / "study_block_metrics.csv").exists() and "12 MiB" in m["differences"]
     runs = fake_ecommerce_runs()
     runs[0]["metrics"]["read_share"] = 0.5  # TPC-W browsing no longer read-dominated
     verdicts = {v["group"]: v["passed"] for v in results.ecommerce_findings(runs)}

@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 
 from .diskmodel import MODEL_NAMES
 from .errors import DbTraceError
-from .guest import DEFAULT_DB_MEMORY_MIB
+from .guest import DEFAULT_DB_CACHE_MIB
 from .pgbench import DEFAULT_MIX as PGBENCH_MIX
 from .pgbench import DEFAULT_SCALE
 from .report import (
@@ -119,12 +119,12 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--memory", type=int, default=256, help="guest memory in MiB (default 256)")
     p.add_argument(
-        "--db-memory",
+        "--db-cache",
         type=int,
-        default=DEFAULT_DB_MEMORY_MIB,
+        default=DEFAULT_DB_CACHE_MIB,
         metavar="MIB",
-        help="memory the database server may use, the page cache of its files included "
-        f"(cgroup memory.max in the guest; default {DEFAULT_DB_MEMORY_MIB}; 0: no cap)",
+        help="page cache the database server's files may keep in the guest, beside its own "
+        f"buffers (default {DEFAULT_DB_CACHE_MIB}; 0: no limit)",
     )
     p.add_argument(
         "--boot-timeout", type=float, default=240.0, help="seconds to wait for the guest's database"
@@ -162,9 +162,10 @@ def _options(args: argparse.Namespace, workload: str, mix: str) -> Any:
         raise _Usage(f"--scale must be at least 1, not {args.scale}")
     if args.memory < 128:
         raise _Usage(f"--memory must be at least 128 MiB, not {args.memory}")
-    if args.db_memory and not 64 <= args.db_memory <= args.memory:
+    if not 0 <= args.db_cache <= args.memory // 2:
         raise _Usage(
-            f"--db-memory must be 0 or 64 to {args.memory} MiB (--memory), not {args.db_memory}"
+            f"--db-cache must be 0 to {args.memory // 2} MiB (half of --memory), not "
+            f"{args.db_cache}"
         )
     if args.dilate is not None and 0 < args.dilate < 1:
         raise _Usage(f"--dilate must be at least 1, not {args.dilate}")
@@ -176,7 +177,7 @@ def _options(args: argparse.Namespace, workload: str, mix: str) -> Any:
         disk=args.disk,
         trace=not args.no_trace,
         memory_mib=args.memory,
-        db_memory_mib=args.db_memory or None,
+        db_cache_mib=args.db_cache or None,
         boot_timeout_s=args.boot_timeout,
         dilate=args.dilate is not None,
         dilation=args.dilate or None,
@@ -206,9 +207,9 @@ def _progress(window: Any, reason: str | None) -> None:
     )
 
 
-def _db_memory(opts: dict[str, Any]) -> str:
-    cap = opts.get("db_memory_mib")  # absent from results saved before the cap existed
-    return f" (database server {cap} MiB)" if cap else ""
+def _db_cache(opts: dict[str, Any]) -> str:
+    cache = opts.get("db_cache_mib")  # absent from results saved before the limit existed
+    return f" (database page cache {cache} MiB)" if cache else ""
 
 
 def _print_run(doc: dict[str, Any]) -> None:
@@ -217,7 +218,7 @@ def _print_run(doc: dict[str, Any]) -> None:
         f"dbtrace {opts['workload']} {opts['mix']}: {opts['clients']} clients, "
         f"{opts['duration_s']:g} s, "
         f"disk {opts['disk']}, domain type {doc['domain_type']}, guest "
-        f"{opts['memory_mib']} MiB{_db_memory(opts)}, up in {doc['boot_seconds']:.1f} s"
+        f"{opts['memory_mib']} MiB{_db_cache(opts)}, up in {doc['boot_seconds']:.1f} s"
     )
     if doc["dilation"] > 1.0:
         print(

@@ -44,14 +44,14 @@ class DomainSpec:
     nbd_socket: Path | None = None  # the traced path: our NBD server
     qcow2_overlay: Path | None = None  # the untraced path: QEMU opens the overlay itself
     vcpus: int = 1
-    db_memory_mib: int | None = None  # the database server's memory cap (sbinit.sh), None: none
+    db_cache_mib: int | None = None  # the page cache the server's files keep (sbinit.sh); None: any
     base_cmdline: str = "console=ttyS0 root=/dev/vda rw init=/sbin/sbinit quiet panic=-1"
 
     @property
     def cmdline(self) -> str:
-        if self.db_memory_mib is None:
+        if self.db_cache_mib is None:
             return self.base_cmdline
-        return f"{self.base_cmdline} scalebench.db_memory_max={self.db_memory_mib << 20}"
+        return f"{self.base_cmdline} scalebench.db_cache_max={self.db_cache_mib << 20}"
 
     def __post_init__(self) -> None:
         if (self.nbd_socket is None) == (self.qcow2_overlay is None):

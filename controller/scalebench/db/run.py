@@ -19,7 +19,7 @@ from .guest import DbGuest, GuestConfig
 from .image import REPO_ROOT
 from .pgstat import IoAgreement
 from .rubis import Rubis
-from .sql import connect
+from .sql import connect, lost_connection
 from .steady import SteadyCriteria, SteadyDetector, SteadyState, Window
 from .tpcc import Tpcc
 from .tpcw import Tpcw
@@ -80,7 +80,7 @@ class RunOptions:
             "warmup_s": self.warmup_s,
             "warmup_cap_s": self.steady.cap_s,
             "memory_mib": g.memory_mib,
-            "db_memory_mib": g.db_memory_mib,
+            "db_cache_mib": g.db_cache_mib,
             "boot_timeout_s": g.boot_timeout_s,
             "out_dir": str(g.run_dir),
             "seed": self.seed,
@@ -275,16 +275,20 @@ def run_on_guest(
             pgbench.initialise(guest.port, opts.scale)
         finally:
             guest.set_tracing(opts.guest.trace)
-    steady = warm_up(guest, opts, stop, on_window)
-    # On the postgres database: its own queries do not count among the workload's commits.
-    conn = connect(guest.port, "postgres", timeout=120)
     try:
-        if opts.workload == PGBENCH:
-            result, start, end, before, after = _measure_pgbench(guest, opts, conn)
-        else:
-            result, start, end, before, after = _measure_workload(guest, opts, conn, stop)
-    finally:
-        conn.close()
+        steady = warm_up(guest, opts, stop, on_window)
+        # On the postgres database: its own queries do not count among the workload's commits.
+        conn = connect(guest.port, "postgres", timeout=120)
+        try:
+            if opts.workload == PGBENCH:
+                result, start, end, before, after = _measure_pgbench(guest, opts, conn)
+            else:
+                result, start, end, before, after = _measure_workload(guest, opts, conn, stop)
+        finally:
+            conn.close()
+    except lost_connection() as err:
+        guest.check_alive()  # a guest that is gone altogether says so first
+        raise guest.server_lost(err) from err
     guest.check_alive()
     records = guest.records(start, end)
     metrics = trace_csv = plot = agreement = None

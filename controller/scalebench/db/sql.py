@@ -18,6 +18,13 @@ def connect(port: int, database: str, timeout: float = 30.0) -> Any:
     )
 
 
+def lost_connection() -> type[Exception]:
+    """pg8000's error for a connection the server (or the way to it) closed."""
+    from pg8000.exceptions import InterfaceError
+
+    return InterfaceError
+
+
 def q(conn: Any, sql: str, **params: Any) -> list[list[Any]]:
     """Run ``sql`` as a server-side prepared statement, prepared once per connection.
 
