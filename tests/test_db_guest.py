@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -282,14 +283,17 @@ def _cmdline(pid: int) -> bytes:
 def test_db_guests_alongside_run_in_background_and_report(
     image, libvirt_conn, tmp_path: Path
 ) -> None:
-    import time
-
     from scalebench.db.alongside import db_guests
 
     with db_guests(1, "rubis", None, tmp_path) as dbs:
         names = [g.name for g in dbs._guests]
         assert names and names[0] in _domain_names(libvirt_conn)
-        time.sleep(8)  # stands for the microVM run
+        # The microVM run: until the guest's workload has done some work (how long that takes
+        # depends on the emulated guest's speed, so the test waits for it, not for a time).
+        deadline = time.monotonic() + 180
+        while dbs.completed[0] < 3 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert dbs.completed[0] >= 3, "the background workload completed nothing in 180 s"
     assert names[0] not in _domain_names(libvirt_conn)
     (result,) = dbs.results
     assert result["error"] is None, result["error"]
@@ -314,10 +318,68 @@ def test_libvirtd_not_startable_is_a_clear_error(
         uri=f"qemu+unix:///system?socket={tmp_path}/absent.sock",
         start_timeout_s=10,
         log_path=tmp_path / "libvirtd.log",
+        run_dir=tmp_path,
     )
     with pytest.raises(DbTraceError, match=r"libvirtd exited at start-up .*cannot start"), manager:
         pass
     assert manager.started is None
+
+
+class StandInLibvirt:
+    """A FAKE of the libvirt client module, inside this test of the daemon manager: a connection
+    opens while the stand-in daemon whose pid file it watches is running."""
+
+    class libvirtError(Exception):  # the libvirt module's own name
+        pass
+
+    def __init__(self, pid_file: Path) -> None:
+        self.pid_file = pid_file
+
+    def open(self, uri: str) -> object:
+        from scalebench.db import daemon
+
+        try:
+            pid = int(self.pid_file.read_text())
+        except (OSError, ValueError):
+            raise self.libvirtError(f"no daemon answers at {uri}") from None
+        if not daemon._running(pid):
+            raise self.libvirtError(f"the daemon at {uri} has exited")
+        return types.SimpleNamespace(close=lambda: None)
+
+
+@pytest.mark.parametrize("first_out", ["the starter", "the other user"])
+def test_libvirtd_is_stopped_by_its_last_user_whoever_started_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first_out: str
+) -> None:
+    """Two users of one libvirtd (a results run and a test, say): the first to leave does not
+    stop it under the other, and the last one stops it. A stand-in ``libvirtd`` (a fake, in this
+    test of the daemon manager) writes its pid file and waits to be stopped."""
+    from scalebench.db import daemon
+
+    stand_in = tmp_path / "libvirtd"
+    stand_in.write_text(
+        "#!/bin/sh\ntrap 'exit 0' TERM\necho $$ > \"$2\"\nwhile :; do sleep 0.05; done\n"
+    )
+    stand_in.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setattr(daemon, "prepare_host", lambda: None)
+    fake = StandInLibvirt(tmp_path / "scalebench-libvirtd.pid")
+    monkeypatch.setattr(daemon, "_import_libvirt", lambda: fake)
+
+    def user() -> daemon.Libvirt:
+        return daemon.Libvirt(start_timeout_s=10, log_path=tmp_path / "log", run_dir=tmp_path)
+
+    starter, other = user(), user()
+    starter.__enter__()
+    assert starter.started is not None
+    pid = int(fake.pid_file.read_text())
+    other.__enter__()
+    assert other.started is None  # it found the daemon running
+    first, last = (starter, other) if first_out == "the starter" else (other, starter)
+    first.__exit__(None, None, None)
+    assert daemon._running(pid), f"{first_out} stopped libvirtd under the other user"
+    last.__exit__(None, None, None)
+    assert not daemon._running(pid), "the last user left libvirtd running"
 
 
 def test_libvirtd_missing_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -72,10 +72,13 @@ def findings_bench():
     return module
 
 
-def completed_run(workload: str, mix: str, clients: int = 4, duration: float = 60.0) -> dict:
-    """A FAKE dbtrace result document, as a completed default run leaves it."""
+def completed_run(
+    run_dir: Path, workload: str, mix: str, clients: int = 4, duration: float = 60.0
+) -> dict:
+    """A FAKE dbtrace result document, as a completed default run leaves it in run_dir."""
+    options = findings_bench().expected_options(workload, mix, clients, duration, run_dir)
     return {
-        "options": {"workload": workload, "mix": mix, "clients": clients, "duration_s": duration},
+        "options": {**options, "out_dir": str(run_dir)},
         "steady": {"reached": True, "steady_after_s": 90.0, "mode": "cv"},
         "throughput": {"per_minute": 600.0, "per_minute_label": "requests/min"},
         "metrics": {"read_share": 0.9, "regions_per_1000": 12.0},
@@ -87,11 +90,16 @@ def test_the_findings_bench_keeps_only_a_completed_run_with_its_own_options(tmp_
     run = tmp_path / "tpcw-browsing-r1"
     assert bench.kept_run("tpcw", "browsing", 4, 60.0, run) is None
     run.mkdir()
-    (run / "result.json").write_text(json.dumps(completed_run("tpcw", "browsing")))
+    doc = completed_run(run, "tpcw", "browsing")
+    (run / "result.json").write_text(json.dumps(doc))
     assert bench.kept_run("tpcw", "browsing", 4, 60.0, run)["metrics"]["read_share"] == 0.9
     assert bench.kept_run("tpcw", "browsing", 8, 60.0, run) is None
     assert bench.kept_run("tpcw", "browsing", 4, 120.0, run) is None
     assert bench.kept_run("tpcw", "ordering", 4, 60.0, run) is None
+    # Made by an older build whose defaults differed (here the database's page cache).
+    older = {**doc, "options": {**doc["options"], "db_cache_mib": 64}}
+    (run / "result.json").write_text(json.dumps(older))
+    assert bench.kept_run("tpcw", "browsing", 4, 60.0, run) is None
     for written in ('{"options": {"workload": "tp', "[]", '{"options": {}, "metrics": null}'):
         (run / "result.json").write_text(written)
         assert bench.kept_run("tpcw", "browsing", 4, 60.0, run) is None
@@ -103,7 +111,7 @@ def test_the_findings_bench_run_again_resumes_from_the_runs_it_completed(tmp_pat
         for workload, mix in bench.MIXES:
             run = tmp_path / f"{workload}-{mix}-r{rnd}"
             run.mkdir()
-            (run / "result.json").write_text(json.dumps(completed_run(workload, mix)))
+            (run / "result.json").write_text(json.dumps(completed_run(run, workload, mix)))
     script = ROOT / "experiments" / "bench" / "dbtrace_findings.py"
     done = subprocess.run(
         [sys.executable, str(script), "--rounds", "2", "--out", str(tmp_path)],

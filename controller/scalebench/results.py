@@ -254,7 +254,7 @@ def _run_sweep(exp, work: Path, cluster: str | None) -> None:
 
 
 def _run_findings(work: Path) -> None:
-    """The storage study's findings bench, its default runs (dbtrace's 64 MiB cap), into work."""
+    """The storage study's findings bench, dbtrace's default runs, into work."""
     script = REPO_ROOT / "experiments" / "bench" / "dbtrace_findings.py"
     child = Child([sys.executable, str(script), "--out", str(work)], stdout=None, stderr=None)
     _, code = child.finish(FINDINGS_TEARDOWN_S)

@@ -39,6 +39,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(ROOT / "controller"), os.environ.get("PYTHONPATH", "")]
 )
 
+from scalebench.db.cli import described_options  # noqa: E402
 from scalebench.procs import Child  # noqa: E402
 
 # How long a terminated dbtrace run may take to tear its guest and libvirtd down.
@@ -52,17 +53,9 @@ MIXES = (
 )
 
 
-def run_default(
-    workload: str, mix: str, clients: int, duration: float, out: Path
-) -> dict[str, Any] | None:
-    """One default dbtrace run in a child process (its progress lines pass through); None when
-    it failed (its error is on stderr)."""
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "scalebench",
-        "dbtrace",
+def dbtrace_argv(workload: str, mix: str, clients: int, duration: float, out: Path) -> list[str]:
+    """The arguments after ``scalebench dbtrace`` of one default run into ``out``."""
+    return [
         "--workload",
         workload,
         "--mix",
@@ -76,6 +69,26 @@ def run_default(
         "--out",
         str(out),
     ]
+
+
+def expected_options(
+    workload: str, mix: str, clients: int, duration: float, out: Path
+) -> dict[str, Any]:
+    """The options that run records, all of them, as the current build's defaults make them
+    (but where it went: a kept run may have been moved)."""
+    options = described_options(dbtrace_argv(workload, mix, clients, duration, out))
+    options.pop("out_dir")
+    return options
+
+
+def run_default(
+    workload: str, mix: str, clients: int, duration: float, out: Path
+) -> dict[str, Any] | None:
+    """One default dbtrace run in a child process (its progress lines pass through); None when
+    it failed (its error is on stderr)."""
+    out.mkdir(parents=True, exist_ok=True)
+    argv = dbtrace_argv(workload, mix, clients, duration, out)
+    cmd = [sys.executable, "-m", "scalebench", "dbtrace", *argv]
     stdout, code = Child(cmd, stdout=subprocess.PIPE, stderr=None).finish(DBTRACE_TEARDOWN_S)
     (out / "stdout.txt").write_text((stdout or b"").decode(errors="replace"))
     if code != 0:
@@ -88,7 +101,8 @@ def kept_run(
     workload: str, mix: str, clients: int, duration: float, out: Path
 ) -> dict[str, Any] | None:
     """The run an earlier invocation completed in `out` with these options, else None (none,
-    unreadable, or made with other options: it is run again)."""
+    unreadable, or made with other options, the defaults of an older build included: it is run
+    again)."""
     try:
         doc = json.loads((out / "result.json").read_text())
     except (OSError, ValueError):
@@ -98,8 +112,8 @@ def kept_run(
         isinstance(doc.get(k), dict) for k in ("metrics", "steady", "throughput")
     ):
         return None
-    made_with = tuple(options.get(k) for k in ("workload", "mix", "clients", "duration_s"))
-    return doc if made_with == (workload, mix, clients, duration) else None
+    made_with = {k: v for k, v in options.items() if k != "out_dir"}
+    return doc if made_with == expected_options(workload, mix, clients, duration, out) else None
 
 
 def verdict(doc: dict[str, Any]) -> str:

@@ -10,13 +10,15 @@ exits. On exit the workloads stop, every guest is destroyed, the libvirtd we
 started is stopped, and ``results`` holds one dict per guest: guest, workload,
 mix, throughput (per minute), per_second, throughput_label, metrics (the
 study's block metrics), trace_csv, error (None when the guest ran to the end).
-A guest that fails mid-run is reported in its result; it does not abort the
+While the block runs, ``completed`` gives each guest's interactions so far. A
+guest that fails mid-run is reported in its result; it does not abort the
 microVM run.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +53,12 @@ class DbGuests:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._guests: list[DbGuest] = []
+        self._completed: list[int] = []
+
+    @property
+    def completed(self) -> list[int]:
+        """Each guest's interactions completed so far (updated about once a second)."""
+        return list(self._completed)
 
     def __enter__(self) -> DbGuests:
         try:
@@ -65,6 +73,7 @@ class DbGuests:
             self._stack.close()
             raise
         self.results = [{} for _ in self._guests]
+        self._completed = [0 for _ in self._guests]
         for index, guest in enumerate(self._guests):
             thread = threading.Thread(
                 target=self._drive, args=(index, guest), name=f"dbguest-{index}", daemon=True
@@ -93,7 +102,9 @@ class DbGuests:
             "error": None,
         }
         try:
-            result = run_on_guest(guest, opts, stop=self._stop)
+            result = run_on_guest(
+                guest, opts, stop=self._stop, on_progress=self._completed_setter(index)
+            )
             record.update(
                 throughput=result.throughput.per_minute,
                 per_second=result.throughput.per_second,
@@ -106,6 +117,12 @@ class DbGuests:
                 throughput=None, per_second=None, metrics=None, trace_csv=None, error=str(err)
             )
         self.results[index] = record
+
+    def _completed_setter(self, index: int) -> Callable[[int], None]:
+        def record(completed: int) -> None:
+            self._completed[index] = completed
+
+        return record
 
     def __exit__(
         self,

@@ -4,7 +4,7 @@
                        [--disk none|hdd15k|array:4,drive=hdd15k|raid5:4,drive=hdd15k|flash8]
                        [--json PATH] [--out DIR] [--warmup S | --warmup-cap S] [--scale N]
                        [--no-trace] [--dilate [FACTOR]]
-                       [--memory MIB] [--boot-timeout S]
+                       [--memory MIB] [--db-cache MIB] [--boot-timeout S]
     scalebench dbtrace --compare [--results JSON ...] [--study-load heavy|light]
                        [--clients N --duration S --disk MODEL]
 
@@ -144,6 +144,18 @@ def add_parser(subparsers: Any) -> None:
     )
     p.error = _one_line_error  # type: ignore[method-assign]
     p.set_defaults(func=run)
+
+
+def described_options(argv: list[str]) -> dict[str, Any]:
+    """The options that ``scalebench dbtrace ARGV`` records in its result, without running it
+    (what a resumed bench compares a run it kept with)."""
+    top = argparse.ArgumentParser(prog="scalebench")
+    add_parser(top.add_subparsers(dest="command", required=True))
+    args = top.parse_args(["dbtrace", *argv])
+    try:
+        return _options(args, args.workload, args.mix).describe()
+    except _Usage as err:
+        _one_line_error(str(err))
 
 
 def _options(args: argparse.Namespace, workload: str, mix: str) -> Any:

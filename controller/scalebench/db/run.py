@@ -233,9 +233,18 @@ def _measure_pgbench(
 
 
 def _measure_workload(
-    guest: DbGuest, opts: RunOptions, conn: Any, stop: threading.Event | None
+    guest: DbGuest,
+    opts: RunOptions,
+    conn: Any,
+    stop: threading.Event | None,
+    on_progress: Callable[[int], None] | None,
 ) -> tuple[WorkloadResult, float, float, pgstat.PgCounters, pgstat.PgCounters]:
     window: dict[str, Any] = {}
+
+    def progress(completed: int) -> bool:
+        if on_progress is not None:
+            on_progress(completed)
+        return False  # the window ends at its duration or on `stop`, not here
 
     def began() -> None:
         window["before"] = pgstat.read_counters(conn, _database(opts))
@@ -251,6 +260,7 @@ def _measure_workload(
         check=guest.check_alive,
         on_start=began,
         stop=stop,
+        progress=progress,
     )
     after = pgstat.read_counters(conn, _database(opts))
     if "start" not in window:  # stopped before the clients were up: an empty window
@@ -265,9 +275,11 @@ def run_on_guest(
     opts: RunOptions,
     stop: threading.Event | None = None,
     on_window: WindowReport | None = None,
+    on_progress: Callable[[int], None] | None = None,
 ) -> RunResult:
     """Warm up, drive the measured window on a running guest and analyse its trace (``stop`` ends
-    it early; ``on_window`` hears of each warm-up window)."""
+    it early; ``on_window`` hears of each warm-up window; ``on_progress``, about once a second,
+    of the interactions the measured window has completed so far)."""
     run_dir = opts.out_dir
     if opts.workload == PGBENCH:
         guest.set_tracing(False)  # loading the pgbench tables is not part of any run
@@ -283,7 +295,9 @@ def run_on_guest(
             if opts.workload == PGBENCH:
                 result, start, end, before, after = _measure_pgbench(guest, opts, conn)
             else:
-                result, start, end, before, after = _measure_workload(guest, opts, conn, stop)
+                result, start, end, before, after = _measure_workload(
+                    guest, opts, conn, stop, on_progress
+                )
         finally:
             conn.close()
     except lost_connection() as err:
