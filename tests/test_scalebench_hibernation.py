@@ -210,7 +210,10 @@ UNCHANGED = [
 )
 def test_without_hibernation_the_predictions_are_unchanged(inp, before):
     after = asdict(predict(inp))
-    assert {k: after[k] for k in before} == before
+    # Numbers to 1e-12: hosts' maths libraries differ in the final ulp (2026-11-29).
+    for key, value in before.items():
+        expected = value if isinstance(value, str) else pytest.approx(value, rel=1e-12)
+        assert after[key] == expected, key
     assert after["wake_fraction"] == 0.0
 
 
