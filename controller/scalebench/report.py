@@ -315,12 +315,13 @@ def _figure_section(s: dict) -> str:
                 f"{host.get('cpu_model')}, {host.get('cores')} cores, Linux {host.get('kernel')}, "
                 f"{host.get('kvm')}",
             ),
-            ("date", f"{m.get('started_at')} to {m.get('finished_at')}"),
+            ("date (last invocation)", f"{m.get('started_at')} to {m.get('finished_at')}"),
             (
                 "wall time",
-                f"{(m.get('wall_seconds') or 0) / 60:.1f} min (all invocations: "
-                f"{(m.get('wall_seconds_all_invocations') or 0) / 60:.1f} min in "
-                f"{m.get('invocations')})",
+                # A figure republished from kept points took seconds: its cost is all invocations'.
+                f"{(m.get('wall_seconds_all_invocations') or 0) / 60:.1f} min over "
+                f"{m.get('invocations')} invocation(s), the last "
+                f"{(m.get('wall_seconds') or 0) / 60:.1f} min",
             ),
             ("points", json.dumps(m.get("points"))),
             (
