@@ -8,7 +8,7 @@
 //! notifies guests through their irqfds, only when a guest is idle.
 
 use crate::cell::cpu_governor::CpuGovernor;
-use crate::cell::hibernation::{self, Candidate, Cap, SleepStats};
+use crate::cell::hibernation::{self, Candidate, Cap, SleepQueue, SleepStats};
 use crate::cell::listener::{self, ACCEPTS_PER_TURN};
 use crate::cell::microvm::{self, AdoptError, MicroVm, Sleep};
 use crate::cell::proxy::{self, Drained, Proxy, Readiness, MIN_REQUEST_BYTES};
@@ -254,6 +254,8 @@ pub struct CellLoop {
     sleep_stats: SleepStats,
     /// The last look for VMs to hibernate.
     last_sleep_sweep: Instant,
+    /// The VMs it chose, going to sleep one at a time.
+    sleep_queue: SleepQueue,
 }
 
 /// A VM's doorbell, as far as storms go.
@@ -341,6 +343,7 @@ impl CellLoop {
             cut: None,
             sleep_stats: SleepStats::default(),
             last_sleep_sweep: Instant::now(),
+            sleep_queue: SleepQueue::default(),
         })
     }
 
@@ -376,6 +379,7 @@ impl CellLoop {
                 .chain([self.governor.due()])
                 .chain(self.accept_due)
                 .chain(self.next_sleep_sweep())
+                .chain(self.sleep_queue.next_due())
                 .map(|at| at.saturating_duration_since(Instant::now()))
                 .fold(timeout, Duration::min);
             crate::link::framing::nonblocking(|| self.poll.poll(&mut events, Some(timeout)))?;
@@ -434,6 +438,7 @@ impl CellLoop {
                 self.last_sleep_sweep = Instant::now();
                 self.hibernate_idle(true);
             }
+            self.hibernate_next();
             self.proxy
                 .resume_accepts(&mut self.vms, self.poll.registry());
             self.parent.report_access(false);
@@ -733,9 +738,9 @@ impl CellLoop {
         };
         let now = Now::read();
         let chosen = hibernation::choose(&candidates, hibernation.idle_after, cap, &now);
-        for &index in &chosen {
-            self.hibernate(index);
-        }
+        let interval = hibernation::sweep_interval(&hibernation);
+        self.sleep_queue
+            .refill(&chosen, &candidates, interval, now.instant);
         if report && share.is_some() {
             let profile = hibernation::profile(&candidates, &chosen, floor, &now);
             self.parent.send(&FromCell::Idle { profile });
@@ -743,6 +748,30 @@ impl CellLoop {
         // Holders of VMs created asleep, which never woke, leave too.
         for h in 0..self.holders.len() {
             self.retire_if_all_asleep(h);
+        }
+    }
+
+    /// Parks the next VM of the sleep queue whose turn has come, unless it
+    /// was in use since it was chosen.
+    fn hibernate_next(&mut self) {
+        let Some((index, chosen_idle_since)) = self.sleep_queue.pop_due(Instant::now()) else {
+            return;
+        };
+        let still_idle = self
+            .vms
+            .entries()
+            .get(index)
+            .is_some_and(|entry| match entry {
+                VmEntry::Live(vm) => {
+                    vm.sleep == Sleep::Awake
+                        && entry.state() == VmState::Running
+                        && vm.unused()
+                        && vm.last_active == chosen_idle_since
+                }
+                VmEntry::Dead(_) | VmEntry::Forgotten => false,
+            });
+        if still_idle {
+            self.hibernate(index);
         }
     }
 
