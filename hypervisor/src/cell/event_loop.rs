@@ -737,12 +737,15 @@ impl CellLoop {
             (Some(_), Some(cut)) => Cap::Global { cut, floor },
         };
         let now = Now::read();
-        let chosen = hibernation::choose(&candidates, hibernation.idle_after, cap, &now);
+        let choice = hibernation::choose(&candidates, hibernation.idle_after, cap, &now);
+        for &index in choice.at_once() {
+            self.hibernate(index);
+        }
         let interval = hibernation::sweep_interval(&hibernation);
         self.sleep_queue
-            .refill(&chosen, &candidates, interval, now.instant);
+            .refill(choice.spread(), &candidates, interval, now.instant);
         if report && share.is_some() {
-            let profile = hibernation::profile(&candidates, &chosen, floor, &now);
+            let profile = hibernation::profile(&candidates, &choice.vms, floor, &now);
             self.parent.send(&FromCell::Idle { profile });
         }
         // Holders of VMs created asleep, which never woke, leave too.

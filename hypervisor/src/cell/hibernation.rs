@@ -36,9 +36,31 @@ pub fn sweep_interval(hibernation: &Hibernation) -> Duration {
     (hibernation.idle_after / 2).min(SWEEP_MAX)
 }
 
+/// Whom a look puts to sleep.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Choice {
+    /// The VMs, least recently used first.
+    pub vms: Vec<usize>,
+    /// How many of the first are past the cap, which wants them asleep at
+    /// once; the others are due by the timer alone, and may be spread out.
+    pub capped: usize,
+}
+
+impl Choice {
+    /// The VMs to put to sleep at once.
+    pub fn at_once(&self) -> &[usize] {
+        &self.vms[..self.capped]
+    }
+
+    /// The VMs that may go over the interval to the next look.
+    pub fn spread(&self) -> &[usize] {
+        &self.vms[self.capped..]
+    }
+}
+
 /// The VMs to hibernate now, least recently used first: every unused VM idle
 /// for `idle_after`, and those `cap` takes.
-pub fn choose(candidates: &[Candidate], idle_after: Duration, cap: Cap, now: &Now) -> Vec<usize> {
+pub fn choose(candidates: &[Candidate], idle_after: Duration, cap: Cap, now: &Now) -> Choice {
     let sleepers = sleepers(candidates);
     let due = sleepers
         .iter()
@@ -55,7 +77,10 @@ pub fn choose(candidates: &[Candidate], idle_after: Duration, cap: Cap, now: &No
             .min(awake.saturating_sub(floor as usize)),
     };
     let count = due.max(capped).min(sleepers.len());
-    sleepers[..count].iter().map(|c| c.index).collect()
+    Choice {
+        vms: sleepers[..count].iter().map(|c| c.index).collect(),
+        capped: capped.min(count),
+    }
 }
 
 /// The unused awake VMs, least recently used first.
@@ -80,8 +105,9 @@ pub fn profile(candidates: &[Candidate], chosen: &[usize], floor: u32, now: &Now
     IdleProfile::of(awake as u32, idle, now)
 }
 
-/// The VMs a look chose, put to sleep one at a time over the first half of
-/// the interval to the next look instead of all at once. At 100 wakes a
+/// The VMs a look found due by the timer alone, put to sleep one at a time
+/// over the first half of the interval to the next look instead of all at
+/// once (those past `--max-live` go at once, [`Choice::at_once`]). At 100 wakes a
 /// second with `--idle-after 1`, a look every 0.5 s found some 50 VMs due:
 /// parking them, releasing their KVM VMs and the pager's eviction of their
 /// blocks came as one burst on two cores, and the wakes meanwhile waited
@@ -205,7 +231,7 @@ mod tests {
 
     fn choose_ms(vms: &[Candidate], idle_ms: u64, share: Option<u32>, now: &Now) -> Vec<usize> {
         let cap = share.map_or(Cap::None, |share| Cap::Local { share });
-        choose(vms, Duration::from_millis(idle_ms), cap, now)
+        choose(vms, Duration::from_millis(idle_ms), cap, now).vms
     }
 
     #[test]
@@ -321,8 +347,10 @@ mod tests {
         let long = Duration::from_secs(3600);
         let ago = |s: u64| now.ms_of(now.instant - Duration::from_secs(s));
         let cut = |cut, floor| Cap::Global { cut, floor };
-        let chosen = choose(&vms, long, cut(ago(19), 2), &now);
-        assert_eq!(chosen, vec![19, 18]);
+        let choice = choose(&vms, long, cut(ago(19), 2), &now);
+        assert_eq!(choice.at_once(), [19, 18], "the cut's go at once");
+        assert!(choice.spread().is_empty());
+        let chosen = choice.vms;
         // It reports the 18 left awake, of which 16 may sleep past its floor
         // of 2: the oldest 16, idle 3..18 s.
         let report = profile(&vms, &chosen, 2, &now);
@@ -331,10 +359,12 @@ mod tests {
         assert_eq!(report.points.last().unwrap(), &(ago(3), 16));
         // Its floor it keeps whatever the cut: a lying neighbour cannot take
         // a cell's every VM.
-        assert_eq!(choose(&vms, long, cut(u64::MAX, 19), &now), vec![19]);
-        // No cut needed: only the timer.
-        assert!(choose(&vms, long, cut(0, 2), &now).is_empty());
+        assert_eq!(choose(&vms, long, cut(u64::MAX, 19), &now).vms, vec![19]);
+        // No cut needed: only the timer, whose choice may be spread out.
+        assert!(choose(&vms, long, cut(0, 2), &now).vms.is_empty());
         let timer = Duration::from_millis(18_500);
-        assert_eq!(choose(&vms, timer, cut(0, 2), &now), vec![19, 18]);
+        let choice = choose(&vms, timer, cut(0, 2), &now);
+        assert_eq!(choice.spread(), [19, 18]);
+        assert!(choice.at_once().is_empty());
     }
 }
