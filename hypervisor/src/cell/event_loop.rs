@@ -738,14 +738,14 @@ impl CellLoop {
         };
         let now = Now::read();
         let choice = hibernation::choose(&candidates, hibernation.idle_after, cap, &now);
-        for &index in choice.at_once() {
-            self.hibernate(index);
+        for c in choice.at_once() {
+            self.hibernate(c.index);
         }
         let interval = hibernation::sweep_interval(&hibernation);
         self.sleep_queue
-            .refill(choice.spread(), &candidates, interval, now.instant);
+            .refill(choice.spread(), interval, now.instant);
         if report && share.is_some() {
-            let profile = hibernation::profile(&candidates, &choice.vms, floor, &now);
+            let profile = hibernation::profile(&candidates, &choice.indices(), floor, &now);
             self.parent.send(&FromCell::Idle { profile });
         }
         // Holders of VMs created asleep, which never woke, leave too.

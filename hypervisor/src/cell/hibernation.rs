@@ -37,23 +37,28 @@ pub fn sweep_interval(hibernation: &Hibernation) -> Duration {
 }
 
 /// Whom a look puts to sleep.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Choice {
     /// The VMs, least recently used first.
-    pub vms: Vec<usize>,
+    pub vms: Vec<Candidate>,
     /// How many of the first are past the cap, which wants them asleep at
     /// once; the others are due by the timer alone, and may be spread out.
     pub capped: usize,
 }
 
 impl Choice {
+    /// The VMs' indices, least recently used first.
+    pub fn indices(&self) -> Vec<usize> {
+        self.vms.iter().map(|c| c.index).collect()
+    }
+
     /// The VMs to put to sleep at once.
-    pub fn at_once(&self) -> &[usize] {
+    pub fn at_once(&self) -> &[Candidate] {
         &self.vms[..self.capped]
     }
 
     /// The VMs that may go over the interval to the next look.
-    pub fn spread(&self) -> &[usize] {
+    pub fn spread(&self) -> &[Candidate] {
         &self.vms[self.capped..]
     }
 }
@@ -78,7 +83,7 @@ pub fn choose(candidates: &[Candidate], idle_after: Duration, cap: Cap, now: &No
     };
     let count = due.max(capped).min(sleepers.len());
     Choice {
-        vms: sleepers[..count].iter().map(|c| c.index).collect(),
+        vms: sleepers[..count].iter().map(|&&c| c).collect(),
         capped: capped.min(count),
     }
 }
@@ -125,24 +130,13 @@ pub struct SleepQueue {
 }
 
 impl SleepQueue {
-    /// Adds the VMs a look at `now` chose (`candidates` are what it saw),
-    /// and spreads those waiting over half of `interval`.
-    pub fn refill(
-        &mut self,
-        chosen: &[usize],
-        candidates: &[Candidate],
-        interval: Duration,
-        now: Instant,
-    ) {
-        for &index in chosen {
-            if !self.queued.insert(index) {
-                continue;
+    /// Adds the VMs a look at `now` chose, and spreads those waiting over
+    /// half of `interval`.
+    pub fn refill(&mut self, chosen: &[Candidate], interval: Duration, now: Instant) {
+        for c in chosen {
+            if self.queued.insert(c.index) {
+                self.due.push_back((c.index, c.last_active));
             }
-            let last_active = candidates
-                .iter()
-                .find(|c| c.index == index)
-                .map_or(now, |c| c.last_active);
-            self.due.push_back((index, last_active));
         }
         if self.due.is_empty() {
             return;
@@ -231,7 +225,7 @@ mod tests {
 
     fn choose_ms(vms: &[Candidate], idle_ms: u64, share: Option<u32>, now: &Now) -> Vec<usize> {
         let cap = share.map_or(Cap::None, |share| Cap::Local { share });
-        choose(vms, Duration::from_millis(idle_ms), cap, now).vms
+        choose(vms, Duration::from_millis(idle_ms), cap, now).indices()
     }
 
     #[test]
@@ -241,9 +235,9 @@ mod tests {
         let mut queue = SleepQueue::default();
         let t0 = now.instant;
         let interval = Duration::from_millis(400);
-        queue.refill(&[0, 1, 2, 3], &vms, interval, t0);
+        queue.refill(&vms, interval, t0);
         // Chosen again by the next look before its turn: queued once.
-        queue.refill(&[1], &vms, interval, t0);
+        queue.refill(&vms[1..2], interval, t0);
         let at = |ms| t0 + Duration::from_millis(ms);
         assert_eq!(queue.pop_due(t0), Some((0, vms[0].last_active)));
         assert_eq!(queue.pop_due(t0), None, "one at a time");
@@ -348,9 +342,8 @@ mod tests {
         let ago = |s: u64| now.ms_of(now.instant - Duration::from_secs(s));
         let cut = |cut, floor| Cap::Global { cut, floor };
         let choice = choose(&vms, long, cut(ago(19), 2), &now);
-        assert_eq!(choice.at_once(), [19, 18], "the cut's go at once");
-        assert!(choice.spread().is_empty());
-        let chosen = choice.vms;
+        assert_eq!(choice.at_once().len(), 2, "the cut's go at once");
+        let chosen = choice.indices();
         // It reports the 18 left awake, of which 16 may sleep past its floor
         // of 2: the oldest 16, idle 3..18 s.
         let report = profile(&vms, &chosen, 2, &now);
@@ -359,12 +352,15 @@ mod tests {
         assert_eq!(report.points.last().unwrap(), &(ago(3), 16));
         // Its floor it keeps whatever the cut: a lying neighbour cannot take
         // a cell's every VM.
-        assert_eq!(choose(&vms, long, cut(u64::MAX, 19), &now).vms, vec![19]);
+        assert_eq!(
+            choose(&vms, long, cut(u64::MAX, 19), &now).indices(),
+            vec![19]
+        );
         // No cut needed: only the timer, whose choice may be spread out.
         assert!(choose(&vms, long, cut(0, 2), &now).vms.is_empty());
         let timer = Duration::from_millis(18_500);
         let choice = choose(&vms, timer, cut(0, 2), &now);
-        assert_eq!(choice.spread(), [19, 18]);
-        assert!(choice.at_once().is_empty());
+        assert_eq!(choice.indices(), vec![19, 18]);
+        assert_eq!((choice.at_once().len(), choice.spread().len()), (0, 2));
     }
 }
