@@ -721,9 +721,7 @@ impl CellLoop {
                         vm.sleep,
                         Sleep::Awake | Sleep::Parking(_) | Sleep::Waking(_)
                     ),
-                    unused: vm.sleep == Sleep::Awake
-                        && entry.state() == VmState::Running
-                        && vm.unused(),
+                    unused: could_sleep(entry, vm),
                     last_active: vm.last_active,
                 }),
                 VmEntry::Dead(_) | VmEntry::Forgotten => None,
@@ -765,12 +763,7 @@ impl CellLoop {
             .entries()
             .get(index)
             .is_some_and(|entry| match entry {
-                VmEntry::Live(vm) => {
-                    vm.sleep == Sleep::Awake
-                        && entry.state() == VmState::Running
-                        && vm.unused()
-                        && vm.last_active == chosen_idle_since
-                }
+                VmEntry::Live(vm) => could_sleep(entry, vm) && vm.last_active == chosen_idle_since,
                 VmEntry::Dead(_) | VmEntry::Forgotten => false,
             });
         if still_idle {
@@ -1484,6 +1477,12 @@ fn register_doorbell(poll: &Poll, evt: &EventFd, index: usize) -> io::Result<()>
         token(KIND_DOORBELL, index),
         Interest::READABLE,
     )
+}
+
+/// VM `vm` (its table `entry`) could be put to sleep now: awake, running,
+/// nothing of it in use.
+fn could_sleep(entry: &VmEntry, vm: &MicroVm) -> bool {
+    vm.sleep == Sleep::Awake && entry.state() == VmState::Running && vm.unused()
 }
 
 #[cfg(test)]
