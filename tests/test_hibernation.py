@@ -95,6 +95,20 @@ def settled_swap_used(m) -> int:
     raise AssertionError(f"swap use still moving after 20 s: {last}")
 
 
+def settled_fd_targets(pids: list[int]) -> Counter:
+    """The descriptors of `pids` once two readings 0.1 s apart agree: the parent closes its
+    end of a control connection the test has just closed a moment later."""
+    last = Counter(fd_targets(pids))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = Counter(fd_targets(pids))
+        if now == last:
+            return now
+        last = now
+    raise AssertionError(f"descriptors still changing after 10 s: {last}")
+
+
 def serve_every_vm(m, vms: range) -> None:
     for vm in vms:
         r = get(m.addr(vm))
@@ -122,10 +136,13 @@ def test_idle_vms_hibernate_release_their_threads_and_wake_intact(tmp_path):
         for _ in range(3):
             serve_every_vm(m, range(12))
             assert wait_for(lambda: totals(m)["hibernated"] == 12, timeout=20), totals(m)
-        assert wait_for(lambda: totals(m)["hibernations"] == 48, timeout=10), totals(m)
+        # The template's boot and hibernation at the start, then twelve first starts (VMs
+        # are created asleep; eleven clones of the template, and the template's own) and 36
+        # wakes.
+        assert wait_for(lambda: totals(m)["hibernations"] == 49, timeout=10), totals(m)
         t = totals(m)
-        # Twelve first boots (VMs are created asleep) and 36 wakes.
-        assert t["wakes"] == 48 and t["wake_failures"] == 0, t
+        assert t["wakes"] == 49 and t["wake_failures"] == 0, t
+        assert t["clone_template"] == "ready" and t["clones_started"] == 11, t
         assert t["selfcheck_errors"] == 0 and t["selfcheck_pages"] > 0, t
         assert t["wake_us_p50"] is not None and t["wake_us_p99"] >= t["wake_us_p50"], t
         assert t["swap_write_bytes"] > 0 and t["swap_read_bytes"] > 0, t
@@ -214,7 +231,7 @@ def test_holders_leave_when_their_vms_all_sleep_and_come_back_for_a_wake(tmp_pat
         # holder's userfaultfd, and the front its link.
         monitor = [m.proc.pid, *cells]
         assert wait_for(lambda: uffds(monitor) == 0, timeout=10), fd_targets(monitor)
-        away = Counter(fd_targets(monitor))
+        away = settled_fd_targets(monitor)
         # One guest-RAM memfd a cell, in the parent's pager; each front maps it and its
         # system pages' memfd once, however many holders the cell has.
         assert memfds(monitor) == memfds([m.proc.pid]) == len(cells), fd_targets(monitor)
@@ -229,7 +246,7 @@ def test_holders_leave_when_their_vms_all_sleep_and_come_back_for_a_wake(tmp_pat
             assert uffds(monitor) == 1
             assert wait_for(lambda: all(children(c) == [] for c in cells), timeout=10)
             assert wait_for(lambda: uffds(monitor) == 0, timeout=10), fd_targets(monitor)
-        assert kinds(Counter(fd_targets(monitor))) == kinds(away)
+        assert kinds(settled_fd_targets(monitor)) == kinds(away)
         # Every holder comes back for its VMs, several at once.
         serve_every_vm(m, range(24))
         t = totals(m)
@@ -240,10 +257,11 @@ def test_holders_leave_when_their_vms_all_sleep_and_come_back_for_a_wake(tmp_pat
 
 
 def test_a_vm_costs_swap_only_once_it_has_run_and_then_only_its_difference(tmp_path):
-    # Created asleep, 40 VMs hold no swap. The first to sleep is the image's template: its
-    # blocks are stored whole (compressed) until it sleeps again. From then on every VM that
-    # has run stores only how its blocks differ from the template's: a sector or so a block.
-    m = start(tmp_path, 40, "127.206.0.0", "--idle-after", "0.3")
+    # Booted each (no clone template), 40 VMs created asleep hold no swap. The first to
+    # sleep is the compact store's template: its blocks are stored whole (compressed) until
+    # it sleeps again. From then on every VM that has run stores only how its blocks differ
+    # from the template's: a sector or so a block.
+    m = start(tmp_path, 40, "127.206.0.0", "--idle-after", "0.3", "--boot-each")
     try:
         capacity = totals(m)["swap_capacity_bytes"]
         assert totals(m)["swap_used_bytes"] == 0
@@ -266,6 +284,61 @@ def test_a_vm_costs_swap_only_once_it_has_run_and_then_only_its_difference(tmp_p
         assert 38 * two // 4 <= used <= 40 * (64 << 10), (used, totals(m)["compact_swap"])
         # Each wakes from its records and serves again.
         serve_every_vm(m, range(40))
+    finally:
+        assert m.stop() == 0, m.stderr()
+
+
+def test_vms_start_as_clones_of_the_template_and_store_only_their_difference(tmp_path):
+    # Clone boot: VM 0 boots as the image's template at the start and sleeps at once; its
+    # memory, saved whole, is what every other VM starts from at its first connection (no
+    # boot), and what each then stores is its difference from it.
+    m = start(tmp_path, 40, "127.207.0.0", "--idle-after", "0.3")
+    try:
+        t = totals(m)
+        assert t["clone_template"] == "ready" and t["clones_started"] == 0, t
+        assert t["hibernations"] == 1 and t["wakes"] == 1, t
+        template = settled_swap_used(m)
+        assert template >= 256 << 10, totals(m)["compact_swap"]
+        serve_every_vm(m, range(1, 40))
+        assert wait_for(lambda: totals(m)["hibernated"] == 40, timeout=20)
+        clones = settled_swap_used(m) - template
+        assert 0 < clones <= 39 * (64 << 10), (clones, totals(m)["compact_swap"])
+        t = totals(m)
+        assert t["clones_started"] == 39 and t["wake_failures"] == 0, t
+        serve_every_vm(m, range(40))
+        assert totals(m)["clones_started"] == 39
+    finally:
+        assert m.stop() == 0, m.stderr()
+
+
+def test_a_clone_starts_with_exactly_the_templates_memory(tmp_path):
+    # Self-checking guests: the template stamps its working set at its boot; each clone
+    # verifies, at its first start, that its memory holds the template's stamps (memory of
+    # zeros counts every page as a mismatch), then stamps its own; every request checks them.
+    m = start(tmp_path, 20, "127.205.0.0", "--idle-after", "0.3", "--selfcheck", "--mem", "16M")
+    try:
+        pages = totals(m)["selfcheck_pages"]
+        assert pages > 0, totals(m)
+        serve_every_vm(m, range(1, 20))
+        t = totals(m)
+        assert t["clones_started"] == 19 and t["selfcheck_errors"] == 0, t
+        assert t["selfcheck_pages"] == pages * (1 + 19 + 19), t
+        for _ in range(2):
+            assert wait_for(lambda: totals(m)["hibernated"] == 20, timeout=20)
+            serve_every_vm(m, range(20))
+        t = totals(m)
+        assert t["selfcheck_errors"] == 0 and t["wake_failures"] == 0, t
+    finally:
+        assert m.stop() == 0, m.stderr()
+
+
+def test_with_boot_each_no_vm_is_a_clone(tmp_path):
+    m = start(tmp_path, 6, "127.208.0.0", "--idle-after", "0.3", "--boot-each", "--selfcheck")
+    try:
+        serve_every_vm(m, range(6))
+        t = totals(m)
+        assert t["clone_template"] == "off" and t["clones_started"] == 0, t
+        assert t["wakes"] == 6 and t["selfcheck_errors"] == 0, t
     finally:
         assert m.stop() == 0, m.stderr()
 
@@ -329,6 +402,7 @@ def test_a_cell_killed_while_its_vms_sleep_takes_only_them(tmp_path):
         (["--max-live", "4"], "--max-live needs --idle-after"),
         (["--idle-after", "1", "--max-live", "0"], "--max-live must be at least 1"),
         (["--idle-after", "1", "--vcpu-stats"], "--vcpu-stats cannot follow"),
+        (["--boot-each"], "--boot-each needs --idle-after"),
     ],
 )
 def test_bad_hibernation_flags_are_refused(tmp_path, flags, why):

@@ -261,6 +261,7 @@ def sample(requests: int, wakes: int, histogram: list[int], running: int = 7) ->
         "wakes": wakes,
         "wake_failures": 0,
         "wake_us_log2": histogram,
+        "clones_started": 12,
     }
 
 
@@ -271,7 +272,7 @@ def test_the_window_takes_counts_at_its_end_and_wakes_over_it():
     late[10], late[11] = 30, 20
     w = hibernation_window(sample(1000, 100, early), sample(1500, 150, late, running=9), 500)
     assert (w.hibernated, w.live, w.wakes, w.hibernations, w.wake_failures) == (31, 9, 50, 50, 0)
-    assert w.wake_fraction == 0.1
+    assert w.wake_fraction == 0.1 and w.clones_started == 12
     assert (w.wake_us_p50, w.wake_us_p99) == (1 << 11, 1 << 12)
     # A densevm that reports no histogram, and a window that served nothing.
     none = hibernation_window(sample(10, 0, []), sample(10, 0, []), 0)
@@ -291,9 +292,11 @@ def test_the_summary_mentions_hibernation_only_when_it_is_on():
     r = recorded(idle_after=0.5, max_live=100)
     r.live, r.hibernated, r.wakes, r.wake_fraction = 60, 340, 1234, 0.0412
     r.wake_us_p50, r.wake_us_p99, r.wake_failures, r.hibernations = 2048, 16384, 0, 1300
+    r.clones_started = 399
     r.model = {**r.model, "wake_fraction": 0.05}
     on = summary(r)
     assert "hibernation: idle after 0.5 s, at most 100 awake   at the end 60 awake, 340 " in on
+    assert "340 hibernated, 399 started as clones of the template" in on
     assert "wakes:       1,234 (0.041 of requests, model 0.050)   latency p50 2.05 ms, " in on
 
 
@@ -327,6 +330,7 @@ BAD = [
     (["--idle-after", "0.05"], "--idle-after 0.05: give seconds from 0.1 to 1000000"),  # densevm's
     (["--max-live", "10"], "--max-live needs --idle-after"),
     (["--idle-after", "1", "--max-live", "0"], "--max-live must be at least 1 (got 0)"),
+    (["--boot-each"], "--boot-each needs --idle-after"),
     (["model", "--max-live", "5", "--cpu-us", "10"], "--max-live needs --idle-after"),
 ]
 

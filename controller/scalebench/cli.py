@@ -125,6 +125,13 @@ def _workload_flags(p: argparse.ArgumentParser) -> None:
         help="at most N VMs awake, the host's least recently used idle ones hibernated past it "
         "(needs --idle-after; default: no cap, or see --idle-after)",
     )
+    p.add_argument(
+        "--boot-each",
+        action="store_true",
+        help="with hibernation, boot every VM from the image at its first request instead of "
+        "starting it as a clone of the image's saved template (densevm --boot-each; for "
+        "comparison)",
+    )
 
 
 def run_parser() -> Parser:

@@ -117,6 +117,7 @@ class RunResult:
     wake_fraction: float | None = None
     wake_us_p50: int | None = None
     wake_us_p99: int | None = None
+    clones_started: int | None = None  # VMs started as clones of the template by its end
     # model
     model_rps: float | None = None
     measured_over_model: float | None = None

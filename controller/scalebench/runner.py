@@ -171,7 +171,14 @@ class Sampler:
     # The modeled drives' counters (totals.disk_usage), sampled as disk_<name>.
     DISK_KEYS = ("busy_seconds", "requests", "positioned", "positioning_seconds")
     # Hibernation's (--idle-after): VMs asleep and awake ("running") now, and its counters.
-    HIBERNATION_KEYS = ("hibernated", "running", "hibernations", "wakes", "wake_failures")
+    HIBERNATION_KEYS = (
+        "hibernated",
+        "running",
+        "hibernations",
+        "wakes",
+        "wake_failures",
+        "clones_started",
+    )
 
     def __init__(self, dvm: DenseVM, samples: list, hibernation: bool = False) -> None:
         self.dvm, self.samples, self.t0, self.last = dvm, samples, time.monotonic(), -1e9
@@ -269,6 +276,7 @@ class HibernationWindow:
     wake_fraction: float | None  # wakes per request served: the model's wake_fraction
     wake_us_p50: int | None  # of the window's wakes, densevm's log2 buckets' upper bounds
     wake_us_p99: int | None
+    clones_started: int  # VMs started as clones of the template by its end (0: --boot-each)
 
 
 def hibernation_window(before: dict, after: dict, requests: int) -> HibernationWindow:
@@ -290,6 +298,7 @@ def hibernation_window(before: dict, after: dict, requests: int) -> HibernationW
         wake_fraction=wakes / requests if requests > 0 else None,
         wake_us_p50=log2_quantile_us(histogram, 0.5),
         wake_us_p99=log2_quantile_us(histogram, 0.99),
+        clones_started=after["clones_started"],
     )
 
 

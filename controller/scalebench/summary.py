@@ -22,7 +22,12 @@ def hibernation_lines(r: RunResult) -> list[str]:
     model = m.get("wake_fraction")
     return [
         f"  hibernation: idle after {c['idle_after']:g} s{cap}   at the end {_num(r.live)} awake, "
-        f"{_num(r.hibernated)} hibernated",
+        f"{_num(r.hibernated)} hibernated"
+        + (
+            f", {_num(r.clones_started)} started as clones of the template"
+            if r.clones_started is not None
+            else ""
+        ),
         f"  wakes:       {_num(r.wakes)} ({_num(r.wake_fraction, '{:.3f}')} of requests"
         + (f", model {model:.3f}" if model is not None else "")
         + f")   latency p50 {_ms(r.wake_us_p50)} ms, p99 {_ms(r.wake_us_p99)} ms   "

@@ -42,6 +42,8 @@
 #define DV_FLAG_PVM         0x1 /* host is PVM: interrupt flag lives in the VIF page */
 #define DV_FLAG_SELFCHECK   0x2 /* stamp and verify every working-set page */
 #define DV_FLAG_RESUME      0x4 /* woken from hibernation: RAM and rings kept, vCPU new */
+#define DV_FLAG_TEMPLATE    0x8 /* the image's template: give memory its content at boot, before ready */
+#define DV_FLAG_CLONE       0x10 /* with RESUME: a clone's first start, on a copy of the template's RAM */
 
 #define DV_DOORBELL_PORT    0x510 /* ioeventfd: guest -> host, stays in the kernel */
 #define DV_PANIC_PORT       0x511 /* exits to the monitor: the guest is dead */

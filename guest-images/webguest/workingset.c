@@ -8,9 +8,12 @@ struct stamp {
     uint64_t magic, vm_id, page, generation;
 };
 
-/* Generation of the stamps now in memory; lives in RAM like everything the
- * pager could lose, so a lost page of bss shows up as mismatches too. */
+/* Generation of the stamps now in memory, and the VM whose they are (the
+ * template's in a clone until it adopts them); they live in RAM like
+ * everything the pager could lose, so a lost page of bss shows up as
+ * mismatches too. */
 static uint64_t stamped_generation;
+static uint64_t stamped_vm;
 
 static int stamp_matches(const volatile struct stamp *s, uint64_t vm, uint64_t page, uint64_t gen)
 {
@@ -27,24 +30,43 @@ static void stamp_write(volatile struct stamp *s, uint64_t vm, uint64_t page, ui
     s->generation = gen;
 }
 
-/* Verify the previous generation's stamps at both ends of every page, then
- * write the next generation: every page is dirtied by every request. */
-static void selfcheck(const struct dv_boot_info *bi, uint8_t *ws, uint64_t pages)
+/* Verify the stamps in memory at both ends of every page, then write VM
+ * vm's of generation gen in their place. */
+static void restamp(const struct dv_boot_info *bi, uint64_t vm, uint64_t gen)
 {
     struct dv_ctrl *ctrl = ctrl_page();
-    uint64_t gen = stamped_generation;
+    uint8_t *ws = (uint8_t *)bi->ws_gpa;
+    uint64_t pages = bi->ws_bytes / PAGE;
     uint64_t errors = 0;
     for (uint64_t p = 0; p < pages; p++) {
         volatile struct stamp *head = (volatile struct stamp *)(ws + p * PAGE);
         volatile struct stamp *tail = (volatile struct stamp *)(ws + (p + 1) * PAGE - sizeof(struct stamp));
-        if (!stamp_matches(head, bi->vm_id, p, gen) || !stamp_matches(tail, bi->vm_id, p, gen))
+        if (!stamp_matches(head, stamped_vm, p, stamped_generation) ||
+            !stamp_matches(tail, stamped_vm, p, stamped_generation))
             errors++;
-        stamp_write(head, bi->vm_id, p, gen + 1);
-        stamp_write(tail, bi->vm_id, p, gen + 1);
+        stamp_write(head, vm, p, gen);
+        stamp_write(tail, vm, p, gen);
     }
-    stamped_generation = gen + 1;
+    stamped_vm = vm;
+    stamped_generation = gen;
     ctrl->selfcheck_pages += pages;
     ctrl->selfcheck_errors += errors;
+}
+
+/* Every request verifies the previous generation and writes the next: every
+ * page is dirtied by every request. A VM checks its own stamps only. */
+static void selfcheck(const struct dv_boot_info *bi)
+{
+    if (stamped_generation != 0 && stamped_vm != bi->vm_id)
+        ctrl_page()->selfcheck_errors++;
+    stamped_vm = bi->vm_id;
+    restamp(bi, bi->vm_id, stamped_generation + 1);
+}
+
+/* The first word of working-set page p: the VM's own. */
+static uint64_t own_word(const struct dv_boot_info *bi, uint64_t p)
+{
+    return ((uint64_t)bi->vm_id << 32) | p | 1;
 }
 
 /* Whether the working set holds its content yet (in RAM, like the content). */
@@ -99,9 +121,35 @@ static void ws_load(const struct dv_boot_info *bi, uint8_t *ws, uint64_t pages)
                 text_line(words, x >> 8);
             }
         }
-        *(volatile uint64_t *)page = ((uint64_t)bi->vm_id << 32) | p | 1;
+        *(volatile uint64_t *)page = own_word(bi, p);
     }
     ws_loaded = 1;
+}
+
+void ws_prepare(const struct dv_boot_info *bi)
+{
+    if (bi->flags & DV_FLAG_SELFCHECK)
+        selfcheck(bi);
+    else if (!ws_loaded)
+        ws_load(bi, (uint8_t *)bi->ws_gpa, bi->ws_bytes / PAGE);
+}
+
+void ws_adopt(const struct dv_boot_info *bi)
+{
+    /* A self-checking clone verifies that it got the template's stamps
+     * (memory of zeros is a fresh VM's, not the template's). */
+    if (bi->flags & DV_FLAG_SELFCHECK) {
+        if (stamped_generation == 0)
+            ctrl_page()->selfcheck_errors += bi->ws_bytes / PAGE;
+        else
+            restamp(bi, bi->vm_id, stamped_generation);
+        return;
+    }
+    if (!ws_loaded)
+        return;
+    uint8_t *ws = (uint8_t *)bi->ws_gpa;
+    for (uint64_t p = 0; p < bi->ws_bytes / PAGE; p++)
+        *(volatile uint64_t *)(ws + p * PAGE) = own_word(bi, p);
 }
 
 void ws_touch(const struct dv_boot_info *bi)
@@ -109,7 +157,7 @@ void ws_touch(const struct dv_boot_info *bi)
     uint8_t *ws = (uint8_t *)bi->ws_gpa;
     uint64_t pages = bi->ws_bytes / PAGE;
     if (bi->flags & DV_FLAG_SELFCHECK) {
-        selfcheck(bi, ws, pages);
+        selfcheck(bi);
         return;
     }
     if (!ws_loaded)

@@ -138,6 +138,21 @@ pub struct ServeArgs {
     /// (needs --idle-after). Default: no cap.
     #[arg(long)]
     pub max_live: Option<u32>,
+    /// With --idle-after, boot every VM from the image on its first
+    /// connection instead of starting it as a clone of the image's template
+    /// (VM 0, booted at start and saved). For comparison; cloning is the
+    /// default.
+    #[arg(long)]
+    pub boot_each: bool,
+}
+
+/// The VM booted as the image's template when VMs start as clones.
+pub const TEMPLATE_VM: u32 = 0;
+
+/// Whether VMs created asleep start as clones of the template
+/// ([`TEMPLATE_VM`]): with hibernation, unless `--boot-each`.
+pub fn clone_boot(args: &ServeArgs) -> bool {
+    args.idle_after.is_some() && !args.boot_each && args.vms > TEMPLATE_VM
 }
 
 /// Refuses hibernation flags that cannot work.
@@ -153,6 +168,11 @@ fn check_hibernation(args: &ServeArgs) -> Result<(), ConfigError> {
                 "--vcpu-stats cannot follow a VM through hibernation: drop one of it and --idle-after".into(),
             ));
         }
+    }
+    if args.boot_each && args.idle_after.is_none() {
+        return Err(ConfigError(
+            "--boot-each needs --idle-after (only VMs created asleep start as clones)".into(),
+        ));
     }
     match args.max_live {
         Some(_) if args.idle_after.is_none() => Err(ConfigError(
@@ -213,6 +233,8 @@ pub struct Hibernation {
     pub max_live: Option<u32>,
     /// Cells at boot, over which `max_live` is shared out.
     pub cells: u32,
+    /// VMs created asleep start as clones of the template ([`clone_boot`]).
+    pub clone_boot: bool,
 }
 
 impl Hibernation {
@@ -290,6 +312,7 @@ pub fn cell_hibernation(args: &ServeArgs, cells: u32) -> Option<Hibernation> {
         idle_after: Duration::from_secs_f64(args.idle_after?),
         max_live: args.max_live,
         cells,
+        clone_boot: clone_boot(args),
     })
 }
 
@@ -575,6 +598,7 @@ pub fn pager_config(args: &ServeArgs, layout: &RamLayout) -> Result<PagerConfig,
         // VMs created asleep commit no swap until they run.
         swap_on_first_fault: args.idle_after.is_some(),
         compact_swap: args.idle_after.is_some(),
+        clone_template: clone_boot(args).then_some(TEMPLATE_VM),
     };
     config
         .validate(layout.ram_bytes, layout.request_footprint())

@@ -113,6 +113,7 @@ mod tests {
             vm: 0,
             block: 0,
             loc,
+            from_template: false,
             dirty,
             old_loc: NO_LOC,
             sum: 0,

@@ -86,6 +86,8 @@ struct Capture {
 
 /// The sealed template.
 struct Template {
+    /// The VM it was captured from.
+    vm: VmId,
     image: Vec<u8>,
     /// LZ4 ratio of its non-zero blocks on their own (no delta): how
     /// compressible the image's memory is, reported so that no figure hides
@@ -221,7 +223,22 @@ impl CompactSwap {
             packed += lz4_flex::block::compress(block).len().min(block.len());
         }
         let lz4_ratio = raw as f64 / packed.max(1) as f64;
-        let _ = self.template.set(Template { image, lz4_ratio });
+        let _ = self.template.set(Template {
+            vm,
+            image,
+            lz4_ratio,
+        });
+    }
+
+    /// The VM the template was captured from, once it is sealed.
+    pub fn template_vm(&self) -> Option<VmId> {
+        self.template.get().map(|t| t.vm)
+    }
+
+    /// Block `block` of the sealed template (zeros past what it captured).
+    pub fn template_block(&self, block: BlockId) -> Option<&[u8]> {
+        let at = block as usize * self.block;
+        self.template.get()?.image.get(at..at + self.block)
     }
 
     /// Stores `puts` (each replacing any earlier copy at its location);

@@ -52,6 +52,12 @@ pub struct PagerConfig {
     /// template ([`crate::compact`]), so swap holds many more VMs than
     /// their RAM (densevm with `--idle-after`); else each block whole.
     pub compact_swap: bool,
+    /// The VM whose first hibernation saves the image's template for clones
+    /// (clone boot): from then on every VM whose memory is first touched
+    /// starts as a copy of the template's, each block the template's until
+    /// the VM writes it (Potemkin's flash cloning). Needs `compact_swap`,
+    /// which keeps the template. `None`: VMs start from zeros.
+    pub clone_template: Option<u32>,
 }
 
 impl Default for PagerConfig {
@@ -68,6 +74,7 @@ impl Default for PagerConfig {
             inject_fault: std::time::Duration::ZERO,
             swap_on_first_fault: false,
             compact_swap: false,
+            clone_template: None,
         }
     }
 }
@@ -155,6 +162,11 @@ impl PagerConfig {
             });
         }
         check_vm_quota(self.vm_resident_max, self.block_bytes)?;
+        if self.clone_template.is_some() && !self.compact_swap {
+            return Err(PagerError::BadConfig(
+                "clone_template needs compact_swap, which keeps the template".into(),
+            ));
+        }
         if let PolicySpec::Plugin { path, .. } = &self.policy {
             if !path.is_file() {
                 return Err(PagerError::PluginMissing(path.clone()));

@@ -143,6 +143,9 @@ pub enum PagerError {
     /// A pagesim option is out of range or inconsistent with another.
     #[error("{0}")]
     BadSimOption(String),
+    /// A pager setting is inconsistent with another.
+    #[error("{0}")]
+    BadConfig(String),
     /// A VM registration was refused.
     #[error("VM {vm}: {reason}")]
     BadVm {

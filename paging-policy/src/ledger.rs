@@ -95,6 +95,10 @@ pub struct VmLedger {
     /// The blocks it had resident when last hibernated: prefetched at its
     /// wake, then forgotten.
     hibernated_set: Vec<BlockId>,
+    /// Its memory started as a copy of the clone template's
+    /// ([`Ledger::set_clone_source`]): a block without a swap copy holds
+    /// the template's bytes, not zeros.
+    from_template: bool,
     /// Statistics of this VM.
     pub stats: VmCounters,
 }
@@ -134,9 +138,12 @@ pub struct PlanBlock {
     pub vm: VmId,
     /// Block index.
     pub block: BlockId,
-    /// Fault-in: where to read it from (`NO_LOC` = zero-fill).
+    /// Fault-in: where to read it from (`NO_LOC` = zero-fill, or the
+    /// template's block with `from_template`).
     /// Eviction: where to write it (`NO_LOC` = nothing to write).
     pub loc: u64,
+    /// Fault-in without a swap copy: the block is the clone template's.
+    pub from_template: bool,
     /// Fault-in: install writable and dirty (the faulting write, or the
     /// simulator's written blocks). Eviction: must be written.
     pub dirty: bool,
@@ -191,8 +198,19 @@ pub struct Ledger {
     released: Vec<u64>,
     /// Most blocks one VM may hold (u64::MAX: no quota).
     vm_quota_blocks: u64,
+    /// The template that VMs first touched from now on start as a copy of.
+    clone_source: Option<CloneSource>,
+    /// VMs started as its clones, over the run.
+    clones_started: u64,
     /// Totals over all VMs, including destroyed ones.
     pub totals: VmCounters,
+}
+
+/// The template of clone boot: the VM it was saved from, and what that VM
+/// had resident then, which each clone's first wake prefetches.
+struct CloneSource {
+    vm: VmId,
+    prefetch: Vec<BlockId>,
 }
 
 impl Ledger {
@@ -218,6 +236,8 @@ impl Ledger {
             places: Vec::new(),
             released: Vec::new(),
             vm_quota_blocks: u64::MAX,
+            clone_source: None,
+            clones_started: 0,
             totals: VmCounters::default(),
         }
     }
@@ -301,6 +321,7 @@ impl Ledger {
                 hand: 0,
                 dying: false,
                 hibernated_set: Vec::new(),
+                from_template: false,
                 stats: VmCounters::default(),
             },
         );
@@ -326,7 +347,42 @@ impl Ledger {
         }
         self.space.commit(vm, allocate)?;
         v.blocks = vec![ABSENT; v.size as usize];
+        if let Some(source) = self.clone_source.as_ref().filter(|s| s.vm != vm) {
+            v.from_template = true;
+            v.hibernated_set.clone_from(&source.prefetch);
+            self.clones_started += 1;
+        }
         Ok(())
+    }
+
+    /// Whether `vm`'s memory is wholly the template's to save: none of its
+    /// blocks has ever gone to swap (so a hibernation now writes every
+    /// block with content, and nothing of it is only on swap from before).
+    pub fn never_evicted(&self, vm: VmId) -> bool {
+        self.vm(vm)
+            .is_some_and(|v| !v.dying && v.blocks.iter().all(|e| e.loc == NO_LOC))
+    }
+
+    /// Every VM whose memory is first touched from now on is a clone of
+    /// `vm`, just hibernated whole (see [`Ledger::never_evicted`]): its
+    /// blocks without a swap copy are the template's, and its first wake
+    /// prefetches what `vm` had resident. Returns false, changing nothing,
+    /// if `vm` is not wholly out of memory now.
+    pub fn set_clone_source(&mut self, vm: VmId) -> bool {
+        let Some(v) = self
+            .vm(vm)
+            .filter(|v| !v.dying && v.resident == 0 && v.busy == 0 && !v.from_template)
+        else {
+            return false;
+        };
+        let prefetch = v.hibernated_set.clone();
+        self.clone_source = Some(CloneSource { vm, prefetch });
+        true
+    }
+
+    /// VMs started as clones of the template, over the run.
+    pub fn clones_started(&self) -> u64 {
+        self.clones_started
     }
 
     /// Stops new work on a VM: its faults are ignored and the policy forgets
@@ -739,7 +795,11 @@ impl Ledger {
                 } else {
                     (NO_LOC, false)
                 };
-                let hash = e.dirty && !whole && e.hash_skips == 0;
+                // A clone's block without a copy is the template's: the
+                // hash of zeros tells nothing about it, so it is written
+                // (compact swap stores nothing for it if it is unchanged).
+                let hash =
+                    e.dirty && !whole && e.hash_skips == 0 && !(v.from_template && e.loc == NO_LOC);
                 if e.dirty {
                     e.hash_skips = e.hash_skips.saturating_sub(1);
                 }
@@ -747,6 +807,7 @@ impl Ledger {
                     vm,
                     block: b,
                     loc,
+                    from_template: false,
                     dirty,
                     old_loc: e.loc,
                     sum: e.sum,
@@ -984,6 +1045,7 @@ impl VmLedger {
                 vm,
                 block: b,
                 loc: e.loc,
+                from_template: self.from_template && e.loc == NO_LOC,
                 dirty,
                 old_loc: NO_LOC,
                 sum: 0,
@@ -1539,6 +1601,53 @@ mod tests {
         // They come back from where they were written, or as zeros.
         assert_eq!(plan(&mut l, 0, 2, false)[0].loc, first[1].loc);
         assert_eq!(plan(&mut l, 0, 0, false)[0].loc, NO_LOC);
+    }
+
+    /// Issue 40, clone boot: once a VM hibernated whole is the clone
+    /// source, a VM first touched after that is its clone: its blocks
+    /// without a copy are the template's, its first wake prefetches what
+    /// the template had resident, and such a block it wrote is written out
+    /// without being compared with zeros. A VM touched before stays a VM of
+    /// zeros.
+    #[test]
+    fn vms_first_touched_after_the_template_is_saved_start_as_its_clones() {
+        let space = SwapSpace::new(SwapLayout::PerVm, 3 * 16 * BLOCK, BLOCK, 16 * BLOCK);
+        let mut l = Ledger::new(Box::new(Demand::new()), space, BLOCK, 8 * BLOCK);
+        register(&mut l, 0);
+        register(&mut l, 1);
+        swap_in(&mut l, 0, 1, true, 0);
+        swap_in(&mut l, 0, 3, true, 0);
+        assert!(l.never_evicted(0));
+        assert!(!l.set_clone_source(0), "its memory is still resident");
+        let out = l.plan_hibernation(0).unwrap();
+        l.finish_hibernation(&out, 0.0, &mut Vec::new());
+        assert!(!l.never_evicted(0), "its blocks went to swap");
+        assert!(l.set_clone_source(0));
+
+        l.register(2, VM_BLOCKS).unwrap();
+        l.commit_swap(2, |_| Ok(())).unwrap();
+        assert_eq!(l.clones_started(), 1);
+        let mut woken = Vec::new();
+        l.plan_wake(2, &mut woken).unwrap();
+        let prefetched: Vec<_> = woken
+            .iter()
+            .map(|p| (p.block, p.loc, p.from_template))
+            .collect();
+        assert_eq!(prefetched, vec![(1, NO_LOC, true), (3, NO_LOC, true)]);
+        assert!(matches!(l.admit(2, 2).unwrap(), Admission::Go));
+        l.finish_install(&woken, 0.0, 0, &mut Vec::new());
+        let p = plan(&mut l, 2, 5, false);
+        assert!(
+            p[0].from_template,
+            "an untouched block is the template's too"
+        );
+        let out = l.plan_hibernation(2).unwrap();
+        assert!(out.iter().all(|p| p.dirty && !p.hash), "{out:?}");
+
+        // VM 1 was touched before the template was saved: zeros.
+        let p = plan(&mut l, 1, 5, false);
+        assert!(!p[0].from_template);
+        assert_eq!(l.clones_started(), 1);
     }
 
     #[test]

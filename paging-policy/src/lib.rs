@@ -39,6 +39,6 @@ pub use config::PagerConfig;
 pub use disk::DiskSpec;
 pub use error::PagerError;
 pub use guest_memory::{GuestMemory, SpaceHandoff, SpaceId};
-pub use pager::{Pager, PagerFailure};
+pub use pager::{CloneTemplate, Pager, PagerFailure};
 pub use policy::PolicySpec;
 pub use units::parse_size;

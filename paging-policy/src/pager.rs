@@ -196,6 +196,20 @@ struct State {
     spaces: HashMap<SpaceId, Arc<Space>>,
     next_space: SpaceId,
     latency: TotalLatency,
+    clone_template: CloneTemplate,
+}
+
+/// Where clone boot's template stands ([`PagerConfig::clone_template`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CloneTemplate {
+    /// Not asked for: VMs start from zeros.
+    Off,
+    /// Its VM has not been saved yet.
+    Pending,
+    /// Saved: every VM first touched from now on is a clone of it.
+    Ready,
+    /// It could not be saved, for this reason: VMs start from zeros.
+    Failed(String),
 }
 
 impl State {
@@ -339,6 +353,10 @@ impl Pager {
                 spaces: HashMap::new(),
                 next_space: 0,
                 latency: TotalLatency::default(),
+                clone_template: match cfg.clone_template {
+                    Some(_) => CloneTemplate::Pending,
+                    None => CloneTemplate::Off,
+                },
             }),
             room: Condvar::new(),
             fatal: Mutex::new(None),
@@ -859,6 +877,16 @@ impl Pager {
             None => l.swap_used_bytes(),
         };
         t.insert("swap_used_bytes".into(), json!(swap_used));
+        t.insert(
+            "clone_template".into(),
+            match &st.clone_template {
+                CloneTemplate::Off => json!("off"),
+                CloneTemplate::Pending => json!("pending"),
+                CloneTemplate::Ready => json!("ready"),
+                CloneTemplate::Failed(why) => json!({ "failed": why }),
+            },
+        );
+        t.insert("clones_started".into(), json!(l.clones_started()));
         t.insert("fatal_error".into(), json!(self.fatal_error()));
         t.insert(
             "failures".into(),
@@ -874,6 +902,7 @@ impl Pager {
             "swap_bytes": self.swap.capacity(),
             "keep_swap": self.cfg.keep_swap,
             "compact_swap": self.cfg.compact_swap,
+            "clone_template": self.cfg.clone_template,
             "vm_resident_max_bytes": self.cfg.vm_resident_max,
             "disk": self.disk,
             "service_threads": SERVICE_THREADS,
@@ -1007,19 +1036,70 @@ impl Pager {
         let Some(place) = st.places.get(&vm).cloned() else {
             return Ok(());
         };
+        // Clone boot's template is its VM's first hibernation, saved whole;
+        // without one (or once it failed) the first VM hibernated is the
+        // compact store's template, as a base for differences only.
+        let (capture, template) = match &st.clone_template {
+            CloneTemplate::Pending => {
+                let ours = self.cfg.clone_template == Some(vm);
+                (ours, ours.then(|| st.ledger.never_evicted(vm)))
+            }
+            _ => (true, None),
+        };
         let planned = st.ledger.plan_hibernation(vm);
         self.report_failed_vms(&mut st);
         let mut plan = planned?;
         drop(st);
         let places = vec![place; plan.len().min(HIBERNATE_CHUNK)];
-        if let Some(compact) = &self.compact {
+        let compact = self.compact.as_ref().filter(|_| capture);
+        if let Some(compact) = compact {
             compact.begin_capture(vm, self.vm_ram as usize);
         }
         let evicted = self.evict_hibernating(vm, &mut plan, &places, s);
-        if let Some(compact) = &self.compact {
+        if let Some(compact) = compact {
             compact.end_capture(vm);
         }
+        if let Some(whole) = template {
+            self.seal_clone_template(vm, whole);
+        }
         evicted
+    }
+
+    /// The clone template's VM `vm` was hibernated (`whole`: with nothing
+    /// of it on swap from before): it is the template if all of its memory
+    /// was captured, unless the template was abandoned meanwhile.
+    fn seal_clone_template(&self, vm: VmId, whole: bool) {
+        let mut st = self.lock();
+        if st.clone_template != CloneTemplate::Pending {
+            return;
+        }
+        let captured = self.compact.as_ref().and_then(CompactSwap::template_vm) == Some(vm);
+        st.clone_template = if !whole {
+            CloneTemplate::Failed(format!("VM {vm} had memory on swap before it was saved"))
+        } else if !captured {
+            CloneTemplate::Failed(format!("VM {vm}'s memory was not captured"))
+        } else if !st.ledger.set_clone_source(vm) {
+            CloneTemplate::Failed(format!(
+                "VM {vm} kept memory in use through its hibernation"
+            ))
+        } else {
+            CloneTemplate::Ready
+        };
+    }
+
+    /// Where clone boot's template stands: the owner starts VMs as clones
+    /// only once it is [`CloneTemplate::Ready`].
+    pub fn clone_template(&self) -> CloneTemplate {
+        self.lock().clone_template.clone()
+    }
+
+    /// Gives up waiting for the clone template (`why`): VMs start from
+    /// zeros, as without clone boot, even if it is saved later.
+    pub fn abandon_clone_template(&self, why: &str) {
+        let mut st = self.lock();
+        if st.clone_template == CloneTemplate::Pending {
+            st.clone_template = CloneTemplate::Failed(why.to_string());
+        }
     }
 
     /// Evicts a hibernating VM's plan [`HIBERNATE_CHUNK`] blocks at a time.
@@ -1252,7 +1332,10 @@ impl Pager {
             let mut gets: Vec<Get<'_>> = Vec::with_capacity(plan.len());
             for (p, data) in plan.iter().zip(s.read.as_mut_slice().chunks_mut(bs)) {
                 if p.loc == NO_LOC {
-                    data.fill(0);
+                    match compact.template_block(p.block).filter(|_| p.from_template) {
+                        Some(template) => data.copy_from_slice(template),
+                        None => data.fill(0),
+                    }
                 } else {
                     gets.push(Get {
                         block: p.block,

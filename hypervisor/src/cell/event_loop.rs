@@ -8,7 +8,7 @@
 //! notifies guests through their irqfds, only when a guest is idle.
 
 use crate::cell::cpu_governor::CpuGovernor;
-use crate::cell::hibernation::{self, Candidate, Cap, SleepQueue, SleepStats};
+use crate::cell::hibernation::{self, Candidate, Cap, FirstStart, SleepQueue, SleepStats};
 use crate::cell::listener::{self, ACCEPTS_PER_TURN};
 use crate::cell::microvm::{self, AdoptError, MicroVm, Sleep};
 use crate::cell::proxy::{self, Drained, Proxy, Readiness, MIN_REQUEST_BYTES};
@@ -16,7 +16,7 @@ use crate::cell::stats;
 use crate::cell::vmtable::{DeadVm, VmEntry, VmState, VmTable};
 use crate::config::Hibernation;
 use crate::guest::abi;
-use crate::holder::builder::BuildContext;
+use crate::holder::builder::{BuildContext, Start};
 use crate::holder::{self, FromHolder, Holder, Presence};
 use crate::link::framing::{FrameError, LineStream};
 use crate::link::idle_profile::Now;
@@ -256,6 +256,11 @@ pub struct CellLoop {
     last_sleep_sweep: Instant,
     /// The VMs it chose, going to sleep one at a time.
     sleep_queue: SleepQueue,
+    /// How VMs created asleep start at their first wake.
+    first_start: FirstStart,
+    /// The image's template while it boots here, to be hibernated once
+    /// ready (clone boot).
+    template: Option<usize>,
 }
 
 /// A VM's doorbell, as far as storms go.
@@ -344,7 +349,64 @@ impl CellLoop {
             sleep_stats: SleepStats::default(),
             last_sleep_sweep: Instant::now(),
             sleep_queue: SleepQueue::default(),
+            first_start: FirstStart::at_start(setup.hibernation.as_ref()),
+            template: None,
         })
+    }
+
+    /// With clone boot, boots the image's template if this cell holds it:
+    /// it is hibernated once ready, and the pager saves its memory for the
+    /// clones ([`ToCell::Template`] says when).
+    pub fn start_template(&mut self) {
+        let id = crate::config::TEMPLATE_VM;
+        if self.first_start != FirstStart::AwaitTemplate {
+            return;
+        }
+        if let Some(index) = self
+            .vms
+            .index_of(id)
+            .filter(|&i| self.vms.live(i).is_some())
+        {
+            self.template = Some(index);
+            self.wake_as(index, Start::Template);
+        }
+    }
+
+    /// The parent says whether the template was saved (`ready`): VMs
+    /// created asleep start as its clones, or boot each; the connections
+    /// held meanwhile go to their VMs.
+    fn template_saved(&mut self, ready: bool) {
+        if self.first_start != FirstStart::AwaitTemplate {
+            return;
+        }
+        self.first_start = if ready {
+            FirstStart::Clone
+        } else {
+            FirstStart::Boot
+        };
+        if self.template.take().is_some() && !ready {
+            crate::log!(
+                "densevm: cell {}: the template was not saved; it serves on as VM {}",
+                self.cell,
+                crate::config::TEMPLATE_VM
+            );
+        }
+        if ready {
+            // The template's own first start as a tenant is a clone's too.
+            let template = self.vms.index_of(crate::config::TEMPLATE_VM);
+            if let Some(vm) = template.and_then(|i| self.vms.live(i)) {
+                if vm.sleep == Sleep::Asleep {
+                    vm.sleep = Sleep::Unbooted;
+                }
+            }
+        }
+        for index in 0..self.vms.len() {
+            if self.proxy.held.waits(index) {
+                self.proxy
+                    .accept(&mut self.vms, index, self.poll.registry());
+                self.connected(index);
+            }
+        }
     }
 
     fn adopt(&mut self, vm: MicroVm) -> io::Result<()> {
@@ -593,6 +655,7 @@ impl CellLoop {
         if ctrl.state == abi::STATE_READY {
             vm.ready = true;
         }
+        let save_template = self.template == Some(index) && vm.ready && vm.sleep == Sleep::Awake;
         let parked = ctrl.state == abi::STATE_PARKED && matches!(vm.sleep, Sleep::Parking(_));
         let id = vm.id;
         let seen = &mut self.seen[index];
@@ -630,6 +693,9 @@ impl CellLoop {
         proxy::kick(&mut self.vms, index);
         if parked {
             self.parked(index);
+        }
+        if save_template {
+            self.hibernate(index);
         }
     }
 
@@ -815,6 +881,9 @@ impl CellLoop {
         vm.sleep = Sleep::Asleep;
         vm.vcpu.release();
         vm.irq = None;
+        if self.template == Some(index) {
+            self.template = None;
+        }
         self.governor.new_thread(index);
         self.drop_doorbell(index);
         let Some(vm) = self.vms.live(index) else {
@@ -937,11 +1006,11 @@ impl CellLoop {
             return self.fail_waiting(h, format!("attach holder {h}: {error}"));
         }
         holder.presence = Presence::Present;
-        for (index, boot) in std::mem::take(&mut holder.waiting) {
+        for (index, start) in std::mem::take(&mut holder.waiting) {
             let Some(id) = self.vms.live(index).map(|vm| vm.id) else {
                 continue;
             };
-            self.send_wake(index, id, boot);
+            self.send_wake(index, id, start);
         }
     }
 
@@ -992,6 +1061,10 @@ impl CellLoop {
             // Edge-triggered: no new event comes for what is still queued.
             self.accept_due = Some(Instant::now());
         }
+        if self.first_start == FirstStart::AwaitTemplate {
+            // Held until the template is saved (`template_saved`).
+            return;
+        }
         for index in touched {
             self.proxy
                 .accept(&mut self.vms, index, self.poll.registry());
@@ -1012,9 +1085,24 @@ impl CellLoop {
     /// Asks VM `index`'s holder to start it again; its connections wait in
     /// its rings meanwhile.
     fn wake(&mut self, index: usize) {
-        let Some((id, boot)) = self.vms.live(index).map(|vm| {
+        let Some(sleep) = self.vms.live(index).map(|vm| vm.sleep) else {
+            return;
+        };
+        let start = match sleep {
+            Sleep::Unbooted => self.first_start.start(),
+            _ => Some(Start::Resume),
+        };
+        // Before the template is saved its connections stay held.
+        if let Some(start) = start {
+            self.wake_as(index, start);
+        }
+    }
+
+    /// [`Self::wake`], starting as `start`.
+    fn wake_as(&mut self, index: usize, start: Start) {
+        let Some(id) = self.vms.live(index).map(|vm| {
             vm.unpack_sys();
-            (vm.id, vm.sleep == Sleep::Unbooted)
+            vm.id
         }) else {
             return;
         };
@@ -1023,7 +1111,7 @@ impl CellLoop {
             if holder.presence != Presence::Present {
                 // Its holder left (or is leaving, or coming back): the wake
                 // waits for it to be present.
-                holder.waiting.push((index, boot));
+                holder.waiting.push((index, start));
                 if let Some(vm) = self.vms.live(index) {
                     vm.sleep = Sleep::Waking(Instant::now());
                 }
@@ -1033,12 +1121,11 @@ impl CellLoop {
                 return;
             }
         }
-        self.send_wake(index, id, boot);
+        self.send_wake(index, id, start);
     }
 
-    /// Asks VM `index`'s present holder to wake it (`boot`: for the first
-    /// time).
-    fn send_wake(&mut self, index: usize, id: u32, boot: bool) {
+    /// Asks VM `index`'s present holder to start it as `start`.
+    fn send_wake(&mut self, index: usize, id: u32, start: Start) {
         if self.holder_of(index).is_none() {
             return;
         }
@@ -1052,7 +1139,7 @@ impl CellLoop {
         let holder = self.holders.get(index / self.ctx.ram_slots_per_holder);
         let sent = match (holder, irq, self.doorbells[index].as_ref()) {
             (Some(holder), Some(irq), Some(doorbell)) => {
-                Some(holder.wake(id, boot, (irq, doorbell)))
+                Some(holder.wake(id, start, (irq, doorbell)))
             }
             _ => None,
         };
@@ -1226,6 +1313,13 @@ impl CellLoop {
                     self.hibernate_idle(false);
                     continue;
                 }
+                Ok(Request {
+                    req: ToCell::Template { ready },
+                    ..
+                }) => {
+                    self.template_saved(ready);
+                    continue;
+                }
                 Ok(Request { id, req }) => (id, self.handle(req)),
                 Err(e) => {
                     crate::log!("densevm: cell link: bad request: {e}");
@@ -1243,7 +1337,8 @@ impl CellLoop {
             ToCell::Go
             | ToCell::Shutdown
             | ToCell::HolderAttached { .. }
-            | ToCell::SleepBefore { .. } => {
+            | ToCell::SleepBefore { .. }
+            | ToCell::Template { .. } => {
                 json!({ "error": "not expected now" })
             }
             ToCell::Stats { per_vm } => {

@@ -8,6 +8,7 @@
 //! Its next connection wakes it on a new vCPU (`holder::ToHolder::Wake`).
 
 use crate::config::Hibernation;
+use crate::holder::builder::Start;
 use crate::link::idle_profile::{IdleProfile, Now};
 use crate::link::wake_latency;
 use serde_json::{json, Value};
@@ -28,6 +29,41 @@ pub struct Candidate {
     pub unused: bool,
     /// When it was last in use.
     pub last_active: Instant,
+}
+
+/// How a cell's VMs created asleep start at their first wake. With clone
+/// boot the first VM of the run boots as the image's template and is
+/// hibernated as soon as it is ready; the parent says when the pager has
+/// saved it. Until then no VM takes a connection, so nothing a client sends
+/// reaches a guest before the memory every clone starts from is fixed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FirstStart {
+    /// The template is being saved: first wakes wait, their connections
+    /// held.
+    AwaitTemplate,
+    /// Each boots from the image's entry.
+    Boot,
+    /// Each starts as a clone, on a copy of the template's memory.
+    Clone,
+}
+
+impl FirstStart {
+    /// How the VMs of a cell started with `hibernation` first start.
+    pub fn at_start(hibernation: Option<&Hibernation>) -> FirstStart {
+        match hibernation {
+            Some(h) if h.clone_boot => FirstStart::AwaitTemplate,
+            _ => FirstStart::Boot,
+        }
+    }
+
+    /// The start of a VM created asleep now, if it may start.
+    pub fn start(self) -> Option<Start> {
+        match self {
+            FirstStart::AwaitTemplate => None,
+            FirstStart::Boot => Some(Start::Boot),
+            FirstStart::Clone => Some(Start::Clone),
+        }
+    }
 }
 
 /// How often to look for idle VMs: often enough that a VM sleeps within
@@ -258,6 +294,7 @@ mod tests {
             idle_after: Duration::from_secs(1),
             max_live: Some(7),
             cells: 3,
+            clone_boot: false,
         };
         let shares: Vec<_> = (0..4).map(|cell| split.cell_max_live(cell)).collect();
         assert_eq!(shares, [Some(3), Some(2), Some(2), Some(2)]);

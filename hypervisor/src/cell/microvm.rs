@@ -132,7 +132,9 @@ pub struct MicroVm {
 /// a KVM VM; the others are their memory and this record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Sleep {
-    /// Created asleep (`--idle-after`): it boots on its first connection.
+    /// Created asleep (`--idle-after`), or the template once saved: it
+    /// starts on its first connection, booted or as a clone
+    /// (`hibernation::FirstStart`).
     Unbooted,
     /// Running on its vCPU.
     Awake,

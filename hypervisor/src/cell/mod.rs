@@ -242,6 +242,7 @@ fn serve_cell(link: UnixStream, config: CellConfig) -> Result<(), CellError> {
         event_loop.shutdown();
         return Err(report(&link, CellError::Boot(error)));
     }
+    event_loop.start_template();
     match event_loop.run() {
         Ok(Exit::Shutdown) => {
             event_loop.shutdown();

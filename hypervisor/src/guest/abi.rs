@@ -68,6 +68,13 @@ pub const FLAG_SELFCHECK: u32 = 0x2;
 /// The guest wakes from hibernation: its RAM and rings are as it left them,
 /// only its vCPU is new (set up again, nothing else initialised).
 pub const FLAG_RESUME: u32 = 0x4;
+/// The image's template boots: the guest gives its memory the content a
+/// loaded server's has before it says it is ready, then is parked and
+/// saved, and every other VM starts as a clone of that memory.
+pub const FLAG_TEMPLATE: u32 = 0x8;
+/// With [`FLAG_RESUME`]: a clone's first start, on a copy of the
+/// template's RAM; the guest makes the template's per-VM state its own.
+pub const FLAG_CLONE: u32 = 0x10;
 
 /// Guest-to-host notification port (an ioeventfd).
 pub const DOORBELL_PORT: u16 = 0x510;
@@ -262,6 +269,8 @@ mod tests {
             ("FLAG_PVM", FLAG_PVM as u64),
             ("FLAG_SELFCHECK", FLAG_SELFCHECK as u64),
             ("FLAG_RESUME", FLAG_RESUME as u64),
+            ("FLAG_TEMPLATE", FLAG_TEMPLATE as u64),
+            ("FLAG_CLONE", FLAG_CLONE as u64),
             ("DOORBELL_PORT", DOORBELL_PORT as u64),
             ("PANIC_PORT", PANIC_PORT as u64),
             ("IRQ_VECTOR", IRQ_VECTOR as u64),

@@ -174,12 +174,29 @@ pub struct Prebuilt {
 
 /// How a VM's vCPU starts: from the image's entry on fresh memory, or on
 /// the memory a hibernated VM left ([`abi::FLAG_RESUME`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Start {
     /// A first boot.
     Boot,
+    /// The image's template boot ([`abi::FLAG_TEMPLATE`]).
+    Template,
+    /// A clone's first start, on the template's memory ([`abi::FLAG_CLONE`]).
+    Clone,
     /// A wake from hibernation.
     Resume,
+}
+
+impl Start {
+    /// Its boot-info flags.
+    pub fn flags(self) -> u32 {
+        match self {
+            Start::Boot => 0,
+            Start::Template => abi::FLAG_TEMPLATE,
+            Start::Clone => abi::FLAG_RESUME | abi::FLAG_CLONE,
+            Start::Resume => abi::FLAG_RESUME,
+        }
+    }
 }
 
 /// Builds and starts VM `id` from its prebuilt parts (in its holder), its
@@ -205,12 +222,7 @@ pub fn build(
         magic: abi::BOOT_MAGIC,
         version: abi::BOOT_VERSION,
         vm_id: id,
-        flags: ctx.platform.boot_flags()
-            | ctx.extra_flags
-            | match start {
-                Start::Boot => 0,
-                Start::Resume => abi::FLAG_RESUME,
-            },
+        flags: ctx.platform.boot_flags() | ctx.extra_flags | start.flags(),
         ws_write_stride: ctx.ws_write_stride,
         ram_gpa: abi::RAM_GPA,
         ram_bytes: layout.ram_bytes,

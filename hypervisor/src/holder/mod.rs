@@ -130,9 +130,8 @@ enum ToHolder {
     Stop { vm: u32 },
     /// Release a VM's vCPU, thread and KVM VM, keeping its memory.
     Hibernate { vm: u32 },
-    /// Start a hibernated VM again on a new vCPU, or (`boot`) a VM created
-    /// asleep for the first time.
-    Wake { vm: u32, boot: bool },
+    /// Start a VM created asleep or hibernated on a new vCPU, as `start` says.
+    Wake { vm: u32, start: Start },
     /// Stop every VM and exit.
     Shutdown,
 }
@@ -334,8 +333,8 @@ pub struct Holder {
     pub dead: Option<String>,
     /// Whether its process is there.
     pub presence: Presence,
-    /// Wakes waiting for it to be present: (VM index in the cell, boot).
-    pub waiting: Vec<(usize, bool)>,
+    /// Wakes waiting for it to be present: (VM index in the cell, how it starts).
+    pub waiting: Vec<(usize, Start)>,
     /// Messages read while waiting for an answer, for the event loop.
     pub pending: Vec<Record>,
     /// The process's CPU time at the last [`Holder::busy`], and when.
@@ -392,16 +391,16 @@ impl Holder {
         self.send(&ToHolder::Hibernate { vm })
     }
 
-    /// Asks for hibernated VM `vm` to be woken (`boot`: booted, it never
-    /// ran) with its new irq and doorbell eventfds; `Woken` answers.
+    /// Asks for VM `vm` to be started as `start` says, with its new irq and
+    /// doorbell eventfds; `Woken` answers.
     pub fn wake(
         &self,
         vm: u32,
-        boot: bool,
+        start: Start,
         (irq, doorbell): (&EventFd, &EventFd),
     ) -> std::io::Result<()> {
         let record =
-            serde_json::to_vec(&ToHolder::Wake { vm, boot }).expect("holder requests serialize");
+            serde_json::to_vec(&ToHolder::Wake { vm, start }).expect("holder requests serialize");
         loop {
             match self
                 .link()?
@@ -968,11 +967,10 @@ fn run(
                     false => fill_pool(ctx, &mut pool, vm),
                 }
             }
-            ToHolder::Wake { vm, boot } => {
+            ToHolder::Wake { vm, start } => {
                 if let Some(old) = reaping.remove(&vm) {
                     let _ = old.join();
                 }
-                let start = if boot { Start::Boot } else { Start::Resume };
                 if let (Ok([irq, doorbell]), Some(at)) =
                     (<[OwnedFd; 2]>::try_from(fds), slot_in(ctx, &own, vm))
                 {

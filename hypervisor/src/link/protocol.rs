@@ -164,6 +164,14 @@ pub enum ToCell {
         /// The cut, over every cell's profile.
         ms: u64,
     },
+    /// A notice, not answered, with clone boot: the pager saved the image's
+    /// template (`ready`), so VMs created asleep start as its clones, or it
+    /// could not, so they boot each. Until it comes no VM takes a
+    /// connection.
+    Template {
+        /// The template was saved.
+        ready: bool,
+    },
     /// A notice, not answered: the restarted holder `holder` of
     /// [`FromCell::HolderStarted`] is attached to the pager (`error`: why
     /// not); its VMs may run.

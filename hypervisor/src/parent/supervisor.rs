@@ -30,7 +30,7 @@ use crate::parent::steering::Steering;
 use mio::net::{UnixListener, UnixStream};
 use mio::{Events, Interest, Poll, Token};
 use paging_policy::trace::TraceWriter;
-use paging_policy::Pager;
+use paging_policy::{CloneTemplate, Pager};
 use serde_json::{json, Map, Value};
 use slab::Slab;
 use std::collections::VecDeque;
@@ -187,6 +187,9 @@ pub struct Supervisor {
     ready_line: Option<Value>,
     trace: Option<TraceWriter>,
     heap_trim: HeapTrim,
+    /// With clone boot, what the cells were told of the template
+    /// ([`ToCell::Template`]): `None` until the pager saved it or gave up.
+    template_told: Option<bool>,
 }
 
 /// Whether the peer of `fd` has closed its end entirely (it can read no
@@ -232,7 +235,15 @@ impl Supervisor {
             ready_line: Some(setup.ready_line),
             trace: setup.trace,
             heap_trim: HeapTrim::new(),
+            template_told: None,
         };
+        if !supervisor
+            .settings
+            .hibernation
+            .is_some_and(|h| h.clone_boot)
+        {
+            supervisor.template_told = Some(false);
+        }
         for cell in setup.cells {
             supervisor.adopt(cell)?;
         }
@@ -261,11 +272,12 @@ impl Supervisor {
                 return Err(SupervisorError::Pager(error));
             }
             self.end_failures();
+            self.check_template();
             self.check_boot();
             let trim_in = self.heap_trim.tick();
             let timeout = if !self.clients_ready.is_empty() || !self.cells_with_more.is_empty() {
                 Duration::ZERO
-            } else if self.ready_line.is_some() {
+            } else if self.ready_line.is_some() || self.template_told.is_none() {
                 Duration::from_millis(20)
             } else {
                 trim_in.map_or(Duration::from_millis(250), |t| {
@@ -301,8 +313,11 @@ impl Supervisor {
         }
     }
 
+    /// Prints the ready line once every cell has booted and, with clone
+    /// boot, the template is saved (or given up): VMs then start at once.
     fn check_boot(&mut self) {
         if self.ready_line.is_none()
+            || self.template_told.is_none()
             || self
                 .cells
                 .iter()
@@ -325,6 +340,48 @@ impl Supervisor {
         line["failed"] = json!(failed);
         line["boot_seconds"] = json!(self.boot_started.elapsed().as_secs_f64());
         emit(&line);
+    }
+
+    /// With clone boot, tells every cell once whether VMs created asleep
+    /// start as clones: when the pager has saved the template, or has given
+    /// up on it (its cell ended, or it was not saved within the boot
+    /// timeout; then every VM boots from the image, as with `--boot-each`).
+    fn check_template(&mut self) {
+        if self.template_told.is_some() {
+            return;
+        }
+        let ready = match self.pager.clone_template() {
+            CloneTemplate::Pending => {
+                let why = if self.live_cell_of(config::TEMPLATE_VM).is_none() {
+                    "its cell ended"
+                } else if self.boot_started.elapsed() > self.settings.boot_timeout {
+                    "it was not saved within the boot timeout"
+                } else {
+                    return;
+                };
+                self.pager.abandon_clone_template(why);
+                return;
+            }
+            CloneTemplate::Ready => true,
+            CloneTemplate::Off => false,
+            CloneTemplate::Failed(why) => {
+                crate::log!(
+                    "densevm: clone boot: the template could not be saved ({why}); every VM boots from the image"
+                );
+                false
+            }
+        };
+        self.template_told = Some(ready);
+        for index in self.live_cells() {
+            self.tell_template(index, ready);
+        }
+    }
+
+    /// Sends cell `index` the template's [`ToCell::Template`] notice.
+    fn tell_template(&mut self, index: usize, ready: bool) {
+        if let Err(e) = self.cells[index].notify(&ToCell::Template { ready }) {
+            crate::log!("densevm: cell {index}: tell it of the template: {e}");
+        }
     }
 
     /// Forgets a VM in the pager and in the steering; the memory this frees
@@ -1199,6 +1256,12 @@ impl Supervisor {
                 // A cell answers once its event loop runs: its VMs are built and
                 // listening, as those a running cell creates are when it replies.
                 let index = self.cells.len() - 1;
+                if let (Some(ready), Some(true)) = (
+                    self.template_told,
+                    self.settings.hibernation.map(|h| h.clone_boot),
+                ) {
+                    self.tell_template(index, ready);
+                }
                 match self.ask(&[index], &ToCell::List, by).pop() {
                     Some((_, reply)) if reply.get("ok").is_some() => Ok(()),
                     _ => Err((0, format!("create: cell {index} did not start"))),
