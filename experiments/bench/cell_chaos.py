@@ -45,6 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "controller"))
 from scalebench.densevm import DenseVMError, control  # noqa: E402
+from scalebench.procs import install_signal_handlers  # noqa: E402
 from scalebench.scaling import children  # noqa: E402
 
 RELEASE = ROOT / "target" / "release"
@@ -237,6 +238,7 @@ def replace_the_dead(api: Path, replaced: set[int], refused: list[str]) -> int:
 
 
 def main() -> int:
+    install_signal_handlers()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vms", type=int, default=4000)
     parser.add_argument("--mem", default="1G")

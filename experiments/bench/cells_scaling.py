@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "controller"))
+from scalebench.procs import install_signal_handlers  # noqa: E402
 from scalebench.scaling import WS_BYTES, Build, Session  # noqa: E402
 
 BUILD = Build(ROOT / "target" / "release" / "densevm", ROOT / "target" / "release" / "zipfperf")
@@ -85,6 +86,7 @@ def measure(
 
 
 def main() -> None:
+    install_signal_handlers()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vms", default="250,4000", help="VM counts, comma-separated")
     parser.add_argument(

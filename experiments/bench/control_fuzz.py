@@ -39,6 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "controller"))
+from scalebench.procs import install_signal_handlers  # noqa: E402
 from support.control_fuzz import PipeliningFlood, fuzz, good_request  # noqa: E402
 from support.densevm import start  # noqa: E402
 
@@ -86,6 +87,8 @@ def burst(clients: int = 1000, pipelined: int = 50, vms: int = 200) -> bool:
 
 
 def _spin(until: float) -> None:
+    # Forked: SIGTERM (p.terminate()) ends it, not the bench's handler (a Terminated traceback).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     while time.monotonic() < until:
         pass
 
@@ -125,6 +128,7 @@ def pipelining(requests: int = 200, vms: int = 4) -> bool:
 
 
 def main() -> int:
+    install_signal_handlers()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=10)
     parser.add_argument("--vms", type=int, default=100)

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
 from dataclasses import asdict, replace
@@ -53,6 +52,7 @@ from scalebench.db.image import ensure_image  # noqa: E402
 from scalebench.db.report import compare_table, load_study, steady_verdict  # noqa: E402
 from scalebench.db.run import WORKLOADS, RunOptions, RunResult, run_on_guest, warm_up  # noqa: E402
 from scalebench.db.workload import run_workload  # noqa: E402
+from scalebench.procs import install_signal_handlers  # noqa: E402
 
 
 def run_one(conn, image, opts: RunOptions) -> RunResult:  # type: ignore[no-untyped-def]
@@ -87,6 +87,7 @@ def load_average() -> str:
 
 
 def main() -> int:
+    install_signal_handlers()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=45.0)
     parser.add_argument(
@@ -133,7 +134,6 @@ def main() -> int:
         parser.error(f"--rounds must be at least 1, not {args.rounds}")
     if args.dilate is not None and 0 < args.dilate < 1:
         parser.error(f"--dilate must be at least 1, not {args.dilate}")
-    signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit("dbtrace_acceptance: terminated"))
     image = ensure_image()
     base = RunOptions(
         workload="tpcc",

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -40,7 +39,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 )
 
 from scalebench.db.cli import described_options  # noqa: E402
-from scalebench.procs import Child  # noqa: E402
+from scalebench.procs import Child, install_signal_handlers  # noqa: E402
 
 # How long a terminated dbtrace run may take to tear its guest and libvirtd down.
 DBTRACE_TEARDOWN_S = 120.0
@@ -128,6 +127,7 @@ def mark(ok: bool) -> str:
 
 
 def main() -> int:
+    install_signal_handlers()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--duration", type=float, default=60.0)
@@ -144,7 +144,6 @@ def main() -> int:
         )
     if args.rounds < 1 or args.clients < 1:
         parser.error("--rounds and --clients must be at least 1")
-    signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit("dbtrace_findings: terminated"))
     runs: dict[tuple[str, str], list[dict[str, Any] | None]] = {m: [] for m in MIXES}
     failed: list[str] = []
     total = len(MIXES) * args.rounds

@@ -30,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "controller"))
+from scalebench.procs import install_signal_handlers  # noqa: E402
 from scalebench.scaling import Build, Session  # noqa: E402
 from scalebench.webobject import SMALL  # noqa: E402
 
@@ -59,12 +60,12 @@ def vm_addr(base: str, i: int) -> str:
 
 
 def boot_and_memory(workdir: Path, vms: int) -> dict:
-    dv = Session(BUILD, workdir, vms, "127.1.0.0")
-    boot = dv.boot
-    with ThreadPoolExecutor(64) as pool:
-        bodies = list(pool.map(lambda i: http_get(vm_addr("127.1.0.0", i), 8080), range(vms)))
-    exact = sum(body == SMALL for body in bodies)
-    shutdown = dv.stop()
+    with Session(BUILD, workdir, vms, "127.1.0.0") as dv:
+        boot = dv.boot
+        with ThreadPoolExecutor(64) as pool:
+            bodies = list(pool.map(lambda i: http_get(vm_addr("127.1.0.0", i), 8080), range(vms)))
+        exact = sum(body == SMALL for body in bodies)
+        shutdown = dv.stop()
     return {
         "vms": vms,
         "boot_seconds": boot.boot_seconds,
@@ -86,11 +87,10 @@ def wrk(url: str, seconds: int) -> float:
 
 
 def native_execution(workdir: Path) -> dict:
-    dv = Session(BUILD, workdir, 1, "127.1.0.0", "--vcpu-stats")
-    before = dv.stats(per_vm=True)["vms"][0]
-    wrk("http://127.1.0.0:8080/", 5)
-    after = dv.stats(per_vm=True)["vms"][0]
-    dv.stop()
+    with Session(BUILD, workdir, 1, "127.1.0.0", "--vcpu-stats") as dv:
+        before = dv.stats(per_vm=True)["vms"][0]
+        wrk("http://127.1.0.0:8080/", 5)
+        after = dv.stats(per_vm=True)["vms"][0]
     requests = after["requests"] - before["requests"]
     delta = {
         k: after["kvm"][k] - before["kvm"][k]
@@ -112,15 +112,14 @@ http {{ access_log off; keepalive_requests 10000000;
   server {{ listen 127.0.0.1:{port}; root {www}; }} }}
 """)
     nginx = subprocess.Popen(["nginx", "-c", str(conf)], stderr=subprocess.DEVNULL)
-    dv = Session(BUILD, workdir, 1, "127.1.0.0")
     try:
-        time.sleep(0.5)
-        nginx_rps, vm_rps = [], []
-        for _ in range(rounds):
-            nginx_rps.append(wrk(f"http://127.0.0.1:{port}/", seconds))
-            vm_rps.append(wrk("http://127.1.0.0:8080/", seconds))
+        with Session(BUILD, workdir, 1, "127.1.0.0"):
+            time.sleep(0.5)
+            nginx_rps, vm_rps = [], []
+            for _ in range(rounds):
+                nginx_rps.append(wrk(f"http://127.0.0.1:{port}/", seconds))
+                vm_rps.append(wrk("http://127.1.0.0:8080/", seconds))
     finally:
-        dv.stop()
         nginx.terminate()
         nginx.wait(10)
     return {
@@ -131,6 +130,7 @@ http {{ access_log off; keepalive_requests 10000000;
 
 
 def main() -> None:
+    install_signal_handlers()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vms", type=int, default=4000)
     parser.add_argument("--rounds", type=int, default=3)

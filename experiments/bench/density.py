@@ -34,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "controller"))
+from scalebench.procs import install_signal_handlers  # noqa: E402
 from scalebench.scaling import (  # noqa: E402
     Build,
     KernelObjects,
@@ -156,6 +157,7 @@ def run(n: int, args: argparse.Namespace, workdir: Path) -> None:
 
 
 def main() -> int:
+    install_signal_handlers()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vms", default="1000,60000", help="VM counts, comma-separated")
     parser.add_argument("--sample", type=int, default=300, help="VMs sent one GET each")

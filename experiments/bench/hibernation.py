@@ -31,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "controller"))
+from scalebench.procs import install_signal_handlers  # noqa: E402
 from scalebench.scaling import (  # noqa: E402
     Build,
     KernelObjects,
@@ -162,6 +163,7 @@ def report(r: dict, rate: float) -> None:
 
 
 def main() -> int:
+    install_signal_handlers()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vms", default="500,2000", help="VM counts, comma-separated")
     parser.add_argument("--mem", default="1G")

@@ -25,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "controller"))
+from scalebench.procs import install_signal_handlers  # noqa: E402
 from scalebench.scaling import Build, Session  # noqa: E402
 from scalebench.touch import touch_one  # noqa: E402
 
@@ -57,15 +58,17 @@ def run(policy: str, args: argparse.Namespace, workdir: Path) -> bool:
         for t in threads:
             t.start()
         wakes = 0
-        while wakes < args.cycles and not failed:
-            time.sleep(5)
-            totals = session.totals()
-            wakes = totals["wakes"]
-            rate = wakes / (time.monotonic() - started)
-            print(f"  {policy}: {wakes} wakes ({rate:.0f}/s), {sum(sent)} requests", flush=True)
-        stop.set()
-        for t in threads:
-            t.join()
+        try:
+            while wakes < args.cycles and not failed:
+                time.sleep(5)
+                totals = session.totals()
+                wakes = totals["wakes"]
+                rate = wakes / (time.monotonic() - started)
+                print(f"  {policy}: {wakes} wakes ({rate:.0f}/s), {sum(sent)} requests", flush=True)
+        finally:  # stopped too on Ctrl-C or SIGTERM: the bench could not exit past them
+            stop.set()
+            for t in threads:
+                t.join()
         totals = session.totals()
     took = time.monotonic() - started
     print(
@@ -85,6 +88,7 @@ def run(policy: str, args: argparse.Namespace, workdir: Path) -> bool:
 
 
 def main() -> int:
+    install_signal_handlers()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policies", default="demand,wsswap")
     parser.add_argument("--cycles", type=int, default=100_000)

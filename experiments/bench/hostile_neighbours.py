@@ -37,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "controller"))
 from scalebench.densevm import control  # noqa: E402
+from scalebench.procs import install_signal_handlers  # noqa: E402
 from scalebench.scaling import descendants  # noqa: E402
 
 RELEASE = ROOT / "target" / "release"
@@ -184,6 +185,7 @@ def run(behaviour: str, vms: int, window: float, workdir: Path, extra: list[str]
 
 
 def main() -> int:
+    install_signal_handlers()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vms", type=int, default=1000)
     parser.add_argument("--window", type=float, default=15)

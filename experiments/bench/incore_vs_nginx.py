@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "controller"))
 from scalebench.densevm import control  # noqa: E402
 from scalebench.nginx import NginxServer  # noqa: E402
+from scalebench.procs import install_signal_handlers  # noqa: E402
 from scalebench.scaling import children, descendants  # noqa: E402
 from scalebench.touch import touch_all  # noqa: E402
 
@@ -240,6 +241,7 @@ def mean_round(rounds: list[Round]) -> Round:
 
 
 def main() -> None:
+    install_signal_handlers()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vms", type=int, default=4000)
     parser.add_argument("--rounds", type=int, default=2)

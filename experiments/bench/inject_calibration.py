@@ -26,12 +26,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "controller"))
 from scalebench.changepoint import estimate  # noqa: E402
 from scalebench.nightly import METRICS, load_spec, run_probe  # noqa: E402
+from scalebench.procs import install_signal_handlers  # noqa: E402
 from scalebench.scaling import Build  # noqa: E402
 
 RELEASE = ROOT / "target" / "release"
 
 
 def main() -> int:
+    install_signal_handlers()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kind", choices=("request", "fault"), required=True)
     ap.add_argument("--sizes", required=True, help="comma-separated µs, 0 included as the base")

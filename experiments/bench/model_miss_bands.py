@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import subprocess
 import threading
 import time
 from datetime import UTC, datetime
@@ -27,8 +26,11 @@ import numpy as np
 from scalebench.densevm import DenseVMError, control
 from scalebench.disks import disk_model
 from scalebench.model import ModelInput, che_time, closed_loop, zipf_popularity
+from scalebench.procs import Child, install_signal_handlers
 
 ROOT = Path(__file__).resolve().parents[2]
+# How long the stopped scalebench run may take to tear its densevm down before it is killed.
+SCALEBENCH_TEARDOWN_S = 120.0
 
 
 def sample(api: Path, every_s: float, done: threading.Event, out: list[dict]) -> None:
@@ -55,6 +57,7 @@ def sample(api: Path, every_s: float, done: threading.Event, out: list[dict]) ->
 
 
 def main() -> int:
+    install_signal_handlers()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bands", default="0.45,0.73,0.86,0.95", help="band edges, shares of VMs")
     ap.add_argument("--every", type=float, default=5.0, help="seconds between samples")
@@ -67,12 +70,15 @@ def main() -> int:
     )
     sampler.start()
     try:
-        run = subprocess.run(["scalebench", *passthrough, "--out", str(out)], check=False)
+        # Stopped (Ctrl-C, SIGTERM), the bench SIGTERMs the run, which stops its densevm:
+        # subprocess.run would SIGKILL it and leave densevm running.
+        cmd = ["scalebench", *passthrough, "--out", str(out)]
+        _, code = Child(cmd, stdout=None, stderr=None).finish(SCALEBENCH_TEARDOWN_S)
     finally:
         done.set()
         sampler.join()
-    if run.returncode != 0:
-        print(f"model_miss_bands: the run failed (exit {run.returncode}); see {out}")
+    if code != 0:
+        print(f"model_miss_bands: the run failed (exit {code}); see {out}")
         return 1
     r = json.loads((out / "result.json").read_text())
     measure = [row["requests"] for row in r["timeseries"] if row["phase"] == "measure"]

@@ -33,12 +33,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "controller"))
 from scalebench.densevm import control  # noqa: E402
+from scalebench.procs import install_signal_handlers  # noqa: E402
 
 BIN = ROOT / "target" / "release"
 
 
 class Run:
-    """One densevm serve with its flags; stats through the control API."""
+    """One densevm serve with its flags; stats through the control API. A context manager
+    that stops it on exit."""
 
     def __init__(self, workdir: Path, vms: int, *flags: str, addr_base: str = "127.1.0.0"):
         self.api = workdir / "densevm.sock"
@@ -63,10 +65,20 @@ class Run:
             text=True,
             cwd=workdir,
         )
-        line = self.proc.stdout.readline()
-        if not line:
-            raise SystemExit(f"densevm failed: {self.proc.stderr.read().strip()}")
-        self.ready = json.loads(line)
+        try:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise SystemExit(f"densevm failed: {self.proc.stderr.read().strip()}")
+            self.ready = json.loads(line)
+        except BaseException:
+            self.stop()
+            raise
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def totals(self) -> dict:
         return control(self.api, {"cmd": "stats"}, timeout_s=120)["totals"]
@@ -126,7 +138,7 @@ def integrity(workdir: Path, total_faults: int) -> list[dict]:
     rows = []
     for policy, block in configs:
         vms = 64
-        run = Run(
+        with Run(
             workdir,
             vms,
             "--selfcheck",
@@ -138,12 +150,11 @@ def integrity(workdir: Path, total_faults: int) -> list[dict]:
             str(vms * (1 << 20) // 4),
             "--cell-vms",
             "16",
-        )
-        started = time.monotonic()
-        while run.totals()["faults"] < per_config:
-            run.load(5, alpha=0.0, concurrency=16)
-        t = run.totals()
-        run.stop()
+        ) as run:
+            started = time.monotonic()
+            while run.totals()["faults"] < per_config:
+                run.load(5, alpha=0.0, concurrency=16)
+            t = run.totals()
         rows.append(
             {
                 "policy": policy,
@@ -170,7 +181,6 @@ def integrity(workdir: Path, total_faults: int) -> list[dict]:
 def budget(workdir: Path) -> dict:
     vms, block = 256, 32 << 10
     mem = vms * (1 << 20) // 4
-    run = Run(workdir, vms, "--mem", str(mem), "--block", "32k")
     samples: list[tuple[int, int]] = []
     done = threading.Event()
 
@@ -183,13 +193,15 @@ def budget(workdir: Path) -> dict:
             samples.append((t["resident_bytes"], t["ram_resident_bytes"]))
             time.sleep(0.02)
 
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    result = run.load(20, alpha=0.5)
-    done.set()
-    sampler.join()
-    t = run.totals()
-    run.stop()
+    with Run(workdir, vms, "--mem", str(mem), "--block", "32k") as run:
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            result = run.load(20, alpha=0.5)
+        finally:
+            done.set()
+            sampler.join()
+        t = run.totals()
     slack = 8 * block
     pager_max = max(p for p, _ in samples)
     kernel_max = max(k for _, k in samples)
@@ -220,13 +232,12 @@ def policy_run(
     flags = ["--policy", policy, "--block", "32k", "--disk", "hdd", "--mem", "1G"]
     if trace:
         flags += ["--record-trace", str(trace)]
-    run = Run(workdir, 4000, *flags)
-    primed = run.prime()
-    run.load(warmup, alpha=1.0, seed=7)
-    before = run.totals()
-    result = run.load(seconds, alpha=1.0, seed=8)
-    after = run.totals()
-    run.stop()
+    with Run(workdir, 4000, *flags) as run:
+        primed = run.prime()
+        run.load(warmup, alpha=1.0, seed=7)
+        before = run.totals()
+        result = run.load(seconds, alpha=1.0, seed=8)
+        after = run.totals()
     return {
         "policy": policy,
         "rps": result["replies"]["rate"],
@@ -289,6 +300,7 @@ def pagesim_agreement(demand: dict, trace: Path) -> dict:
 
 
 def main() -> None:
+    install_signal_handlers()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--part", default="all", choices=["all", "integrity", "budget", "wsswap", "pagesim"]

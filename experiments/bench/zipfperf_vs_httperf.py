@@ -37,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "controller"))
 from scalebench.nginx import NginxServer  # noqa: E402
+from scalebench.procs import install_signal_handlers  # noqa: E402
 
 ZIPFPERF = REPO / "target" / "release" / "zipfperf"
 EPHEMERAL_PORTS = 60999 - 32768 + 1
@@ -308,6 +309,7 @@ def sampler() -> None:
 
 
 def main() -> None:
+    install_signal_handlers()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--port", type=int, default=18480)
@@ -317,9 +319,6 @@ def main() -> None:
         help="comma-separated subset of closed,open,high,sampler (default: all)",
     )
     args = ap.parse_args()
-    # SIGTERM and SIGINT unwind normally, so nginx and any running tool are stopped.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     if not ZIPFPERF.exists():
         sys.exit(f"{ZIPFPERF} is missing: cargo build --release -p zipfperf")
     httperf, wrk = tool("httperf"), tool("wrk")
