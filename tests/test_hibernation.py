@@ -136,13 +136,10 @@ def test_idle_vms_hibernate_release_their_threads_and_wake_intact(tmp_path):
         for _ in range(3):
             serve_every_vm(m, range(12))
             assert wait_for(lambda: totals(m)["hibernated"] == 12, timeout=20), totals(m)
-        # The template's boot and hibernation at the start, then twelve first starts (VMs
-        # are created asleep; eleven clones of the template, and the template's own) and 36
-        # wakes.
-        assert wait_for(lambda: totals(m)["hibernations"] == 49, timeout=10), totals(m)
+        assert wait_for(lambda: totals(m)["hibernations"] == 48, timeout=10), totals(m)
         t = totals(m)
-        assert t["wakes"] == 49 and t["wake_failures"] == 0, t
-        assert t["clone_template"] == "ready" and t["clones_started"] == 11, t
+        # Twelve first boots (VMs are created asleep) and 36 wakes.
+        assert t["wakes"] == 48 and t["wake_failures"] == 0, t
         assert t["selfcheck_errors"] == 0 and t["selfcheck_pages"] > 0, t
         assert t["wake_us_p50"] is not None and t["wake_us_p99"] >= t["wake_us_p50"], t
         assert t["swap_write_bytes"] > 0 and t["swap_read_bytes"] > 0, t
@@ -257,11 +254,11 @@ def test_holders_leave_when_their_vms_all_sleep_and_come_back_for_a_wake(tmp_pat
 
 
 def test_a_vm_costs_swap_only_once_it_has_run_and_then_only_its_difference(tmp_path):
-    # Booted each (no clone template), 40 VMs created asleep hold no swap. The first to
+    # Booted each (without --clone-boot), 40 VMs created asleep hold no swap. The first to
     # sleep is the compact store's template: its blocks are stored whole (compressed) until
     # it sleeps again. From then on every VM that has run stores only how its blocks differ
     # from the template's: a sector or so a block.
-    m = start(tmp_path, 40, "127.206.0.0", "--idle-after", "0.3", "--boot-each")
+    m = start(tmp_path, 40, "127.206.0.0", "--idle-after", "0.3")
     try:
         capacity = totals(m)["swap_capacity_bytes"]
         assert totals(m)["swap_used_bytes"] == 0
@@ -292,7 +289,7 @@ def test_vms_start_as_clones_of_the_template_and_store_only_their_difference(tmp
     # Clone boot: VM 0 boots as the image's template at the start and sleeps at once; its
     # memory, saved whole, is what every other VM starts from at its first connection (no
     # boot), and what each then stores is its difference from it.
-    m = start(tmp_path, 40, "127.207.0.0", "--idle-after", "0.3")
+    m = start(tmp_path, 40, "127.207.0.0", "--idle-after", "0.3", "--clone-boot")
     try:
         t = totals(m)
         assert t["clone_template"] == "ready" and t["clones_started"] == 0, t
@@ -315,7 +312,17 @@ def test_a_clone_starts_with_exactly_the_templates_memory(tmp_path):
     # Self-checking guests: the template stamps its working set at its boot; each clone
     # verifies, at its first start, that its memory holds the template's stamps (memory of
     # zeros counts every page as a mismatch), then stamps its own; every request checks them.
-    m = start(tmp_path, 20, "127.205.0.0", "--idle-after", "0.3", "--selfcheck", "--mem", "16M")
+    m = start(
+        tmp_path,
+        20,
+        "127.205.0.0",
+        "--idle-after",
+        "0.3",
+        "--clone-boot",
+        "--selfcheck",
+        "--mem",
+        "16M",
+    )
     try:
         pages = totals(m)["selfcheck_pages"]
         assert pages > 0, totals(m)
@@ -332,8 +339,8 @@ def test_a_clone_starts_with_exactly_the_templates_memory(tmp_path):
         assert m.stop() == 0, m.stderr()
 
 
-def test_with_boot_each_no_vm_is_a_clone(tmp_path):
-    m = start(tmp_path, 6, "127.208.0.0", "--idle-after", "0.3", "--boot-each", "--selfcheck")
+def test_without_clone_boot_no_vm_is_a_clone(tmp_path):
+    m = start(tmp_path, 6, "127.208.0.0", "--idle-after", "0.3", "--selfcheck")
     try:
         serve_every_vm(m, range(6))
         t = totals(m)
@@ -402,7 +409,7 @@ def test_a_cell_killed_while_its_vms_sleep_takes_only_them(tmp_path):
         (["--max-live", "4"], "--max-live needs --idle-after"),
         (["--idle-after", "1", "--max-live", "0"], "--max-live must be at least 1"),
         (["--idle-after", "1", "--vcpu-stats"], "--vcpu-stats cannot follow"),
-        (["--boot-each"], "--boot-each needs --idle-after"),
+        (["--clone-boot"], "--clone-boot needs --idle-after"),
     ],
 )
 def test_bad_hibernation_flags_are_refused(tmp_path, flags, why):

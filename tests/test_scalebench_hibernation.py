@@ -330,7 +330,7 @@ BAD = [
     (["--idle-after", "0.05"], "--idle-after 0.05: give seconds from 0.1 to 1000000"),  # densevm's
     (["--max-live", "10"], "--max-live needs --idle-after"),
     (["--idle-after", "1", "--max-live", "0"], "--max-live must be at least 1 (got 0)"),
-    (["--boot-each"], "--boot-each needs --idle-after"),
+    (["--clone-boot"], "--clone-boot needs --idle-after"),
     (["model", "--max-live", "5", "--cpu-us", "10"], "--max-live needs --idle-after"),
 ]
 

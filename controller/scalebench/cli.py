@@ -126,11 +126,10 @@ def _workload_flags(p: argparse.ArgumentParser) -> None:
         "(needs --idle-after; default: no cap, or see --idle-after)",
     )
     p.add_argument(
-        "--boot-each",
+        "--clone-boot",
         action="store_true",
-        help="with hibernation, boot every VM from the image at its first request instead of "
-        "starting it as a clone of the image's saved template (densevm --boot-each; for "
-        "comparison)",
+        help="with hibernation, start every VM at its first request as a clone of the image's "
+        "saved template instead of booting it (densevm --clone-boot)",
     )
 
 

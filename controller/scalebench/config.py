@@ -54,7 +54,7 @@ class RunConfig:
     json: str | None = None  # extra copy of the result JSON
     idle_after: float | None = None  # densevm --idle-after: hibernate VMs idle this long (s)
     max_live: int | None = None  # densevm --max-live: most VMs awake (needs idle_after)
-    boot_each: bool = False  # densevm --boot-each: VMs created asleep boot, not clone the template
+    clone_boot: bool = False  # densevm --clone-boot: VMs created asleep start as clones
     db_guests: int = 0
     db_workload: str | None = None
     db_mix: str | None = None
@@ -194,8 +194,8 @@ def hibernation_flags(cfg: RunConfig) -> tuple[str, ...]:
         flags += ("--idle-after", str(cfg.idle_after))
     if cfg.max_live is not None:
         flags += ("--max-live", str(cfg.max_live))
-    if cfg.boot_each:
-        flags += ("--boot-each",)
+    if cfg.clone_boot:
+        flags += ("--clone-boot",)
     return flags
 
 
@@ -206,8 +206,8 @@ def _check_hibernation(cfg: RunConfig) -> None:
         raise ConfigError("--max-live needs --idle-after (only idle VMs are hibernated)")
     if cfg.max_live is not None and cfg.max_live < 1:
         raise ConfigError(f"--max-live must be at least 1 (got {cfg.max_live})")
-    if cfg.boot_each and cfg.idle_after is None:
-        raise ConfigError("--boot-each needs --idle-after (only VMs created asleep are clones)")
+    if cfg.clone_boot and cfg.idle_after is None:
+        raise ConfigError("--clone-boot needs --idle-after (only VMs created asleep are clones)")
     if cfg.idle_after is None:
         return
     if not math.isfinite(cfg.idle_after) or cfg.idle_after <= 0:

@@ -276,7 +276,7 @@ class HibernationWindow:
     wake_fraction: float | None  # wakes per request served: the model's wake_fraction
     wake_us_p50: int | None  # of the window's wakes, densevm's log2 buckets' upper bounds
     wake_us_p99: int | None
-    clones_started: int  # VMs started as clones of the template by its end (0: --boot-each)
+    clones_started: int  # VMs started as clones of the template by its end (0 without --clone-boot)
 
 
 def hibernation_window(before: dict, after: dict, requests: int) -> HibernationWindow:

@@ -11,18 +11,21 @@ swap) under --max-live. Printed per N:
     slab, page-table, kernel-stack, shmem, anon and vmalloc growth (page cache dropped
     before each reading);
   - swap: what the pager uses and what the swap file has allocated on disk;
-then --sample VMs spread over the N are sent one GET each at --rate a second (each boots
-on it: the first GET of a VM created asleep is its boot), every answer checked for the
-exact body of GET /, and once all sleep again the same figures per N and per VM served.
+then --sample VMs spread over the N are sent one GET each at --rate a second (the first
+GET of a VM created asleep is its first start: its boot, or with --clone-boot its start as
+a clone of the image's template), every answer checked for the exact body of GET /, and once all
+sleep again the same figures per N and per VM served, with the host's CPU time (all of
+it, the client's included) from the first of those GETs until all slept, per VM served.
 
 Usage: experiments/bench/density.py [--vms 1000,60000] [--sample 300] [--rate 50]
-       [--max-live 2000] [--cell-vms 1000]
+       [--max-live 2000] [--cell-vms 1000] [--clone-boot]
 """
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import socket
 import statistics
 import sys
@@ -104,6 +107,13 @@ def paced(vms: list[int], rate: float) -> list[float | None]:
         return [f.result() for f in futures]
 
 
+def host_busy_s() -> float:
+    """CPU seconds the whole host has spent not idle (/proc/stat), over all CPUs."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q * 100) - 1] if len(values) > 1 else values[0]
 
@@ -112,6 +122,7 @@ def run(n: int, args: argparse.Namespace, workdir: Path) -> None:
     build = Build.in_dir(ROOT / "target" / "release")
     flags = ("--mem", args.mem, "--idle-after", str(args.idle_after))
     flags += ("--max-live", str(args.max_live), "--cell-vms", str(args.cell_vms))
+    flags += ("--clone-boot",) if args.clone_boot else ()
     before = dropped_meminfo()
     t0 = time.monotonic()
     with Session(build, workdir, n, ADDR_BASE, *flags) as session:
@@ -119,8 +130,10 @@ def run(n: int, args: argparse.Namespace, workdir: Path) -> None:
         registered = snapshot(session, before, n)
         k = min(args.sample, n)
         sample = [i * n // k for i in range(k)]
+        busy0 = host_busy_s()
         answers = paced(sample, args.rate)
         wait_until_hibernated(session, n, timeout_s=120)
+        cpu_ms = (host_busy_s() - busy0) / len(sample) * 1000
         served = snapshot(session, before, n)
         totals = session.totals()
     ok = [t * 1000 for t in answers if t is not None]
@@ -138,9 +151,12 @@ def run(n: int, args: argparse.Namespace, workdir: Path) -> None:
     per_served = (served.swap_used - registered.swap_used) / ran / 1024
     print(
         f"  served {len(ok)} of {ran} with the exact {len(SMALL)} bytes"
-        f" (first GET of each: its boot), p50 {pct(ok, 0.5):.1f} ms, p99 {pct(ok, 0.99):.1f} ms;"
+        f" (first GET of each: its {'start as a clone' if args.clone_boot else 'boot'}),"
+        f" p50 {pct(ok, 0.5):.1f} ms, p99 {pct(ok, 0.99):.1f} ms;"
+        f" host CPU {cpu_ms:.1f} ms a VM served, until asleep;"
         f" swap committed per VM served {per_served:.0f} KiB;"
-        f" monitor: wakes {totals.get('wakes')}, wake failures {totals.get('wake_failures')}",
+        f" monitor: wakes {totals.get('wakes')}, wake failures {totals.get('wake_failures')},"
+        f" clones {totals.get('clones_started')} (template {totals.get('clone_template')})",
         flush=True,
     )
     compact = totals.get("compact_swap")
@@ -166,6 +182,9 @@ def main() -> int:
     parser.add_argument("--cell-vms", type=int, default=1000)
     parser.add_argument("--mem", default="1G")
     parser.add_argument("--idle-after", type=float, default=1.0)
+    parser.add_argument(
+        "--clone-boot", action="store_true", help="densevm --clone-boot: VMs start as clones"
+    )
     args = parser.parse_args()
     counts = [int(v) for v in args.vms.split(",")]
     if min(counts) < 1 or args.sample < 1 or args.rate <= 0:

@@ -345,7 +345,7 @@ impl Supervisor {
     /// With clone boot, tells every cell once whether VMs created asleep
     /// start as clones: when the pager has saved the template, or has given
     /// up on it (its cell ended, or it was not saved within the boot
-    /// timeout; then every VM boots from the image, as with `--boot-each`).
+    /// timeout; then every VM boots from the image, as without `--clone-boot`).
     fn check_template(&mut self) {
         if self.template_told.is_some() {
             return;
