@@ -18,7 +18,7 @@ sleep again the same figures per N and per VM served, with the host's CPU time (
 it, the client's included) from the first of those GETs until all slept, per VM served.
 
 Usage: experiments/bench/density.py [--vms 1000,60000] [--sample 300] [--rate 50]
-       [--max-live 2000] [--cell-vms 1000] [--clone-boot]
+       [--max-live 2000] [--cell-vms 1000] [--clone-boot] [--selfcheck]
 """
 
 from __future__ import annotations
@@ -123,6 +123,7 @@ def run(n: int, args: argparse.Namespace, workdir: Path) -> None:
     flags = ("--mem", args.mem, "--idle-after", str(args.idle_after))
     flags += ("--max-live", str(args.max_live), "--cell-vms", str(args.cell_vms))
     flags += ("--clone-boot",) if args.clone_boot else ()
+    flags += ("--selfcheck",) if args.selfcheck else ()
     before = dropped_meminfo()
     t0 = time.monotonic()
     with Session(build, workdir, n, ADDR_BASE, *flags) as session:
@@ -156,7 +157,8 @@ def run(n: int, args: argparse.Namespace, workdir: Path) -> None:
         f" host CPU {cpu_ms:.1f} ms a VM served, until asleep;"
         f" swap committed per VM served {per_served:.0f} KiB;"
         f" monitor: wakes {totals.get('wakes')}, wake failures {totals.get('wake_failures')},"
-        f" clones {totals.get('clones_started')} (template {totals.get('clone_template')})",
+        f" clones {totals.get('clones_started')} (template {totals.get('clone_template')}),"
+        f" self-check mismatches {totals.get('selfcheck_errors')}",
         flush=True,
     )
     compact = totals.get("compact_swap")
@@ -184,6 +186,12 @@ def main() -> int:
     parser.add_argument("--idle-after", type=float, default=1.0)
     parser.add_argument(
         "--clone-boot", action="store_true", help="densevm --clone-boot: VMs start as clones"
+    )
+    parser.add_argument(
+        "--selfcheck",
+        action="store_true",
+        help="self-checking guests (densevm --selfcheck): GET bodies are the same, and the "
+        "monitor counts working-set pages that did not hold what the guest last wrote",
     )
     args = parser.parse_args()
     counts = [int(v) for v in args.vms.split(",")]
