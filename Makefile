@@ -12,6 +12,9 @@ STAMP := build/.stamps
 SCCACHE_DIR ?= /var/cache/scalebench/sccache
 export SCCACHE_DIR
 export SCCACHE_IDLE_TIMEOUT ?= 60
+# Its server's start waits 10 s by default: a test that builds a crate while the
+# suite keeps both cores busy timed out on it ("Timed out waiting for server startup").
+export SCCACHE_STARTUP_TIMEOUT ?= 60
 export RUSTC_WRAPPER := $(if $(shell command -v sccache),sccache)
 STOP_SCCACHE := $(if $(RUSTC_WRAPPER),sccache --stop-server >/dev/null 2>&1 || true,true)
 

@@ -343,7 +343,11 @@ static void idle(void)
 }
 
 /* Hibernation: parks at the top of the loop, where nothing is half done, so
- * a guest resumed from its entry on a new vCPU finds its memory consistent. */
+ * a guest resumed from its entry on a new vCPU finds its memory consistent.
+ * It then halts until its vCPU is stopped: irq_seen is cleared before each
+ * halt, or the interrupt that asked it to park (or any later one) would
+ * make every idle_wait return at once, and a parked guest would spin until
+ * its holder got to it, which on a busy host fed on itself. */
 static void park(void) __attribute__((noreturn));
 static void park(void)
 {
@@ -351,8 +355,10 @@ static void park(void)
     ctrl->host_cmd = DV_CMD_NONE;
     ctrl->state = DV_STATE_PARKED;
     arch_doorbell();
-    for (;;)
+    for (;;) {
+        irq_seen = 0;
         idle_wait();
+    }
 }
 
 void server_run(const struct dv_boot_info *bi)

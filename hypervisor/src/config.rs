@@ -140,8 +140,8 @@ pub struct ServeArgs {
     pub max_live: Option<u32>,
     /// With --idle-after, start every VM on its first connection as a clone
     /// of the image's template (VM 0, booted at the start and saved)
-    /// instead of booting it from the image. Off by default: see
-    /// hypervisor/README.md, "Clone boot", for what it measured at 100,000.
+    /// instead of booting it from the image. Off by default until the main
+    /// job is measured with it (hypervisor/README.md, "Clone boot").
     #[arg(long)]
     pub clone_boot: bool,
 }
