@@ -4,6 +4,7 @@ removed."""
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,26 @@ def test_child_starts_inside_a_real_group_which_is_then_removed(tmp_path):
     assert not c.memory_group.exists()
     if c.psi_group is not None:
         assert not c.psi_group.exists()
+
+
+def test_a_member_that_outlives_its_parent_is_killed_and_the_group_removed():
+    """As a cell outliving a killed densevm: remove() must not leave the group behind."""
+    if os.geteuid() != 0:
+        pytest.skip("creating cgroups needs root")
+    c = Containment.create(f"test-orphan-{os.getpid()}", 300 * MIB)
+    assert c.memory_group is not None, c.warning
+    # The shell leaves a child that ignores SIGTERM and exits: the child is orphaned inside.
+    child = Child(
+        c.wrap(["/bin/sh", "-c", "trap '' TERM; sleep 300 & echo $!"]),
+        stdout=subprocess.PIPE,
+        stderr=None,
+    )
+    orphan = int(child.popen.stdout.readline())
+    child.popen.wait(timeout=10)
+    assert c.members() == [orphan]
+    assert c.remove() is None
+    assert not c.memory_group.exists()
+    assert not Path(f"/proc/{orphan}").exists() or "Z" in Path(f"/proc/{orphan}/stat").read_text()
 
 
 def test_psi_parsing():

@@ -14,6 +14,8 @@ prefix that joins the groups and then execs the real command.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,9 +181,15 @@ class Containment:
                 pids.update(int(x) for x in f.read_text().split())
         return sorted(pids)
 
-    def remove(self, timeout_s: float = 5.0) -> None:
-        """Delete the groups once their processes are gone (rmdir fails while any remain)."""
+    def remove(self, timeout_s: float = 30.0) -> str | None:
+        """Delete the groups, killing what is left inside them; None, or why a group stayed.
+
+        Whatever is still a member once the run has stopped its processes is one of ours
+        that outlived them (a cell whose monitor was killed), so it gets SIGKILL. A group
+        stays busy for a moment after its last process exits, and a dying KVM process can
+        take seconds to release its memory, hence the retries up to `timeout_s`."""
         deadline = time.monotonic() + timeout_s
+        stayed = None
         for path in reversed(self._made):
             while True:
                 try:
@@ -189,13 +197,18 @@ class Containment:
                     break
                 except FileNotFoundError:
                     break
-                except OSError:
-                    # A parent shared with a concurrent run stays; a group stays busy
-                    # for a moment after its last process exits.
-                    if path.name == PARENT or time.monotonic() > deadline:
+                except OSError as e:
+                    if path.name == PARENT:
+                        break  # shared with a concurrent run
+                    if time.monotonic() > deadline:
+                        stayed = f"cgroup {path} stayed: {e.strerror} ({len(self.members())} left)"
                         break
+                    for pid in self.members():
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
                     time.sleep(0.05)
         self._made.clear()
+        return stayed
 
     def describe(self) -> dict:
         return {

@@ -871,7 +871,12 @@ class Run:
         apply_model(self.result, self.cfg, cpu_us, bench)
 
     def _release_containment(self) -> None:
-        """Record PSI and the memory group's counters, then remove the groups (densevm is gone)."""
+        """Record PSI and the memory group's counters, then remove the groups, killing what
+        outlived densevm; a second stop signal waits, or the groups would be left behind."""
+        with stop_signals_deferred():
+            self._remove_containment()
+
+    def _remove_containment(self) -> None:
         c, r = self.containment, self.result
         r.psi["after"] = c.pressure()
         if r.psi.get("before") and r.psi.get("after"):
@@ -880,7 +885,9 @@ class Run:
                 for kind in r.psi["after"]
             }
         r.containment["memory"] = c.memory_stats()
-        c.remove()
+        stayed = c.remove()
+        if stayed:
+            r.warnings.append(stayed)
 
 
 def footprint_of(r: RunResult, cfg: RunConfig) -> int:
