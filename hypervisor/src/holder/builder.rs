@@ -12,7 +12,7 @@ use crate::vstate::stats::VcpuStats;
 use crate::vstate::vcpu::{self, VcpuHandle};
 use crate::vstate::vm::{self as kvm_vm, Slot, VmCaps};
 use kvm_bindings::CpuId;
-use kvm_ioctls::{Kvm, VmFd};
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
@@ -163,13 +163,37 @@ pub fn park_vcpu(ctx: &BuildContext, id: u32) -> Result<VcpuHandle, BuildError> 
         .map_err(|source| BuildError::Vcpu { vm: id, source })
 }
 
+/// Creates a KVM VM for a holder's pool, with what every VM has alike made
+/// ahead ([`kvm_vm::prepare`], the vCPU's CPUID), so that a wake on it
+/// only maps the VM's memory, wires its eventfds and loads its registers.
+pub fn prepare(ctx: &BuildContext, id: u32) -> Result<EmptyVm, BuildError> {
+    let vm = create(ctx, id)?;
+    let vcpu = kvm_vm::prepare(&vm, ctx.caps, ctx.halt_poll_ns)
+        .map_err(|source| BuildError::Kvm { vm: id, source })?;
+    vcpu::set_cpuid(&vcpu, &ctx.cpuid).map_err(|source| BuildError::Vcpu { vm: id, source })?;
+    Ok(EmptyVm::Prepared { vcpu, vm })
+}
+
+/// A KVM VM that [`build`] completes.
+pub enum EmptyVm {
+    /// Just created ([`create`]): [`build`] makes every part.
+    Created(VmFd),
+    /// Made ahead in a holder's pool ([`prepare`]).
+    Prepared {
+        /// Its vCPU, with its CPUID.
+        vcpu: VcpuFd,
+        /// The VM, with its irqchip and interrupt route.
+        vm: VmFd,
+    },
+}
+
 /// The pieces of a VM made ahead of [`build`]: creating every KVM VM before
 /// any vCPU maps its run page keeps boot linear in the number of VMs.
 pub struct Prebuilt {
     /// The parked vCPU thread.
     pub vcpu: VcpuHandle,
-    /// The empty KVM VM.
-    pub kvm: VmFd,
+    /// The KVM VM.
+    pub kvm: EmptyVm,
 }
 
 /// How a VM's vCPU starts: from the image's entry on fresh memory, or on
@@ -279,17 +303,25 @@ pub fn build(
             readonly: false,
         },
     ];
-    let vcpu_fd = kvm_vm::configure(&kvm, ctx.caps, &slots, irq, doorbell, ctx.halt_poll_ns)
-        .map_err(|source| BuildError::Kvm { vm: id, source })?;
+    let kvm_error = |source| BuildError::Kvm { vm: id, source };
+    let vcpu_error = |source| BuildError::Vcpu { vm: id, source };
+    let (kvm, vcpu_fd) = match kvm {
+        EmptyVm::Created(kvm) => {
+            let vcpu_fd =
+                kvm_vm::configure(&kvm, ctx.caps, &slots, irq, doorbell, ctx.halt_poll_ns)
+                    .map_err(kvm_error)?;
+            vcpu::set_cpuid(&vcpu_fd, &ctx.cpuid).map_err(vcpu_error)?;
+            (kvm, vcpu_fd)
+        }
+        EmptyVm::Prepared { vcpu, vm } => {
+            kvm_vm::map_memory(&vm, ctx.caps, &slots).map_err(kvm_error)?;
+            kvm_vm::wire(&vm, irq, doorbell).map_err(kvm_error)?;
+            (vm, vcpu)
+        }
+    };
     let stack_top = abi::RAM_GPA + layout.ram_bytes;
-    vcpu::configure(
-        &vcpu_fd,
-        &ctx.cpuid,
-        ctx.platform.as_ref(),
-        ctx.image.entry,
-        stack_top,
-    )
-    .map_err(|source| BuildError::Vcpu { vm: id, source })?;
+    vcpu::configure(&vcpu_fd, ctx.platform.as_ref(), ctx.image.entry, stack_top)
+        .map_err(vcpu_error)?;
     let stats_fd = match ctx.vcpu_stats {
         true => Some(
             VcpuStats::descriptor(&vcpu_fd)

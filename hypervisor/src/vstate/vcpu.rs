@@ -45,15 +45,19 @@ fn step<T>(what: &'static str, r: Result<T, kvm_ioctls::Error>) -> Result<T, Vcp
     r.map_err(|source| VcpuError::Kvm { what, source })
 }
 
+/// Gives a vCPU its CPUID, which must precede [`configure`] (KVM checks the
+/// registers it loads against it).
+pub fn set_cpuid(vcpu: &VcpuFd, cpuid: &CpuId) -> Result<(), VcpuError> {
+    step("set CPUID", vcpu.set_cpuid2(cpuid))
+}
+
 /// Loads 64-bit mode state: registers, segments, paging, the x2APIC.
 pub fn configure(
     vcpu: &VcpuFd,
-    cpuid: &CpuId,
     platform: &dyn Platform,
     entry: u64,
     stack_top: u64,
 ) -> Result<(), VcpuError> {
-    step("set CPUID", vcpu.set_cpuid2(cpuid))?;
     let mut sregs = step("get special registers", vcpu.get_sregs())?;
     let code = kvm_segment {
         base: 0,

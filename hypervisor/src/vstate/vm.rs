@@ -99,23 +99,17 @@ pub fn configure(
     doorbell: &EventFd,
     halt_poll_ns: Option<u64>,
 ) -> Result<VcpuFd, VmError> {
-    for (index, slot) in slots.iter().enumerate() {
-        let region = kvm_userspace_memory_region {
-            slot: index as u32,
-            flags: if slot.readonly && caps.readonly_mem {
-                KVM_MEM_READONLY
-            } else {
-                0
-            },
-            guest_phys_addr: slot.gpa,
-            memory_size: slot.bytes,
-            userspace_addr: slot.mapping.as_ptr() as u64,
-        };
-        // SAFETY: the mappings outlive the VM (the owner drops the VM first).
-        step("map guest memory", unsafe {
-            vm.set_user_memory_region(region)
-        })?;
-    }
+    map_memory(vm, caps, slots)?;
+    let vcpu = prepare(vm, caps, halt_poll_ns)?;
+    wire(vm, irq, doorbell)?;
+    Ok(vcpu)
+}
+
+/// What [`configure`] does that is alike for every VM: the in-kernel APIC,
+/// halt polling, the doorbell interrupt's MSI route and the one vCPU. A
+/// holder does it ahead for its pooled VM, off the wake path (the vCPU's
+/// creation alone takes about 0.1 ms here).
+pub fn prepare(vm: &VmFd, caps: VmCaps, halt_poll_ns: Option<u64>) -> Result<VcpuFd, VmError> {
     if caps.split_irqchip {
         let cap = kvm_enable_cap {
             cap: KVM_CAP_SPLIT_IRQCHIP,
@@ -143,6 +137,34 @@ pub fn configure(
     entry.u.msi.data = abi::IRQ_VECTOR;
     let routing = KvmIrqRouting::from_entries(&[entry]).expect("one routing entry");
     step("route the doorbell interrupt", vm.set_gsi_routing(&routing))?;
+    step("create the vCPU", vm.create_vcpu(0))
+}
+
+/// Maps a VM's memory: one KVM memory slot per entry of `slots`.
+pub fn map_memory(vm: &VmFd, caps: VmCaps, slots: &[Slot<'_>]) -> Result<(), VmError> {
+    for (index, slot) in slots.iter().enumerate() {
+        let region = kvm_userspace_memory_region {
+            slot: index as u32,
+            flags: if slot.readonly && caps.readonly_mem {
+                KVM_MEM_READONLY
+            } else {
+                0
+            },
+            guest_phys_addr: slot.gpa,
+            memory_size: slot.bytes,
+            userspace_addr: slot.mapping.as_ptr() as u64,
+        };
+        // SAFETY: the mappings outlive the VM (the owner drops the VM first).
+        step("map guest memory", unsafe {
+            vm.set_user_memory_region(region)
+        })?;
+    }
+    Ok(())
+}
+
+/// Wires a prepared VM's interrupt to `irq` and its doorbell port to
+/// `doorbell`, the VM's own eventfds.
+pub fn wire(vm: &VmFd, irq: &EventFd, doorbell: &EventFd) -> Result<(), VmError> {
     step("register the irqfd", vm.register_irqfd(irq, DOORBELL_GSI))?;
     step(
         "register the doorbell ioeventfd",
@@ -151,6 +173,5 @@ pub fn configure(
             &IoEventAddress::Pio(abi::DOORBELL_PORT.into()),
             NoDatamatch,
         ),
-    )?;
-    step("create the vCPU", vm.create_vcpu(0))
+    )
 }
