@@ -1010,8 +1010,17 @@ impl CellLoop {
             let Some(id) = self.vms.live(index).map(|vm| vm.id) else {
                 continue;
             };
+            self.announce_wake(id);
             self.send_wake(index, id, start);
         }
+    }
+
+    /// Tells the parent that VM `id` wakes, so that its memory comes back
+    /// while its holder makes its vCPU: first, since the prefetch is what a
+    /// wake waits for longest. A wake that then fails stops the VM, which
+    /// the parent hears of too.
+    fn announce_wake(&mut self, id: u32) {
+        self.parent.send(&FromCell::Waking { vm: id });
     }
 
     /// The wakes waiting for holder `h` fail with `why`.
@@ -1100,13 +1109,20 @@ impl CellLoop {
 
     /// [`Self::wake`], starting as `start`.
     fn wake_as(&mut self, index: usize, start: Start) {
-        let Some(id) = self.vms.live(index).map(|vm| {
-            vm.unpack_sys();
-            vm.id
-        }) else {
+        let Some(id) = self.vms.live(index).map(|vm| vm.id) else {
             return;
         };
         let h = index / self.ctx.ram_slots_per_holder;
+        let present = self
+            .holders
+            .get(h)
+            .is_some_and(|h| h.dead.is_none() && h.presence == Presence::Present);
+        if present {
+            self.announce_wake(id);
+        }
+        if let Some(vm) = self.vms.live(index) {
+            vm.unpack_sys();
+        }
         if let Some(holder) = self.holders.get_mut(h).filter(|h| h.dead.is_none()) {
             if holder.presence != Presence::Present {
                 // Its holder left (or is leaving, or coming back): the wake
@@ -1148,8 +1164,6 @@ impl CellLoop {
                 if let Some(vm) = self.vms.live(index) {
                     vm.sleep = Sleep::Waking(Instant::now());
                 }
-                // Its memory comes back while the holder makes its vCPU.
-                self.parent.send(&FromCell::Waking { vm: id });
                 // Room under --max-live for the one waking.
                 self.hibernate_idle(false);
             }
