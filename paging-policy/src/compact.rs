@@ -357,26 +357,25 @@ impl CompactSwap {
             let sparse = sparse_len(delta);
             if sparse > 0 {
                 // One sector is the least a record takes: no need to try LZ4.
-                let lz4 = match sparse <= sector {
-                    true => usize::MAX,
-                    false => {
-                        s.records.resize(at + most, 0);
-                        lz4_flex::block::compress_into(delta, &mut s.records[at..])
-                            .unwrap_or(usize::MAX)
-                    }
-                };
+                let lz4 = (sparse > sector).then(|| {
+                    s.records.resize(at + most, 0);
+                    lz4_flex::block::compress_into(delta, &mut s.records[at..]).ok()
+                });
                 let sectors = |n: usize| n.div_ceil(sector);
-                let (len, encoding) = if sectors(sparse) <= sectors(lz4) && sparse + sector <= bs {
-                    s.records.resize(at + sparse, 0);
-                    sparse_encode(delta, &mut s.records[at..]);
-                    (sparse, Encoding::Sparse)
-                } else if lz4 + sector <= bs {
-                    (lz4, Encoding::Lz4)
-                } else {
-                    s.records.resize(at + bs, 0);
-                    s.records[at..at + bs].copy_from_slice(delta);
-                    (bs, Encoding::Raw)
-                };
+                let shrinks = |n: usize| n + sector <= bs;
+                let lz4 = lz4.flatten().filter(|&n| shrinks(n));
+                let (len, encoding) =
+                    if shrinks(sparse) && lz4.is_none_or(|n| sectors(sparse) <= sectors(n)) {
+                        s.records.resize(at + sparse, 0);
+                        sparse_encode(delta, &mut s.records[at..]);
+                        (sparse, Encoding::Sparse)
+                    } else if let Some(n) = lz4 {
+                        (n, Encoding::Lz4)
+                    } else {
+                        s.records.resize(at + bs, 0);
+                        s.records[at..at + bs].copy_from_slice(delta);
+                        (bs, Encoding::Raw)
+                    };
                 record.len = len as u32;
                 record.encoding = encoding;
                 s.records.resize(at + len.next_multiple_of(sector), 0);
