@@ -599,6 +599,7 @@ pub fn pager_config(args: &ServeArgs, layout: &RamLayout) -> Result<PagerConfig,
         swap_on_first_fault: args.idle_after.is_some(),
         compact_swap: args.idle_after.is_some(),
         clone_template: clone_boot(args).then_some(TEMPLATE_VM),
+        wake_first: Some(layout.resume_stack_offset()),
     };
     config
         .validate(layout.ram_bytes, layout.request_footprint())

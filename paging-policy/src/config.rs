@@ -58,6 +58,11 @@ pub struct PagerConfig {
     /// the VM writes it (Potemkin's flash cloning). Needs `compact_swap`,
     /// which keeps the template. `None`: VMs start from zeros.
     pub clone_template: Option<u32>,
+    /// Offset in a VM's RAM of what it touches first when it wakes (for
+    /// densevm's guests, the top of the stack: a woken guest restarts at its
+    /// entry). A wake's prefetch installs that block's part first and lets
+    /// the VM run on each part as it lands. `None`: parts in address order.
+    pub wake_first: Option<u64>,
 }
 
 impl Default for PagerConfig {
@@ -75,6 +80,7 @@ impl Default for PagerConfig {
             swap_on_first_fault: false,
             compact_swap: false,
             clone_template: None,
+            wake_first: None,
         }
     }
 }

@@ -76,6 +76,26 @@ pub const SERVICE_THREADS: usize = 8;
 /// this size, not the size of the largest batch it has met.
 const IO_CHUNK_BYTES: usize = 1 << 20;
 
+/// A wake's prefetch is installed in parts of this size, the one with the
+/// block the VM touches first ([`PagerConfig::wake_first`]) first, and the
+/// VM runs on each part as it lands: its vCPU then works through the blocks
+/// installed while the rest are copied, instead of after all of them.
+/// Alternated with waking at the end (200 VMs, 1,600 sequential wakes
+/// each way, two runs): p50 1.80 against 2.19 ms and 2.82 against 3.12;
+/// the parts in address order (a woken guest's stack last) were slower
+/// than waking at the end, and 64 KiB parts no faster.
+const WAKE_PART_BYTES: usize = 128 << 10;
+
+/// When the threads waiting on the blocks a fill brings in resume.
+#[derive(Debug, Clone, Copy)]
+enum Resume {
+    /// Once the ledger and the stats account for the fill: a fault.
+    Accounted,
+    /// As each part lands ([`WAKE_PART_BYTES`]), the part holding this
+    /// block first: a wake's prefetch, which the VM waits for whole.
+    PartByPart(Option<BlockId>),
+}
+
 /// VM ids are below this: the ledger indexes VMs by id, so a cell's wild
 /// id must be refused, not allocated for.
 pub const MAX_VM_ID: u32 = 1 << 20;
@@ -1024,7 +1044,11 @@ impl Pager {
             s.plan = plan;
             return Ok(());
         }
-        self.bring_in(st, vm, &place, plan, t0, s)
+        let first = self
+            .cfg
+            .wake_first
+            .map(|at| (at / self.block as u64) as BlockId);
+        self.bring_in(st, vm, &place, plan, t0, Resume::PartByPart(first), s)
     }
 
     /// Evicts every resident block of `vm` (see [`Pager::hibernate`]).
@@ -1205,7 +1229,7 @@ impl Pager {
     ) -> Result<(), PagerError> {
         let mut plan = std::mem::take(&mut s.plan);
         st.ledger.plan_fault(vm, block, write, &mut plan)?;
-        self.bring_in(st, vm, &place, plan, t0, s)
+        self.bring_in(st, vm, &place, plan, t0, Resume::Accounted, s)
     }
 
     /// Commits swap to `vm` before any block of it comes in, if that was
@@ -1239,7 +1263,9 @@ impl Pager {
     }
 
     /// Brings a planned fault-in (or wake prefetch) in: room first (waiting
-    /// or evicting as the ledger says), then one read and the installs.
+    /// or evicting as the ledger says), then one read and the installs;
+    /// `resume` says when the threads waiting on the blocks run.
+    #[allow(clippy::too_many_arguments)]
     fn bring_in<'a>(
         &'a self,
         mut st: MutexGuard<'a, State>,
@@ -1247,6 +1273,7 @@ impl Pager {
         place: &Place,
         plan: Vec<PlanBlock>,
         t0: Instant,
+        resume: Resume,
         s: &mut Scratch,
     ) -> Result<(), PagerError> {
         let n = plan.len() as u64;
@@ -1297,7 +1324,10 @@ impl Pager {
         let mut io = 0.0;
         for piece in plan.chunks(self.io_chunk_blocks()) {
             io += self.read_plan(piece, s)?;
-            self.install(piece, place, s)?;
+            match resume {
+                Resume::Accounted => self.install(piece, 0, place, s)?,
+                Resume::PartByPart(first) => self.install_waking(piece, first, place, s)?,
+            }
         }
         let latency = t0.elapsed().as_micros() as u64;
         let mut st = self.lock();
@@ -1307,19 +1337,52 @@ impl Pager {
         let r = st.ledger.check_policy();
         drop(st);
         self.room.notify_all();
-        // Installed without waking: the faulting thread and any other
-        // waiting on these blocks (deferred ones included) resume only now
-        // that the ledger and the stats account for the install.
+        // A fault's blocks were installed without waking: the faulting
+        // thread and any other waiting on them (deferred ones included)
+        // resume only now that the ledger and the stats account for them.
+        if let Resume::Accounted = resume {
+            self.wake_installed(&plan, place);
+        }
+        s.plan = plan;
+        r
+    }
+
+    /// Installs a wake prefetch's piece (read into `s.read`) a part at a
+    /// time, the part holding block `first` first, and wakes each part's
+    /// blocks as it lands.
+    fn install_waking(
+        &self,
+        piece: &[PlanBlock],
+        first: Option<BlockId>,
+        place: &Place,
+        s: &Scratch,
+    ) -> Result<(), PagerError> {
+        let part = (WAKE_PART_BYTES / self.block).max(1);
+        let parts = piece.len().div_ceil(part);
+        let lead = first
+            .and_then(|b| piece.iter().position(|p| p.block == b))
+            .map_or(0, |i| i / part);
+        for k in std::iter::once(lead).chain((0..parts).filter(|&k| k != lead)) {
+            let start = k * part;
+            let blocks = &piece[start..(start + part).min(piece.len())];
+            self.install(blocks, start, place, s)?;
+            self.wake_installed(blocks, place);
+        }
+        Ok(())
+    }
+
+    /// Wakes the threads waiting on the installed blocks of `plan`, one
+    /// wake per run of adjacent blocks.
+    fn wake_installed(&self, plan: &[PlanBlock], place: &Place) {
         let bs = self.block;
-        for run in runs(&plan, |a, b| b.block == a.block + 1) {
+        for run in runs(plan, |a, b| b.block == a.block + 1) {
             let at = place.addr(plan[run.start].block, bs);
+            // A failed wake means the range is gone (VM destroyed).
             let _ = place
                 .space
                 .uffd()
                 .and_then(|uffd| uffd.wake(at, run.len() * bs));
         }
-        s.plan = plan;
-        r
     }
 
     /// Reads the plan's blocks into `s.read` (slot i = plan[i]) with one
@@ -1368,11 +1431,18 @@ impl Pager {
         Ok(io)
     }
 
-    /// Installs the plan's blocks from `s.read` with one UFFDIO_COPY per run
-    /// of adjacent blocks; clean blocks come in write-protected.
-    fn install(&self, plan: &[PlanBlock], place: &Place, s: &Scratch) -> Result<(), PagerError> {
+    /// Installs the plan's blocks from `s.read`, whose slot `slot + i` holds
+    /// `plan[i]`, with one UFFDIO_COPY per run of adjacent blocks; clean
+    /// blocks come in write-protected.
+    fn install(
+        &self,
+        plan: &[PlanBlock],
+        slot: usize,
+        place: &Place,
+        s: &Scratch,
+    ) -> Result<(), PagerError> {
         let bs = self.block;
-        let buf = s.read.as_slice();
+        let buf = &s.read.as_slice()[slot * bs..];
         for std::ops::Range { start: i, end: j } in
             runs(plan, |a, b| b.block == a.block + 1 && b.dirty == a.dirty)
         {

@@ -43,6 +43,12 @@ impl RamLayout {
         })
     }
 
+    /// RAM offset of the stack's top word: what a vCPU started at the
+    /// guest's entry (at boot, or woken from hibernation) writes first.
+    pub fn resume_stack_offset(&self) -> u64 {
+        self.ram_bytes - 8
+    }
+
     /// The smallest RAM that holds the layout.
     pub fn min_ram_bytes(bss_end: u64, ws_bytes: u64) -> u64 {
         bss_end.next_multiple_of(PAGE) + ws_bytes + abi::STACK_BYTES
