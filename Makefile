@@ -18,7 +18,7 @@ export SCCACHE_STARTUP_TIMEOUT ?= 60
 export RUSTC_WRAPPER := $(if $(shell command -v sccache),sccache)
 STOP_SCCACHE := $(if $(RUSTC_WRAPPER),sccache --stop-server >/dev/null 2>&1 || true,true)
 
-.PHONY: all run test lint deps build rust guest pyext clean
+.PHONY: all run test lint deps build rust guest pyext clean FORCE
 
 all: build
 
@@ -37,9 +37,14 @@ $(STAMP)/apt: packages.apt | $(STAMP)
 	fi
 	@touch $@
 
-$(STAMP)/python: pyproject.toml $(STAMP)/apt | $(STAMP)
+# Redone also when `scalebench` is not imported from this checkout: another
+# clone's install (a CI run's clean clone) replaces the editable one.
+OWN_PACKAGE := $(shell $(PYTHON) -c 'import importlib.util as u; s = u.find_spec("scalebench"); print(s.origin if s else "")' 2>/dev/null)
+$(STAMP)/python: pyproject.toml $(STAMP)/apt $(if $(filter $(CURDIR)/controller/scalebench/__init__.py,$(OWN_PACKAGE)),,FORCE) | $(STAMP)
 	$(PYTHON) -m pip install -q -e '.[test,cluster]'
 	@touch $@
+
+FORCE:
 
 build: rust guest pyext
 	@$(STOP_SCCACHE)
