@@ -26,6 +26,20 @@ pub fn runs<'a, T>(
     })
 }
 
+/// `0..len` in chunks of `size`: the one holding index `lead` first, then
+/// the others in order (a wake's first block, see the pager's prefetch).
+pub fn lead_first(
+    len: usize,
+    size: usize,
+    lead: Option<usize>,
+) -> impl Iterator<Item = Range<usize>> {
+    let first = lead.filter(|&i| i < len).map(|i| i / size);
+    first
+        .into_iter()
+        .chain((0..len.div_ceil(size)).filter(move |&k| Some(k) != first))
+        .map(move |k| k * size..((k + 1) * size).min(len))
+}
+
 /// Largest run of unchanged blocks an eviction rewrites to join two writes
 /// (see [`cluster_writes`]): on the modeled disks one positioning (5-13 ms)
 /// costs what moving 200-500 KiB does.
@@ -106,6 +120,18 @@ mod tests {
         let got: Vec<_> = runs(&items, |a, b| b == &(a + 1)).collect();
         assert_eq!(got, vec![0..3, 3..5, 5..6]);
         assert_eq!(runs(&[] as &[u32], |_, _| true).count(), 0);
+    }
+
+    #[test]
+    fn lead_first_puts_the_chunk_with_the_lead_first_and_keeps_every_index_once() {
+        let got: Vec<_> = lead_first(10, 4, Some(5)).collect();
+        assert_eq!(got, vec![4..8, 0..4, 8..10]);
+        let got: Vec<_> = lead_first(10, 4, Some(9)).collect();
+        assert_eq!(got, vec![8..10, 0..4, 4..8]);
+        let in_order = vec![0..4, 4..8, 8..10];
+        assert_eq!(lead_first(10, 4, None).collect::<Vec<_>>(), in_order);
+        assert_eq!(lead_first(10, 4, Some(10)).collect::<Vec<_>>(), in_order);
+        assert_eq!(lead_first(0, 4, None).count(), 0);
     }
 
     fn victim(loc: u64, dirty: bool) -> PlanBlock {

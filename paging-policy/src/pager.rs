@@ -53,7 +53,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 
-use crate::batching::{cluster_writes, read_runs, runs, write_runs};
+use crate::batching::{cluster_writes, lead_first, read_runs, runs, write_runs};
 use crate::compact::{CompactScratch, CompactSwap, Get, Put};
 use crate::config::{default_swap_path, PagerConfig};
 use crate::error::PagerError;
@@ -1322,11 +1322,20 @@ impl Pager {
         }
         drop(st);
         let mut io = 0.0;
-        for piece in plan.chunks(self.io_chunk_blocks()) {
+        // A wake reads the piece holding its first block first, too.
+        let lead = match resume {
+            Resume::PartByPart(Some(first)) => plan.iter().position(|p| p.block == first),
+            _ => None,
+        };
+        for r in lead_first(plan.len(), self.io_chunk_blocks(), lead) {
+            let piece = &plan[r.clone()];
             io += self.read_plan(piece, s)?;
             match resume {
                 Resume::Accounted => self.install(piece, 0, place, s)?,
-                Resume::PartByPart(first) => self.install_waking(piece, first, place, s)?,
+                Resume::PartByPart(_) => {
+                    let lead = lead.filter(|i| r.contains(i)).map(|i| i - r.start);
+                    self.install_waking(piece, lead, place, s)?
+                }
             }
         }
         let latency = t0.elapsed().as_micros() as u64;
@@ -1348,25 +1357,19 @@ impl Pager {
     }
 
     /// Installs a wake prefetch's piece (read into `s.read`) a part at a
-    /// time, the part holding block `first` first, and wakes each part's
+    /// time, the part holding `piece[lead]` first, and wakes each part's
     /// blocks as it lands.
     fn install_waking(
         &self,
         piece: &[PlanBlock],
-        first: Option<BlockId>,
+        lead: Option<usize>,
         place: &Place,
         s: &Scratch,
     ) -> Result<(), PagerError> {
         let part = (WAKE_PART_BYTES / self.block).max(1);
-        let parts = piece.len().div_ceil(part);
-        let lead = first
-            .and_then(|b| piece.iter().position(|p| p.block == b))
-            .map_or(0, |i| i / part);
-        for k in std::iter::once(lead).chain((0..parts).filter(|&k| k != lead)) {
-            let start = k * part;
-            let blocks = &piece[start..(start + part).min(piece.len())];
-            self.install(blocks, start, place, s)?;
-            self.wake_installed(blocks, place);
+        for r in lead_first(piece.len(), part, lead) {
+            self.install(&piece[r.clone()], r.start, place, s)?;
+            self.wake_installed(&piece[r], place);
         }
         Ok(())
     }
