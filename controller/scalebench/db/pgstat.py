@@ -152,24 +152,29 @@ class IoAgreement:
 
     ``write_ratio`` is the trace's written sectors over PostgreSQL's data-file
     writes plus its WAL writes (``PgWindow.wal_disk_sectors``); ``read_ratio`` the trace's
-    read sectors over
-    the blocks PostgreSQL read from the kernel (some of which the guest's page
-    cache served without a disk read).
+    reads of PostgreSQL's relation files (``trace_relation_read_sectors``: see ``relfiles``)
+    over the blocks PostgreSQL read from the kernel (some of which the guest's page cache
+    served without a disk read, while readahead fetched more than asked).
+    ``trace_read_sectors`` counts every read, program text and WAL included.
     """
 
     trace_read_sectors: int
+    trace_relation_read_sectors: int
     trace_write_sectors: int
     pg: PgWindow
     read_ratio: float | None
     write_ratio: float | None
 
     @classmethod
-    def of(cls, trace_read: int, trace_written: int, pg: PgWindow) -> IoAgreement:
+    def of(
+        cls, trace_read: int, trace_relation_read: int, trace_written: int, pg: PgWindow
+    ) -> IoAgreement:
         pg_written = pg.write_sectors + pg.wal_disk_sectors
         return cls(
             trace_read_sectors=trace_read,
+            trace_relation_read_sectors=trace_relation_read,
             trace_write_sectors=trace_written,
             pg=pg,
-            read_ratio=round(trace_read / pg.read_sectors, 3) if pg.read_sectors else None,
+            read_ratio=round(trace_relation_read / pg.read_sectors, 3) if pg.read_sectors else None,
             write_ratio=round(trace_written / pg_written, 3) if pg_written else None,
         )

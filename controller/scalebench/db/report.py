@@ -106,7 +106,9 @@ def agreement_line(agreement: dict[str, Any]) -> str:
         f"({pg['wal_writes']} WAL writes of {pg['wal_sectors']} generated), "
         f"{pg['commits']} commits, "
         f"{pg['checkpoints']} checkpoint(s); trace/PostgreSQL sectors: reads "
-        f"{ratio(agreement['read_ratio'])}, writes {ratio(agreement['write_ratio'])}"
+        f"{ratio(agreement['read_ratio'])} (of its files; "
+        f"{agreement['trace_read_sectors'] - agreement['trace_relation_read_sectors']} "
+        f"sectors read elsewhere), writes {ratio(agreement['write_ratio'])}"
     )
 
 

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import pgbench, pgstat
+from . import pgbench, pgstat, relfiles
 from .analysis import BlockMetrics, block_metrics, plot_lba, write_trace_csv
 from .daemon import Libvirt
 from .errors import DbTraceError
@@ -298,6 +298,7 @@ def run_on_guest(
                 result, start, end, before, after = _measure_workload(
                     guest, opts, conn, stop, on_progress
                 )
+            extents = relfiles.relation_extents(conn) if opts.guest.trace else []
         finally:
             conn.close()
     except lost_connection() as err:
@@ -310,7 +311,10 @@ def run_on_guest(
     if opts.guest.trace:
         metrics = block_metrics(records)
         agreement = IoAgreement.of(
-            metrics.sectors_read, metrics.sectors_written, pgstat.PgWindow.between(before, after)
+            metrics.sectors_read,
+            relfiles.sectors_within(records, extents),
+            metrics.sectors_written,
+            pgstat.PgWindow.between(before, after),
         )
         in_range = all(r.lba >= 0 and r.lba + r.sectors <= guest.disk_sectors for r in records)
         stem = f"{opts.workload}-{opts.mix}-{opts.guest.disk}-c{opts.clients}"
