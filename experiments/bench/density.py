@@ -13,7 +13,8 @@ swap) under --max-live. Printed per N:
   - swap: what the pager uses and what the swap file has allocated on disk;
 then --sample VMs spread over the N are sent one GET each at --rate a second (the first
 GET of a VM created asleep is its first start: its boot, or with --clone-boot its start as
-a clone of the image's template), every answer checked for the exact body of GET /, and once all
+a clone of the image's template), every answer checked for the exact body of GET /, the
+seconds of the sweep in which GETs slower than 50 ms started listed, and once all
 sleep again the same figures per N and per VM served, with the host's CPU time (all of
 it, the client's included) from the first of those GETs until all slept, per VM served.
 
@@ -51,6 +52,7 @@ from scalebench.webobject import SMALL  # noqa: E402
 ADDR_BASE = "127.161.0.0"
 REQUEST = b"GET / HTTP/1.1\r\nHost: d\r\nConnection: close\r\n\r\n"
 GET_TIMEOUT_S = 30.0
+SLOW_S = 0.05
 BREAKDOWN = ("Slab", "PageTables", "KernelStack", "Shmem", "AnonPages", "VmallocUsed")
 
 
@@ -95,16 +97,17 @@ def exact_get(addr: str) -> float | None:
     return time.perf_counter() - t0 if head.startswith(b"HTTP/1.1 200") and body == SMALL else None
 
 
-def paced(vms: list[int], rate: float) -> list[float | None]:
-    """One exact GET to each of `vms`, started `rate` a second however long answers take."""
+def paced(vms: list[int], rate: float) -> list[tuple[float, float | None]]:
+    """One exact GET to each of `vms`, started `rate` a second however long answers take:
+    for each, seconds from the first start to its start, and what `exact_get` returned."""
     base = ipaddress.IPv4Address(ADDR_BASE)
     with ThreadPoolExecutor(max_workers=64) as pool:
         futures = []
         start = time.monotonic()
         for i, vm in enumerate(vms):
             time.sleep(max(0.0, start + i / rate - time.monotonic()))
-            futures.append(pool.submit(exact_get, str(base + vm)))
-        return [f.result() for f in futures]
+            futures.append((time.monotonic() - start, pool.submit(exact_get, str(base + vm))))
+        return [(at, f.result()) for at, f in futures]
 
 
 def host_busy_s() -> float:
@@ -137,7 +140,9 @@ def run(n: int, args: argparse.Namespace, workdir: Path) -> None:
         cpu_ms = (host_busy_s() - busy0) / len(sample) * 1000
         served = snapshot(session, before, n)
         totals = session.totals()
-    ok = [t * 1000 for t in answers if t is not None]
+    ok = [t * 1000 for _, t in answers if t is not None]
+    # When the slow answers came says whether a tail is the host's moment or the run's shape.
+    slow_at = [at for at, t in answers if t is None or t > SLOW_S]
     ran = len(sample)
     boot_s = session.boot.boot_seconds
     print(f"--vms {n}: ready in {ready_s:.1f} s (densevm's boot_seconds {boot_s:.1f})")
@@ -161,6 +166,14 @@ def run(n: int, args: argparse.Namespace, workdir: Path) -> None:
         f" self-check mismatches {totals.get('selfcheck_errors')}",
         flush=True,
     )
+    if slow_at:
+        seconds = sorted({int(at) for at in slow_at})
+        shown = ", ".join(str(v) for v in seconds[:20]) + (" ..." if len(seconds) > 20 else "")
+        print(
+            f"  {len(slow_at)} GETs failed or took over {SLOW_S * 1000:.0f} ms; they started"
+            f" in {len(seconds)} distinct seconds of the sweep: {shown}",
+            flush=True,
+        )
     compact = totals.get("compact_swap")
     if compact:
         print(
