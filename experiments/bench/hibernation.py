@@ -11,7 +11,8 @@ written), then all hibernate. Printed per N:
   - threads, descriptors and mappings of densevm's processes, awake and hibernated;
   - swap per VM: what the pager uses, and the swap file's allocated blocks;
   - wake latency at the client, connect to last byte, one hibernated VM per request at
-    --wake-rate requests/s: p50, p99, max;
+    --wake-rate requests/s: p50, p99, max; beside it the same GETs to the same VMs awake
+    (in the run without --idle-after), the baseline that takes the host's speed out;
   - a wake storm: --storm VMs (all hibernated) requested at once: answered, refused, p99.
 
 Usage: experiments/bench/hibernation.py [--vms 500,2000] [--mem 1G] [--wakes 300]
@@ -88,6 +89,10 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict:
         resident = session.totals()["resident_bytes"]
         awake_mem = (before["MemAvailable"] - dropped_meminfo()["MemAvailable"] - resident) / n
         awake = KernelObjects.of(session.proc.pid)
+        # The baseline of the wakes below: the same GETs, same client and rate, VMs awake.
+        served = paced_gets(ADDR_BASE, session.port, vms[: min(args.wakes, n)], args.wake_rate)
+        awake_s = [t for t in served.values() if t is not None]
+        failed += [vm for vm, t in served.items() if t is None]
     # Hibernated: the same, then all sleep.
     before = dropped_meminfo()
     flags = ("--mem", args.mem, "--idle-after", str(args.idle_after))
@@ -123,6 +128,7 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict:
         "swap_used_kib_per_vm": totals["swap_used_bytes"] / n / 1024,
         "asleep_after_s": asleep_s,
         "wake_ms": [1000 * pct(wake_s, q) for q in (0.5, 0.99)] + [1000 * max(wake_s)],
+        "awake_get_ms": [1000 * pct(awake_s, q) for q in (0.5, 0.99)],
         "wakes": len(wake_s),
         "storm": (
             len(stormed),
@@ -142,6 +148,7 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict:
 def report(r: dict, rate: float) -> None:
     a, s = r["awake"], r["asleep"]
     p50, p99, worst = r["wake_ms"]
+    awake50, awake99 = r["awake_get_ms"]
     n, ok, bad, p99s, took = r["storm"]
     lines = [
         f"--vms {r['vms']}: all hibernated {r['asleep_after_s']:.1f} s after the first GETs",
@@ -155,6 +162,8 @@ def report(r: dict, rate: float) -> None:
         f" {r['swap_kib_per_vm']:.1f} KiB allocated on disk",
         f"  wake at {rate:.0f}/s ({r['wakes']} wakes): p50 {p50:.2f} ms, p99 {p99:.2f} ms,"
         f" max {worst:.2f} ms",
+        f"  the same GETs to awake VMs: p50 {awake50:.2f} ms, p99 {awake99:.2f} ms"
+        f" (wake p50 {p50 / awake50:.1f}x, the host's speed taken out)",
         f"  wake storm of {n}: {ok} answered, {bad} failed, p99 {p99s:.1f} ms, all in {took:.2f} s",
         f"  monitor: {r['monitor']}",
         f"  failed GETs: {len(r['failed'])} (VMs {r['failed'][:5]})",
