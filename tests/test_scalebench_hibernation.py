@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import test_scalebench_cli as cli_tests
 from conftest import RELEASE_DIR, release_binary
+from scalebench import scaling
 from scalebench.cgroup import memory_limit
 from scalebench.config import (
     DEFAULT_IDLE_AFTER_S,
@@ -44,7 +45,7 @@ from scalebench.nightly import METRICS, load_spec
 from scalebench.plots import LIVE_LABEL, MEASUREMENT_LABEL, PHASES, run_plot
 from scalebench.result import RunResult
 from scalebench.runner import Sampler, hibernation_window
-from scalebench.scaling import Build, hibernated_density
+from scalebench.scaling import SETTLED_BYTES, Build, hibernated_density, settled_meminfo
 from scalebench.summary import summary
 from scalebench.units import GIB, KIB, MIB
 from support.densevm import kvm_available
@@ -449,6 +450,27 @@ def test_the_density_probe_measures_hibernated_vms(tmp_path):
     # guest's RAM (4 MiB) per VM.
     assert abs(d.hibernated_bytes_per_vm) < 4 << 20
     assert 0 < d.wake_p99_ms < 2000  # milliseconds, connect to last byte
+
+
+def test_a_drop_is_measured_from_memavailable_once_it_stops_rising(monkeypatch):
+    # A fake /proc/meminfo (the host's own cannot be made to free memory on cue): a host
+    # freeing what the last densevm held, then still.
+    freeing = [1000 << 20, 1400 << 20, 1700 << 20, 1705 << 20, 1500 << 20]
+    readings = iter({"MemAvailable": v} for v in freeing)
+    monkeypatch.setattr(scaling, "dropped_meminfo", lambda: next(readings))
+    monkeypatch.setattr(scaling.time, "sleep", lambda _s: None)
+    assert SETTLED_BYTES > 5 << 20
+    assert settled_meminfo()["MemAvailable"] == 1705 << 20
+
+
+def test_a_host_that_never_settles_gives_its_last_reading_at_the_timeout(monkeypatch):
+    clock = iter(range(0, 1000, 10))
+    monkeypatch.setattr(scaling.time, "monotonic", lambda: float(next(clock)))
+    readings = iter({"MemAvailable": v << 30} for v in range(1, 100))
+    monkeypatch.setattr(scaling, "dropped_meminfo", lambda: next(readings))
+    monkeypatch.setattr(scaling.time, "sleep", lambda _s: None)
+    # deadline at 30 s: readings at 10, 20 and 30 s, then time is up.
+    assert settled_meminfo(timeout_s=30)["MemAvailable"] == 3 << 30
 
 
 DENSITY = """

@@ -412,6 +412,24 @@ def dropped_mem_available() -> int:
     return dropped_meminfo()["MemAvailable"]
 
 
+# MemAvailable has settled when two readings a second apart move less than this.
+SETTLED_BYTES = 16 << 20
+
+
+def settled_meminfo(timeout_s: float = 60.0) -> dict[str, int]:
+    """dropped_meminfo once MemAvailable has stopped rising, the reading to measure a drop
+    from: a host still freeing what the last densevm held (its VMs' memory, its swap file)
+    read 600 KiB a VM low over 1,000 VMs. After `timeout_s` the last reading, as it is."""
+    deadline = time.monotonic() + timeout_s
+    reading = dropped_meminfo()
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        previous, reading = reading, dropped_meminfo()
+        if abs(reading["MemAvailable"] - previous["MemAvailable"]) < SETTLED_BYTES:
+            break
+    return reading
+
+
 # A GET to a VM, the first or a wake, that takes longer than this failed.
 GET_TIMEOUT_S = 30.0
 
@@ -449,8 +467,7 @@ def hibernated_density(
     every VM is sent one GET and left to hibernate; then the host memory they cost (MemAvailable's
     drop since before densevm started, page cache dropped before each reading) and the wake
     latency at the client of `wakes` hibernated VMs, one GET each at `wake_rate` a second."""
-    time.sleep(1.0)  # as Session waits: a densevm stopped just before may still be freeing
-    before = dropped_mem_available()
+    before = settled_meminfo()["MemAvailable"]
     with Session(
         build, workdir, vms, addr_base, "--idle-after", str(idle_after_s), *args
     ) as session:
@@ -461,8 +478,8 @@ def hibernated_density(
     return Density(
         vms,
         drop,
-        tuple(t for t in woken.values() if t is not None),
-        tuple(sorted({*failed, *(vm for vm, t in woken.items() if t is None)})),
+        tuple(t for (t,) in woken.values() if t is not None),
+        tuple(sorted({*failed, *(vm for vm, (t,) in woken.items() if t is None)})),
     )
 
 
@@ -483,16 +500,20 @@ def wait_until_hibernated(session: Session, vms: int, timeout_s: float) -> None:
 
 
 def paced_gets(
-    addr_base: str, port: int, vms: Sequence[int], rate: float
-) -> dict[int, float | None]:
-    """One GET to each of `vms`, started `rate` a second however long the answers take: per
-    VM, the seconds from connect to the last byte, None when it failed."""
+    addr_base: str, port: int, vms: Sequence[int], rate: float, gets_each: int = 1
+) -> dict[int, list[float | None]]:
+    """`gets_each` GETs to each of `vms`, one after another, each VM's first started `rate` a
+    second however long the answers take: per VM, the seconds from connect to the last byte of
+    each, None for one that failed (a wake's first GET and then the same VM awake, with 2)."""
     base = ipaddress.IPv4Address(addr_base)
 
-    def timed(vm: int) -> float | None:
-        started = time.perf_counter()
-        ok = touch_one(str(base + vm), port, GET_TIMEOUT_S)
-        return time.perf_counter() - started if ok else None
+    def timed(vm: int) -> list[float | None]:
+        times: list[float | None] = []
+        for _ in range(gets_each):
+            started = time.perf_counter()
+            ok = touch_one(str(base + vm), port, GET_TIMEOUT_S)
+            times.append(time.perf_counter() - started if ok else None)
+        return times
 
     # Enough threads that slow wakes never delay the next one's start.
     with ThreadPoolExecutor(max_workers=64) as pool:

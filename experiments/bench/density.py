@@ -44,6 +44,7 @@ from scalebench.scaling import (  # noqa: E402
     KernelObjects,
     Session,
     dropped_meminfo,
+    settled_meminfo,
     swap_file_bytes,
     wait_until_hibernated,
 )
@@ -127,7 +128,7 @@ def run(n: int, args: argparse.Namespace, workdir: Path) -> None:
     flags += ("--max-live", str(args.max_live), "--cell-vms", str(args.cell_vms))
     flags += ("--clone-boot",) if args.clone_boot else ()
     flags += ("--selfcheck",) if args.selfcheck else ()
-    before = dropped_meminfo()
+    before = settled_meminfo()
     t0 = time.monotonic()
     with Session(build, workdir, n, ADDR_BASE, *flags) as session:
         ready_s = time.monotonic() - t0
