@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import dask
 import distributed  # the cluster extra, which `make test` installs
 import pytest
 from conftest import release_binary
@@ -65,6 +66,9 @@ def local_cluster(tmp: Path, kinds: dict[str, str] | None = None) -> Iterator[Cl
         **os.environ,
         "SCALEBENCH_BIN_DIR": str(bindir),
         "SCALEBENCH_CALIBRATION": str(tmp / "cal.json"),
+        # dask's scratch space (default: /tmp/dask-scratch-space, whose lock files outlive
+        # the processes) in the test's own directory.
+        "DASK_TEMPORARY_DIRECTORY": str(tmp / "dask"),
     }
     scheduler_file = tmp / "scheduler.json"
     started: list[subprocess.Popen] = []
@@ -313,12 +317,13 @@ def test_an_interrupted_cluster_sweep_resumes_without_redoing_points(tmp_path):
     assert len(rows(out / "results.csv")) == 6
 
 
-def test_workers_that_cannot_take_a_point_are_refused():
+def test_workers_that_cannot_take_a_point_are_refused(tmp_path):
     from scalebench.cluster import check_hosts
     from scalebench.config import ConfigError
 
     def refused(resources: dict | None, workers: int, commit: str | None, message: str) -> None:
         with (
+            dask.config.set({"temporary-directory": str(tmp_path)}),
             distributed.LocalCluster(
                 n_workers=workers, processes=False, resources=resources, dashboard_address=None
             ) as cluster,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import shutil
 import tarfile
+import tempfile
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -54,22 +55,29 @@ def cluster_client(address: str) -> Iterator[Client]:
         with connect(address) as client:
             yield client
         return
+    import dask
     from distributed import LocalCluster
 
-    cluster = LocalCluster(
-        n_workers=1,
-        threads_per_worker=1,
-        processes=True,
-        resources={HOST_RESOURCE: 1},
-        dashboard_address=None,
-        host="127.0.0.1",
-    )
-    try:
-        with Client(cluster, timeout=CONNECT_TIMEOUT_S) as client:
-            client.wait_for_workers(1, timeout=CONNECT_TIMEOUT_S)
-            yield client
-    finally:
-        cluster.close()
+    # The cluster's scratch space (dask's default: /tmp/dask-scratch-space, whose lock files
+    # outlive the cluster) goes with it.
+    with (
+        tempfile.TemporaryDirectory(prefix="scalebench-dask-") as scratch,
+        dask.config.set({"temporary-directory": scratch}),
+    ):
+        cluster = LocalCluster(
+            n_workers=1,
+            threads_per_worker=1,
+            processes=True,
+            resources={HOST_RESOURCE: 1},
+            dashboard_address=None,
+            host="127.0.0.1",
+        )
+        try:
+            with Client(cluster, timeout=CONNECT_TIMEOUT_S) as client:
+                client.wait_for_workers(1, timeout=CONNECT_TIMEOUT_S)
+                yield client
+        finally:
+            cluster.close()
 
 
 def connect(address: str) -> Client:
