@@ -363,12 +363,6 @@ impl Ledger {
             .is_some_and(|v| !v.dying && v.blocks.iter().all(|e| e.loc == NO_LOC))
     }
 
-    /// Blocks of `vm` with an operation in flight (a fault-in, an eviction,
-    /// a write-protection being lifted); 0 for an unknown VM.
-    pub fn in_flight(&self, vm: VmId) -> u32 {
-        self.vm(vm).map_or(0, |v| v.busy)
-    }
-
     /// Every VM whose memory is first touched from now on is a clone of
     /// `vm`, just hibernated whole (see [`Ledger::never_evicted`]): its
     /// blocks without a swap copy are the template's, and its first wake
@@ -1200,29 +1194,6 @@ mod tests {
             (v.resident_blocks(), v.stats.faults, v.stats.blocks_in),
             (1, 1, 1)
         );
-    }
-
-    #[test]
-    fn a_hibernation_planned_while_a_fault_is_in_flight_leaves_that_block_resident() {
-        // Why the pager waits for `in_flight` to reach 0 before it plans a
-        // hibernation: a block still being installed is not in the plan.
-        let mut l = ledger(None);
-        fault(&mut l, 0, 1);
-        assert_eq!(l.classify(0, 4, Access::Read), Classified::FaultIn);
-        let p = plan(&mut l, 0, 4, false);
-        assert_eq!(l.in_flight(0), 1);
-        let hibernation = l.plan_hibernation(0).unwrap();
-        assert_eq!(hibernation.iter().map(|b| b.block).collect::<Vec<_>>(), [1]);
-        assert!(matches!(l.admit(1, 0).unwrap(), Admission::Go));
-        let mut wakes = Vec::new();
-        l.finish_install(&p, 0.0, 0, &mut wakes);
-        l.finish_hibernation(&hibernation, 0.0, &mut wakes);
-        assert_eq!((l.in_flight(0), l.vm(0).unwrap().resident_blocks()), (0, 1));
-        assert!(
-            !l.set_clone_source(0),
-            "a VM with memory in use is no template"
-        );
-        assert_eq!(l.in_flight(7), 0, "an unknown VM has nothing in flight");
     }
 
     #[test]

@@ -1074,16 +1074,6 @@ impl Pager {
         let Some(place) = st.places.get(&vm).cloned() else {
             return Ok(());
         };
-        // A fault of the VM's last moments may still be landing (its vCPU
-        // left KVM_RUN on the park's kick, the fault's copy was under way):
-        // planned now, that block would stay resident through the sleep.
-        while st.ledger.in_flight(vm) > 0 && !self.failed.load(Ordering::SeqCst) {
-            st = self
-                .room
-                .wait_timeout(st, WAIT_SLICE)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
         // Clone boot's template is its VM's first hibernation, saved whole;
         // without one (or once it failed) the first VM hibernated is the
         // compact store's template, as a base for differences only.
