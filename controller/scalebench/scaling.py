@@ -417,7 +417,7 @@ SETTLED_BYTES = 16 << 20
 
 
 def settled_meminfo(timeout_s: float = 60.0) -> dict[str, int]:
-    """dropped_meminfo once MemAvailable has stopped rising, the reading to measure a drop
+    """dropped_meminfo once MemAvailable has stopped moving, the reading to measure a drop
     from: a host still freeing what the last densevm held (its VMs' memory, its swap file)
     read 600 KiB a VM low over 1,000 VMs. After `timeout_s` the last reading, as it is."""
     deadline = time.monotonic() + timeout_s
