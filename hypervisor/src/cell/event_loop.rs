@@ -402,9 +402,9 @@ impl CellLoop {
         }
         for index in 0..self.vms.len() {
             if self.proxy.held.waits(index) {
+                self.connected(index);
                 self.proxy
                     .accept(&mut self.vms, index, self.poll.registry());
-                self.connected(index);
             }
         }
     }
@@ -1010,15 +1010,19 @@ impl CellLoop {
             let Some(id) = self.vms.live(index).map(|vm| vm.id) else {
                 continue;
             };
-            self.announce_wake(id);
-            self.send_wake(index, id, start);
+            if self.send_wake(index, id, start) {
+                self.announce_wake(id);
+            }
         }
     }
 
     /// Tells the parent that VM `id` wakes, so that its memory comes back
-    /// while its holder makes its vCPU: first, since the prefetch is what a
-    /// wake waits for longest. A wake that then fails stops the VM, which
-    /// the parent hears of too.
+    /// while its holder makes its vCPU. Sent once the holder is asked: a
+    /// socket's wake-up brings the reader to the writer's CPU when nothing
+    /// else waits to run there, and the parent (not SCHED_BATCH) then ran
+    /// first, 0.1-0.2 ms on the cell's core before the holder got to the
+    /// wake. With the holder waiting to run it goes to the other core.
+    /// A wake that then fails stops the VM, which the parent hears of too.
     fn announce_wake(&mut self, id: u32) {
         self.parent.send(&FromCell::Waking { vm: id });
     }
@@ -1074,10 +1078,13 @@ impl CellLoop {
             // Held until the template is saved (`template_saved`).
             return;
         }
+        // A sleeping VM's wake goes first: announced before its rings
+        // take the connection, the prefetch starts without waiting for its
+        // system pages to be unpacked (about 70 us).
         for index in touched {
+            self.connected(index);
             self.proxy
                 .accept(&mut self.vms, index, self.poll.registry());
-            self.connected(index);
         }
     }
 
@@ -1113,13 +1120,6 @@ impl CellLoop {
             return;
         };
         let h = index / self.ctx.ram_slots_per_holder;
-        let present = self
-            .holders
-            .get(h)
-            .is_some_and(|h| h.dead.is_none() && h.presence == Presence::Present);
-        if present {
-            self.announce_wake(id);
-        }
         if let Some(vm) = self.vms.live(index) {
             vm.unpack_sys();
         }
@@ -1137,16 +1137,20 @@ impl CellLoop {
                 return;
             }
         }
-        self.send_wake(index, id, start);
+        if self.send_wake(index, id, start) {
+            self.announce_wake(id);
+        }
     }
 
-    /// Asks VM `index`'s present holder to start it as `start`.
-    fn send_wake(&mut self, index: usize, id: u32, start: Start) {
+    /// Asks VM `index`'s present holder to start it as `start`; true if
+    /// asked.
+    fn send_wake(&mut self, index: usize, id: u32, start: Start) -> bool {
         if self.holder_of(index).is_none() {
-            return;
+            return false;
         }
         if let Err(e) = self.new_eventfds(index) {
-            return self.wake_failed(index, format!("its eventfds: {e}"));
+            self.wake_failed(index, format!("its eventfds: {e}"));
+            return false;
         }
         let irq = match self.vms.entries().get(index) {
             Some(VmEntry::Live(vm)) => vm.irq.as_ref(),
@@ -1166,9 +1170,13 @@ impl CellLoop {
                 }
                 // Room under --max-live for the one waking.
                 self.hibernate_idle(false);
+                true
             }
-            Some(Err(e)) => self.wake_failed(index, format!("holder link: {e}")),
-            None => {}
+            Some(Err(e)) => {
+                self.wake_failed(index, format!("holder link: {e}"));
+                false
+            }
+            None => false,
         }
     }
 

@@ -163,14 +163,31 @@ pub fn park_vcpu(ctx: &BuildContext, id: u32) -> Result<VcpuHandle, BuildError> 
         .map_err(|source| BuildError::Vcpu { vm: id, source })
 }
 
+/// The image's memory slot where every VM maps the one shared copy
+/// (read-only memory slots); `None` where each VM has a copy of its own.
+fn shared_image_slot(ctx: &BuildContext) -> Option<Slot<'_>> {
+    ctx.caps.readonly_mem.then_some(Slot {
+        index: kvm_vm::IMAGE_SLOT,
+        gpa: abi::IMAGE_GPA,
+        mapping: &ctx.image.mapping,
+        bytes: ctx.image.mapped_bytes,
+        readonly: true,
+    })
+}
+
 /// Creates a KVM VM for a holder's pool, with what every VM has alike made
-/// ahead ([`kvm_vm::prepare`], the vCPU's CPUID), so that a wake on it
-/// only maps the VM's memory, wires its eventfds and loads its registers.
+/// ahead ([`kvm_vm::prepare`], the vCPU's CPUID, the shared image's memory
+/// slot), so that a wake on it only maps the VM's own memory, wires its
+/// eventfds and loads its registers. Each memory slot set waits for an
+/// SRCU grace period (30-50 us here), on the wake path unless made ahead.
 pub fn prepare(ctx: &BuildContext, id: u32) -> Result<EmptyVm, BuildError> {
     let vm = create(ctx, id)?;
-    let vcpu = kvm_vm::prepare(&vm, ctx.caps, ctx.halt_poll_ns)
-        .map_err(|source| BuildError::Kvm { vm: id, source })?;
+    let kvm_error = |source| BuildError::Kvm { vm: id, source };
+    let vcpu = kvm_vm::prepare(&vm, ctx.caps, ctx.halt_poll_ns).map_err(kvm_error)?;
     vcpu::set_cpuid(&vcpu, &ctx.cpuid).map_err(|source| BuildError::Vcpu { vm: id, source })?;
+    if let Some(image) = shared_image_slot(ctx) {
+        kvm_vm::map_memory(&vm, ctx.caps, &[image]).map_err(kvm_error)?;
+    }
     Ok(EmptyVm::Prepared { vcpu, vm })
 }
 
@@ -182,7 +199,8 @@ pub enum EmptyVm {
     Prepared {
         /// Its vCPU, with its CPUID.
         vcpu: VcpuFd,
-        /// The VM, with its irqchip and interrupt route.
+        /// The VM, with its irqchip, interrupt route and, if shared, the
+        /// image's memory slot.
         vm: VmFd,
     },
 }
@@ -224,13 +242,17 @@ impl Start {
 }
 
 /// Builds and starts VM `id` from its prebuilt parts (in its holder), its
-/// interrupt on `irq` and its doorbell wired to `doorbell`.
+/// interrupt on `irq` and its doorbell wired to `doorbell`. `protect_sys`:
+/// the holder has not yet made the VM's unused system pages inaccessible
+/// in its mapping (once per holder process: the protection outlasts the
+/// VM's sleeps, and three mprotect calls took 30-100 us of each wake).
 pub fn build(
     ctx: &BuildContext,
     id: u32,
     parts: Prebuilt,
     (irq, doorbell): (&EventFd, &EventFd),
     start: Start,
+    protect_sys: bool,
 ) -> Result<HeldVm, BuildError> {
     let Prebuilt { mut vcpu, kvm } = parts;
     let layout = ctx.layout;
@@ -257,8 +279,10 @@ pub fn build(
     boot::write_system_pages(&sys, &info);
     // In the holder's mapping only: the guest sees its unused system pages
     // as holes, the front keeps writing the rings.
-    sys.protect_unused(&abi::SYS_USED)
-        .map_err(|source| BuildError::Memory { vm: id, source })?;
+    if protect_sys {
+        sys.protect_unused(&abi::SYS_USED)
+            .map_err(|source| BuildError::Memory { vm: id, source })?;
+    }
     // Fault in, writable, the pages the guest reads before it writes them,
     // so its first touches do not each visit the holder's MMU notifiers. An
     // atomic add of 0 writes without changing anything: a resumed guest's
@@ -283,30 +307,37 @@ pub fn build(
                 .map_err(|source| BuildError::Memory { vm: id, source })?,
         ),
     };
-    let slots = [
+    let own = [
         Slot {
+            index: kvm_vm::SYS_SLOT,
             gpa: abi::SYS_GPA,
             mapping: &sys,
             bytes: abi::SYS_MAPPED_BYTES,
             readonly: false,
         },
         Slot {
-            gpa: abi::IMAGE_GPA,
-            mapping: private_image.as_ref().unwrap_or(&ctx.image.mapping),
-            bytes: ctx.image.mapped_bytes,
-            readonly: true,
-        },
-        Slot {
+            index: kvm_vm::RAM_SLOT,
             gpa: abi::RAM_GPA,
             mapping: &ram,
             bytes: layout.ram_bytes,
             readonly: false,
         },
     ];
+    // Each VM's own copy of the image, where there is one; the shared one
+    // is mapped in a pooled VM already.
+    let own_image = private_image.as_ref().map(|copy| Slot {
+        index: kvm_vm::IMAGE_SLOT,
+        gpa: abi::IMAGE_GPA,
+        mapping: copy,
+        bytes: ctx.image.mapped_bytes,
+        readonly: true,
+    });
     let kvm_error = |source| BuildError::Kvm { vm: id, source };
     let vcpu_error = |source| BuildError::Vcpu { vm: id, source };
     let (kvm, vcpu_fd) = match kvm {
         EmptyVm::Created(kvm) => {
+            let image = own_image.or_else(|| shared_image_slot(ctx));
+            let slots: Vec<Slot<'_>> = own.into_iter().chain(image).collect();
             let vcpu_fd =
                 kvm_vm::configure(&kvm, ctx.caps, &slots, irq, doorbell, ctx.halt_poll_ns)
                     .map_err(kvm_error)?;
@@ -314,6 +345,7 @@ pub fn build(
             (kvm, vcpu_fd)
         }
         EmptyVm::Prepared { vcpu, vm } => {
+            let slots: Vec<Slot<'_>> = own.into_iter().chain(own_image).collect();
             kvm_vm::map_memory(&vm, ctx.caps, &slots).map_err(kvm_error)?;
             kvm_vm::wire(&vm, irq, doorbell).map_err(kvm_error)?;
             (vm, vcpu)

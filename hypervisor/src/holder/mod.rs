@@ -915,6 +915,9 @@ fn run(
         let _ = exits.send(&record);
     });
     let mut held: HashMap<u32, HeldVm> = HashMap::new();
+    // Slots (of `own`) whose unused system pages this process has made
+    // inaccessible: the protection stays across the VM's sleeps.
+    let mut sys_protected = vec![false; own.len()];
     // A KVM VM made ahead while this holder has a VM awake, so that
     // creating one (about a millisecond) is not on the wake path.
     let mut pool: Option<EmptyVm> = None;
@@ -954,6 +957,9 @@ fn run(
                 let _ = link.send_with_fds(&[&record[..]], &stats);
                 for mut vm in built {
                     vm.stats_fd.take();
+                    if let Some(at) = slot_in(ctx, &own, vm.id) {
+                        sys_protected[at] = true;
+                    }
                     held.insert(vm.id, vm);
                 }
             }
@@ -1003,10 +1009,23 @@ fn run(
                         )
                     });
                 }
-                let woken = wake(ctx, vm, start, pool.take(), &eventfds, &own, &held);
+                let at = slot_in(ctx, &own, vm);
+                let protect_sys = at.is_none_or(|at| !sys_protected[at]);
+                let woken = wake(
+                    ctx,
+                    vm,
+                    start,
+                    pool.take(),
+                    (&eventfds, &own),
+                    &held,
+                    protect_sys,
+                );
                 let (tid, error) = match woken {
                     Ok(vcpu) => {
                         let tid = vcpu.vcpu.tid();
+                        if let Some(at) = at {
+                            sys_protected[at] = true;
+                        }
                         held.insert(vm, vcpu);
                         (Some(tid), None)
                     }
@@ -1056,15 +1075,15 @@ fn fill_pool(ctx: &BuildContext, pool: &mut Option<EmptyVm>, vm: u32) {
 }
 
 /// Starts hibernated VM `vm` again (or boots it) on `pooled` (or a KVM VM
-/// made now).
+/// made now); `protect_sys` as for [`builder::build`].
 fn wake(
     ctx: &BuildContext,
     vm: u32,
     start: Start,
     pooled: Option<EmptyVm>,
-    eventfds: &Eventfds,
-    own: &std::ops::Range<usize>,
+    (eventfds, own): (&Eventfds, &std::ops::Range<usize>),
     held: &HashMap<u32, HeldVm>,
+    protect_sys: bool,
 ) -> Result<HeldVm, WakeError> {
     if vm < ctx.first_id || !own.contains(&ctx.slot_of(vm)) {
         return Err(WakeError::NotOurs { vm });
@@ -1082,7 +1101,14 @@ fn wake(
     let (irq, doorbell) = eventfds[slot - own.start]
         .as_ref()
         .ok_or(WakeError::NoEventfds { vm })?;
-    Ok(builder::build(ctx, vm, parts, (irq, doorbell), start)?)
+    Ok(builder::build(
+        ctx,
+        vm,
+        parts,
+        (irq, doorbell),
+        start,
+        protect_sys,
+    )?)
 }
 
 /// Closes every descriptor of the process but those in `keep`
@@ -1186,7 +1212,7 @@ fn build_all(
                 let (irq, doorbell) = eventfds[ctx.slot_of(id) - own.start]
                     .as_ref()
                     .expect("checked before the threads started");
-                let result = builder::build(ctx, id, prebuilt, (irq, doorbell), Start::Boot);
+                let result = builder::build(ctx, id, prebuilt, (irq, doorbell), Start::Boot, true);
                 built.lock().expect("built")[index as usize] = Some(result);
             });
         }

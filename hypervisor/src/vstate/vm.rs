@@ -68,8 +68,18 @@ impl VmCaps {
     }
 }
 
-/// Memory a VM maps, as (guest address, host mapping, bytes, read-only).
+/// KVM memory slot of a VM's system pages.
+pub const SYS_SLOT: u32 = 0;
+/// KVM memory slot of the guest image.
+pub const IMAGE_SLOT: u32 = 1;
+/// KVM memory slot of a VM's RAM.
+pub const RAM_SLOT: u32 = 2;
+
+/// Memory a VM maps, as (KVM slot, guest address, host mapping, bytes,
+/// read-only).
 pub struct Slot<'a> {
+    /// KVM memory slot number ([`SYS_SLOT`], [`IMAGE_SLOT`], [`RAM_SLOT`]).
+    pub index: u32,
     /// Guest-physical start.
     pub gpa: u64,
     /// Backing host memory.
@@ -142,9 +152,9 @@ pub fn prepare(vm: &VmFd, caps: VmCaps, halt_poll_ns: Option<u64>) -> Result<Vcp
 
 /// Maps a VM's memory: one KVM memory slot per entry of `slots`.
 pub fn map_memory(vm: &VmFd, caps: VmCaps, slots: &[Slot<'_>]) -> Result<(), VmError> {
-    for (index, slot) in slots.iter().enumerate() {
+    for slot in slots {
         let region = kvm_userspace_memory_region {
-            slot: index as u32,
+            slot: slot.index,
             flags: if slot.readonly && caps.readonly_mem {
                 KVM_MEM_READONLY
             } else {
