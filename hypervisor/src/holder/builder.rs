@@ -166,13 +166,20 @@ pub fn park_vcpu(ctx: &BuildContext, id: u32) -> Result<VcpuHandle, BuildError> 
 /// The image's memory slot where every VM maps the one shared copy
 /// (read-only memory slots); `None` where each VM has a copy of its own.
 fn shared_image_slot(ctx: &BuildContext) -> Option<Slot<'_>> {
-    ctx.caps.readonly_mem.then_some(Slot {
+    ctx.caps
+        .readonly_mem
+        .then(|| image_slot(ctx, &ctx.image.mapping))
+}
+
+/// The image's memory slot on `mapping` (the shared copy or a VM's own).
+fn image_slot<'a>(ctx: &BuildContext, mapping: &'a Mapping) -> Slot<'a> {
+    Slot {
         index: kvm_vm::IMAGE_SLOT,
         gpa: abi::IMAGE_GPA,
-        mapping: &ctx.image.mapping,
+        mapping,
         bytes: ctx.image.mapped_bytes,
         readonly: true,
-    })
+    }
 }
 
 /// Creates a KVM VM for a holder's pool, with what every VM has alike made
@@ -325,13 +332,7 @@ pub fn build(
     ];
     // Each VM's own copy of the image, where there is one; the shared one
     // is mapped in a pooled VM already.
-    let own_image = private_image.as_ref().map(|copy| Slot {
-        index: kvm_vm::IMAGE_SLOT,
-        gpa: abi::IMAGE_GPA,
-        mapping: copy,
-        bytes: ctx.image.mapped_bytes,
-        readonly: true,
-    });
+    let own_image = private_image.as_ref().map(|copy| image_slot(ctx, copy));
     let kvm_error = |source| BuildError::Kvm { vm: id, source };
     let vcpu_error = |source| BuildError::Vcpu { vm: id, source };
     let (kvm, vcpu_fd) = match kvm {
