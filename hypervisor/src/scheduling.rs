@@ -58,9 +58,16 @@ pub const CELL_POLICY: libc::c_int = libc::SCHED_BATCH;
 /// Puts the calling thread under [`CELL_POLICY`]; threads it starts
 /// afterwards inherit it.
 pub fn use_cell_policy() -> io::Result<()> {
+    set_thread_policy(0, CELL_POLICY)
+}
+
+/// Puts thread `tid` (0: the calling one) under `policy`, at priority 0
+/// (SCHED_BATCH, SCHED_IDLE or SCHED_OTHER).
+pub fn set_thread_policy(tid: i32, policy: libc::c_int) -> io::Result<()> {
     let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: a plain syscall on the calling thread with a valid parameter.
-    if unsafe { libc::sched_setscheduler(0, CELL_POLICY, &param) } != 0 {
+    // SAFETY: a plain syscall with a valid parameter; a stale id fails with
+    // ESRCH.
+    if unsafe { libc::sched_setscheduler(tid, policy, &param) } != 0 {
         return Err(io::Error::last_os_error());
     }
     Ok(())

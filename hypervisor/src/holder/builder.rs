@@ -1,7 +1,7 @@
 //! How a holder builds a microVM (after Firecracker's `builder.rs`): the
 //! context every VM of a cell is built from ([`BuildContext`]), the empty
-//! KVM VM and parked vCPU made ahead ([`Prebuilt`]), and the steps that
-//! complete and start them ([`build`]) into a [`HeldVm`].
+//! KVM VM and parked vCPU thread made ahead ([`Prebuilt`]), and the steps
+//! that complete and start them ([`build`]) into a [`HeldVm`].
 
 use crate::guest::abi::{self, BootInfo};
 use crate::guest::boot::{self, RamLayout};
@@ -51,6 +51,12 @@ pub enum BuildError {
     /// The cell's guest RAM has no slot for the VM.
     #[error("VM {vm}: no RAM slot left in this cell")]
     NoSlot {
+        /// VM index.
+        vm: u32,
+    },
+    /// Every vCPU thread stack of its holder is in use.
+    #[error("VM {vm}: no vCPU thread stack left in its holder")]
+    NoStack {
         /// VM index.
         vm: u32,
     },
@@ -121,6 +127,9 @@ pub struct HeldVm {
     kvm: Option<VmFd>,
     /// Index of the VM.
     pub id: u32,
+    /// The slot of `ctx.stack_arena` its vCPU thread runs on, free again
+    /// once the thread is stopped.
+    pub stack: usize,
     /// KVM's statistics descriptor for the vCPU, until sent to the front.
     pub stats_fd: Option<OwnedFd>,
     /// Its memory, which the front and the pager free.
@@ -153,13 +162,14 @@ pub fn create(ctx: &BuildContext, id: u32) -> Result<VmFd, BuildError> {
     kvm_vm::create(&ctx.kvm).map_err(|source| BuildError::Kvm { vm: id, source })
 }
 
-/// Spawns the parked vCPU thread that [`build`] starts.
-pub fn park_vcpu(ctx: &BuildContext, id: u32) -> Result<VcpuHandle, BuildError> {
-    let stack = ctx
+/// Spawns a parked vCPU thread on slot `stack` of the stack arena, which
+/// [`build`] starts (`id` names the VM in errors).
+pub fn park_vcpu(ctx: &BuildContext, id: u32, stack: usize) -> Result<VcpuHandle, BuildError> {
+    let mapping = ctx
         .stack_arena
-        .slot(ctx.slot_of(id))
+        .slot(stack)
         .map_err(|source| BuildError::Memory { vm: id, source })?;
-    VcpuHandle::park(id, stack, Arc::clone(&ctx.on_exit))
+    VcpuHandle::park(mapping, Arc::clone(&ctx.on_exit))
         .map_err(|source| BuildError::Vcpu { vm: id, source })
 }
 
@@ -183,15 +193,18 @@ fn image_slot<'a>(ctx: &BuildContext, mapping: &'a Mapping) -> Slot<'a> {
 }
 
 /// Creates a KVM VM for a holder's pool, with what every VM has alike made
-/// ahead ([`kvm_vm::prepare`], the vCPU's CPUID, the shared image's memory
-/// slot), so that a wake on it only maps the VM's own memory, wires its
-/// eventfds and loads its registers. Each memory slot set waits for an
-/// SRCU grace period (30-50 us here), on the wake path unless made ahead.
+/// ahead ([`kvm_vm::prepare`], the vCPU's CPUID and first entry, the shared
+/// image's memory slot), so that a wake on it only maps the VM's own
+/// memory, wires its eventfds and loads its registers. Each memory slot set
+/// waits for an SRCU grace period (30-50 us here), on the wake path unless
+/// made ahead.
 pub fn prepare(ctx: &BuildContext, id: u32) -> Result<EmptyVm, BuildError> {
     let vm = create(ctx, id)?;
     let kvm_error = |source| BuildError::Kvm { vm: id, source };
-    let vcpu = kvm_vm::prepare(&vm, ctx.caps, ctx.halt_poll_ns).map_err(kvm_error)?;
-    vcpu::set_cpuid(&vcpu, &ctx.cpuid).map_err(|source| BuildError::Vcpu { vm: id, source })?;
+    let vcpu_error = |source| BuildError::Vcpu { vm: id, source };
+    let mut vcpu = kvm_vm::prepare(&vm, ctx.caps, ctx.halt_poll_ns).map_err(kvm_error)?;
+    vcpu::set_cpuid(&vcpu, &ctx.cpuid).map_err(vcpu_error)?;
+    vcpu::enter_once(&mut vcpu).map_err(vcpu_error)?;
     if let Some(image) = shared_image_slot(ctx) {
         kvm_vm::map_memory(&vm, ctx.caps, &[image]).map_err(kvm_error)?;
     }
@@ -217,6 +230,8 @@ pub enum EmptyVm {
 pub struct Prebuilt {
     /// The parked vCPU thread.
     pub vcpu: VcpuHandle,
+    /// Its slot of the stack arena.
+    pub stack: usize,
     /// The KVM VM.
     pub kvm: EmptyVm,
 }
@@ -261,7 +276,11 @@ pub fn build(
     start: Start,
     protect_sys: bool,
 ) -> Result<HeldVm, BuildError> {
-    let Prebuilt { mut vcpu, kvm } = parts;
+    let Prebuilt {
+        mut vcpu,
+        stack,
+        kvm,
+    } = parts;
     let layout = ctx.layout;
     let sys = ctx
         .sys
@@ -362,11 +381,12 @@ pub fn build(
         ),
         false => None,
     };
-    vcpu.start(vcpu_fd);
+    vcpu.start(id, vcpu_fd);
     Ok(HeldVm {
         vcpu,
         kvm: Some(kvm),
         id,
+        stack,
         stats_fd,
         _sys: sys,
         _ram: ram,

@@ -25,9 +25,9 @@ use crate::link::fds::recv_with_fds;
 use crate::link::framing::nonblocking;
 use crate::link::protocol::deadline;
 use crate::vstate::vcpu::RunState;
-use builder::{BuildContext, BuildError, EmptyVm, HeldVm, Start};
+use builder::{BuildContext, BuildError, EmptyVm, HeldVm, Prebuilt, Start};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixDatagram;
 use std::sync::Mutex;
@@ -63,10 +63,11 @@ pub enum WakeError {
 
 /// Threads that destroy a holder's VMs at shutdown.
 const TEARDOWN_THREADS: usize = 4;
-/// How long after a wake its holder makes the pool's next KVM VM. Made at
-/// once, its creation (about 0.2 ms) ran on the woken vCPU's core before
-/// the vCPU: wake-ups do not preempt there (SCHED_BATCH), and a woken
-/// guest's first request is done within a few milliseconds.
+/// How long after a wake its holder makes the pool's next KVM VM and vCPU
+/// thread. Made at once, their creation (about 0.3 ms) ran on the woken
+/// vCPU's core before the vCPU: wake-ups do not preempt there
+/// (SCHED_BATCH), and a woken guest's first request is done within a few
+/// milliseconds.
 const POOL_REFILL_DELAY: Duration = Duration::from_millis(5);
 /// Longest record on a holder link.
 const MAX_RECORD: usize = 64 << 10;
@@ -291,12 +292,7 @@ impl RemoteVcpu {
         if self.tid == 0 {
             return Ok(());
         }
-        let param = libc::sched_param { sched_priority: 0 };
-        // SAFETY: a plain syscall on a thread id; a stale id fails with ESRCH.
-        match unsafe { libc::sched_setscheduler(self.tid, policy, &param) } {
-            0 => Ok(()),
-            _ => Err(std::io::Error::last_os_error()),
-        }
+        crate::scheduling::set_thread_policy(self.tid, policy)
     }
 }
 
@@ -918,14 +914,16 @@ fn run(
     // Slots (of `own`) whose unused system pages this process has made
     // inaccessible: the protection stays across the VM's sleeps.
     let mut sys_protected = vec![false; own.len()];
-    // A KVM VM made ahead while this holder has a VM awake, so that
-    // creating one (about a millisecond) is not on the wake path.
-    let mut pool: Option<EmptyVm> = None;
+    // A KVM VM and a parked vCPU thread made ahead while this holder has a
+    // VM awake, so that creating them (about a millisecond, and 50-80 us
+    // for the thread) is not on the wake path.
+    let mut pool: Option<Prebuilt> = None;
     // KVM VMs of hibernated VMs are destroyed off the loop, each on a
-    // thread of its own that ends with it: a destruction waits for a grace
-    // period (about 22 ms here), and wakes queued behind a few of them took
-    // hundreds of milliseconds. A VM woken before its old KVM VM is gone
-    // waits for it: until then its eventfds are that VM's.
+    // thread of its own that ends with it (`destroy_aside`): a destruction
+    // waits for a grace period (about 22 ms here), and wakes queued behind
+    // a few of them took hundreds of milliseconds. A VM woken before its
+    // old KVM VM is gone waits for it: until then its eventfds are that
+    // VM's.
     let mut reaping: HashMap<u32, std::thread::JoinHandle<()>> = HashMap::new();
     let mut reaped_pools: Vec<std::thread::JoinHandle<()>> = Vec::new();
     // The VM whose wake emptied the pool, and when to fill it again.
@@ -934,7 +932,7 @@ fn run(
         if let Some((vm, at)) = refill {
             let left = at.saturating_duration_since(Instant::now());
             if !wait_fd(link.as_raw_fd(), libc::POLLIN, left) {
-                fill_pool(ctx, &mut pool, vm);
+                fill_pool(ctx, &mut pool, vm, (&held, &own));
                 refill = None;
                 continue;
             }
@@ -946,7 +944,8 @@ fn run(
         };
         match request {
             ToHolder::Build { first, count } => {
-                let (built, error) = build_all(ctx, first, count, &eventfds, &own);
+                let used = stacks_in_use(&held, pool.as_ref());
+                let (built, error) = build_all(ctx, first, count, &eventfds, (&own, used));
                 let tids = built.iter().map(|vm| vm.vcpu.tid()).collect();
                 let stats: Vec<RawFd> = built
                     .iter()
@@ -974,7 +973,7 @@ fn run(
             ToHolder::Hibernate { vm } => {
                 reaping.retain(|_, t| !t.is_finished());
                 if let Some(kvm) = held.remove(&vm).and_then(HeldVm::stop_for_good) {
-                    reaping.insert(vm, std::thread::spawn(move || drop(kvm)));
+                    reaping.insert(vm, destroy_aside(kvm));
                 }
                 // Its KVM VM keeps what it registered; its next wake brings new ones.
                 forget_eventfds(ctx, &mut eventfds, &own, vm);
@@ -987,11 +986,13 @@ fn run(
                 match held.is_empty() {
                     true => {
                         reaped_pools.retain(|t| !t.is_finished());
-                        if let Some(kvm) = pool.take() {
-                            reaped_pools.push(std::thread::spawn(move || drop(kvm)));
+                        if let Some(Prebuilt { mut vcpu, kvm, .. }) = pool.take() {
+                            // Its stack is free once its thread is joined.
+                            vcpu.stop();
+                            reaped_pools.push(destroy_aside(kvm));
                         }
                     }
-                    false => fill_pool(ctx, &mut pool, vm),
+                    false => fill_pool(ctx, &mut pool, vm, (&held, &own)),
                 }
             }
             ToHolder::Wake { vm, start } => {
@@ -1067,20 +1068,71 @@ fn forget_eventfds(
     }
 }
 
-/// Makes the pool's KVM VM if it has none (`vm` names it in errors).
-fn fill_pool(ctx: &BuildContext, pool: &mut Option<EmptyVm>, vm: u32) {
-    if pool.is_none() {
-        *pool = builder::prepare(ctx, vm).ok();
+/// Destroys `kvm` on a thread of its own, under SCHED_IDLE: the CPU time
+/// a destruction takes (its debugfs files, shadow pages, memory slots) is
+/// then never taken from a wake of the same holder, on the same core. The
+/// thread ends with it.
+fn destroy_aside<T: Send + 'static>(kvm: T) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        // Refused, it is destroyed under the cell's policy all the same.
+        let _ = crate::scheduling::set_thread_policy(0, libc::SCHED_IDLE);
+        drop(kvm);
+    })
+}
+
+/// Makes the pool's KVM VM and vCPU thread if it has none (`vm` names it
+/// in errors), beside the holder's `held` VMs.
+fn fill_pool(
+    ctx: &BuildContext,
+    pool: &mut Option<Prebuilt>,
+    vm: u32,
+    (held, own): (&HashMap<u32, HeldVm>, &std::ops::Range<usize>),
+) {
+    if pool.is_some() {
+        return;
     }
+    let used = stacks_in_use(held, None);
+    let Some(stack) = free_stack(own, &used, own.end) else {
+        return;
+    };
+    // The thread first: spawned once the VM has its MMU notifier, it would
+    // visit it (see `VcpuHandle`).
+    *pool = builder::park_vcpu(ctx, vm, stack)
+        .and_then(|vcpu| {
+            let kvm = builder::prepare(ctx, vm)?;
+            Ok(Prebuilt { vcpu, stack, kvm })
+        })
+        .ok();
+}
+
+/// The slots of the stack arena that the holder's threads run on: its VMs'
+/// and the pooled one's.
+fn stacks_in_use(held: &HashMap<u32, HeldVm>, pool: Option<&Prebuilt>) -> HashSet<usize> {
+    held.values()
+        .map(|vm| vm.stack)
+        .chain(pool.map(|p| p.stack))
+        .collect()
+}
+
+/// A stack slot not in `used`: `prefer` if it is free, else the first free
+/// one of the holder's `own` slots and `own.end`. That one more lets the
+/// pool's thread exist beside one for every VM; it is the next holder's
+/// first slot, never used in this process, whose copy of the arena is its
+/// own.
+fn free_stack(own: &std::ops::Range<usize>, used: &HashSet<usize>, prefer: usize) -> Option<usize> {
+    std::iter::once(prefer)
+        .filter(|s| (own.start..=own.end).contains(s))
+        .chain(own.start..=own.end)
+        .find(|s| !used.contains(s))
 }
 
 /// Starts hibernated VM `vm` again (or boots it) on `pooled` (or a KVM VM
-/// made now); `protect_sys` as for [`builder::build`].
+/// and vCPU thread made now); `protect_sys` as for [`builder::build`].
 fn wake(
     ctx: &BuildContext,
     vm: u32,
     start: Start,
-    pooled: Option<EmptyVm>,
+    pooled: Option<Prebuilt>,
     (eventfds, own): (&Eventfds, &std::ops::Range<usize>),
     held: &HashMap<u32, HeldVm>,
     protect_sys: bool,
@@ -1092,12 +1144,16 @@ fn wake(
     if held.contains_key(&vm) {
         return Err(WakeError::Awake { vm });
     }
-    let kvm = match pooled {
-        Some(kvm) => kvm,
-        None => EmptyVm::Created(builder::create(ctx, vm)?),
+    let parts = match pooled {
+        Some(parts) => parts,
+        None => {
+            let stack = free_stack(own, &stacks_in_use(held, None), slot)
+                .ok_or(BuildError::NoStack { vm })?;
+            let vcpu = builder::park_vcpu(ctx, vm, stack)?;
+            let kvm = EmptyVm::Created(builder::create(ctx, vm)?);
+            Prebuilt { vcpu, stack, kvm }
+        }
     };
-    let vcpu = builder::park_vcpu(ctx, vm)?;
-    let parts = builder::Prebuilt { vcpu, kvm };
     let (irq, doorbell) = eventfds[slot - own.start]
         .as_ref()
         .ok_or(WakeError::NoEventfds { vm })?;
@@ -1156,7 +1212,7 @@ fn build_all(
     first: u32,
     count: u32,
     eventfds: &Eventfds,
-    own: &std::ops::Range<usize>,
+    (own, mut stacks): (&std::ops::Range<usize>, HashSet<usize>),
 ) -> (Vec<HeldVm>, Option<String>) {
     let started = Instant::now();
     let late = |id: u32| {
@@ -1185,9 +1241,16 @@ fn build_all(
         if started.elapsed() > BUILD_LIMIT {
             return (Vec::new(), late(id));
         }
-        match builder::create(ctx, id).and_then(|kvm| Ok((kvm, builder::park_vcpu(ctx, id)?))) {
-            Ok((kvm, vcpu)) => parts.push(Mutex::new(Some(builder::Prebuilt {
+        let Some(stack) = free_stack(own, &stacks, ctx.slot_of(id)) else {
+            return (Vec::new(), Some(BuildError::NoStack { vm: id }.to_string()));
+        };
+        stacks.insert(stack);
+        match builder::create(ctx, id)
+            .and_then(|kvm| Ok((kvm, builder::park_vcpu(ctx, id, stack)?)))
+        {
+            Ok((kvm, vcpu)) => parts.push(Mutex::new(Some(Prebuilt {
                 vcpu,
+                stack,
                 kvm: EmptyVm::Created(kvm),
             }))),
             Err(e) => return (Vec::new(), Some(e.to_string())),
@@ -1245,6 +1308,19 @@ mod tests {
     fn a_holder_gives_up_building_before_its_cell_gives_up_on_it() {
         assert!(BUILD_LIMIT < deadline::HOLDER_BUILD);
         assert!(deadline::HOLDER_BUILD < deadline::CELL_CREATE);
+    }
+
+    #[test]
+    fn a_thread_gets_a_stack_no_other_thread_of_its_holder_runs_on() {
+        let own = 8..12;
+        let used: HashSet<usize> = [9, 12].into();
+        assert_eq!(free_stack(&own, &used, 10), Some(10), "its own slot, free");
+        assert_eq!(free_stack(&own, &used, 9), Some(8), "its own slot, taken");
+        assert_eq!(free_stack(&own, &used, 3), Some(8), "not the holder's");
+        let spare_only: HashSet<usize> = (8..12).collect();
+        assert_eq!(free_stack(&own, &spare_only, 9), Some(12), "the spare");
+        let all: HashSet<usize> = (8..=12).collect();
+        assert_eq!(free_stack(&own, &all, 9), None);
     }
 
     #[test]

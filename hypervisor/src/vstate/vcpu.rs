@@ -51,6 +51,21 @@ pub fn set_cpuid(vcpu: &VcpuFd, cpuid: &CpuId) -> Result<(), VcpuError> {
     step("set CPUID", vcpu.set_cpuid2(cpuid))
 }
 
+/// Enters KVM_RUN once with `immediate_exit` set, so that it returns at
+/// once without running the guest: what KVM does at a vCPU's first entry
+/// (on x86 since Linux 6.14, spawn the VM's NX huge page recovery thread,
+/// whichever the `nx_huge_pages` setting) is then done here, ahead of the
+/// wake that runs it, and not inside that wake's first KVM_RUN.
+pub fn enter_once(vcpu: &mut VcpuFd) -> Result<(), VcpuError> {
+    vcpu.set_kvm_immediate_exit(1);
+    let entered = vcpu.run().map(|_| ());
+    vcpu.set_kvm_immediate_exit(0);
+    match entered {
+        Err(e) if e.errno() == libc::EINTR => Ok(()),
+        other => step("enter KVM_RUN once, ahead", other),
+    }
+}
+
 /// Loads 64-bit mode state: registers, segments, paging, the x2APIC.
 pub fn configure(
     vcpu: &VcpuFd,
@@ -181,14 +196,16 @@ fn kick_signal() -> libc::c_int {
     vmm_sys_util::signal::SIGRTMIN()
 }
 
-/// A vCPU thread: parked until it is given its vCPU, then in KVM_RUN.
+/// A vCPU thread: parked until it is given a VM's vCPU, then in KVM_RUN.
 ///
 /// Threads are spawned before the VMs exist: starting a thread changes
 /// memory protections, and once thousands of VMs have registered MMU
-/// notifiers on this process every such change visits all of them.
+/// notifiers on this process every such change visits all of them. A
+/// thread parked ahead of any VM (a holder's pool) keeps its spawn, about
+/// 50-80 us here, off the wake that takes it.
 pub struct VcpuHandle {
     thread: Option<libc::pthread_t>,
-    start: Option<SyncSender<VcpuFd>>,
+    start: Option<SyncSender<(u32, VcpuFd)>>,
     /// `kvm_run.immediate_exit`, written to stop a vCPU about to enter.
     immediate_exit: *mut u8,
     shared: Arc<VcpuShared>,
@@ -231,30 +248,32 @@ fn spawn_on_stack(stack: &Mapping, body: ThreadBody) -> Result<libc::pthread_t, 
 }
 
 impl VcpuHandle {
-    /// Spawns the thread for VM `vm` on `stack`, parked until
-    /// [`Self::start`]. `on_exit(vm, reason)` is called from the thread when
-    /// the guest dies.
-    pub fn park(vm: u32, stack: Mapping, on_exit: OnExit) -> Result<Self, VcpuError> {
+    /// Spawns a thread on `stack`, parked until [`Self::start`] gives it a
+    /// VM. `on_exit(vm, reason)` is called from the thread when the guest
+    /// dies.
+    pub fn park(stack: Mapping, on_exit: OnExit) -> Result<Self, VcpuError> {
         static HANDLER: Once = Once::new();
         HANDLER.call_once(|| {
             vmm_sys_util::signal::register_signal_handler(kick_signal(), kick_handler)
                 .expect("register the vCPU kick handler");
         });
         let shared = Arc::new(VcpuShared::default());
-        let (start, parked) = sync_channel::<VcpuFd>(1);
+        let (start, parked) = sync_channel::<(u32, VcpuFd)>(1);
         let thread_shared = Arc::clone(&shared);
         let thread = spawn_on_stack(
             &stack,
             Box::new(move || {
-                let name =
-                    std::ffi::CString::new(format!("vcpu{vm}")).expect("no NUL in a thread name");
-                // SAFETY: names the calling thread; the name is under 16 bytes.
-                unsafe { libc::pthread_setname_np(libc::pthread_self(), name.as_ptr()) };
                 // SAFETY: gettid has no preconditions.
                 thread_shared
                     .tid
                     .store(unsafe { libc::gettid() }, Ordering::Release);
-                let Ok(mut vcpu) = parked.recv() else { return };
+                let Ok((vm, mut vcpu)) = parked.recv() else {
+                    return;
+                };
+                let name =
+                    std::ffi::CString::new(format!("vcpu{vm}")).expect("no NUL in a thread name");
+                // SAFETY: names the calling thread; the name is under 16 bytes.
+                unsafe { libc::pthread_setname_np(libc::pthread_self(), name.as_ptr()) };
                 let (state, reason) = run_loop(&mut vcpu, &thread_shared);
                 if state == RunState::Crashed {
                     on_exit(vm, &reason);
@@ -271,11 +290,11 @@ impl VcpuHandle {
         })
     }
 
-    /// Hands the thread its vCPU: the guest starts running.
-    pub fn start(&mut self, mut vcpu: VcpuFd) {
+    /// Hands the thread VM `vm`'s vCPU: the guest starts running.
+    pub fn start(&mut self, vm: u32, mut vcpu: VcpuFd) {
         self.immediate_exit = std::ptr::addr_of_mut!(vcpu.get_kvm_run().immediate_exit);
         if let Some(start) = self.start.take() {
-            let _ = start.send(vcpu);
+            let _ = start.send((vm, vcpu));
         }
     }
 
