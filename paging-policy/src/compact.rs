@@ -117,6 +117,9 @@ pub struct CompactScratch {
     records: Vec<u8>,
     packed: AlignedBuf,
     read: AlignedBuf,
+    /// What the last [`CompactSwap::fetch`] read: per block, its record and
+    /// where its bytes are in `read` (`None`: a block it was not asked for).
+    fetched: Vec<Option<(Record, usize)>>,
 }
 
 impl CompactScratch {
@@ -127,6 +130,7 @@ impl CompactScratch {
             records: Vec::new(),
             packed: AlignedBuf::new(block),
             read: AlignedBuf::new(block),
+            fetched: Vec::new(),
         }
     }
 }
@@ -530,59 +534,92 @@ impl CompactSwap {
         }
     }
 
-    /// Reads `gets` back, adjacent records with one request; returns
-    /// seconds of device I/O.
-    pub fn read(
+    /// Reads the stored copies at `locs` (the ledger's locations; `None`
+    /// for a block not asked for) into `s`, one request per extent of
+    /// records adjacent on the device, for [`Self::decode_fetched`] to
+    /// decode block by block: a wake installs its first blocks without
+    /// waiting for all of them to be decoded. Returns the seconds of I/O.
+    pub fn fetch(
         &self,
         dev: &SwapDevice,
-        gets: &mut [Get<'_>],
+        locs: impl Iterator<Item = Option<u64>>,
         s: &mut CompactScratch,
     ) -> Result<f64, PagerError> {
-        let found: Vec<Record> = {
+        s.fetched.clear();
+        {
             let records = self.lock();
-            gets.iter()
-                .map(|g| {
-                    records
-                        .by_loc
-                        .get(&g.loc)
-                        .copied()
-                        .ok_or(PagerError::SwapIo {
+            for loc in locs {
+                let found = match loc {
+                    None => None,
+                    Some(loc) => Some(records.by_loc.get(&loc).copied().ok_or(
+                        PagerError::SwapIo {
                             op: "read",
-                            offset: g.loc,
+                            offset: loc,
                             len: self.block as u64,
                             source: std::io::Error::other("no record of this copy"),
-                        })
-                })
-                .collect::<Result<_, _>>()?
-        };
-        let mut order: Vec<usize> = (0..gets.len()).filter(|&i| found[i].len > 0).collect();
-        order.sort_unstable_by_key(|&i| found[i].offset);
-        let mut io = 0.0;
+                        },
+                    )?),
+                };
+                s.fetched.push(found.map(|r| (r, 0)));
+            }
+        }
+        let mut order: Vec<usize> = (0..s.fetched.len())
+            .filter(|&i| s.fetched[i].is_some_and(|(r, _)| r.len > 0))
+            .collect();
+        order.sort_unstable_by_key(|&i| s.fetched[i].map(|(r, _)| r.offset));
+        let record = |s: &CompactScratch, i: usize| s.fetched[i].expect("ordered are fetched").0;
+        // Extents of adjacent records, each read to its own place in `read`.
+        let mut extents = Vec::new();
+        let mut total = 0u64;
         let mut a = 0;
         while a < order.len() {
-            let start = found[order[a]].offset;
-            let mut end = start + self.sectors(found[order[a]].len);
+            let start = record(s, order[a]).offset;
+            let mut end = start + self.sectors(record(s, order[a]).len);
             let mut b = a + 1;
-            while b < order.len() && found[order[b]].offset == end {
-                end += self.sectors(found[order[b]].len);
+            while b < order.len() && record(s, order[b]).offset == end {
+                end += self.sectors(record(s, order[b]).len);
                 b += 1;
             }
-            s.read.reserve((end - start) as usize);
-            io += dev.read_scattered(
-                start,
-                &mut [&mut s.read.as_mut_slice()[..(end - start) as usize]],
-            )?;
             for &i in &order[a..b] {
-                let r = found[i];
-                let bytes = &s.read.as_slice()[(r.offset - start) as usize..][..r.len as usize];
-                self.decode(r, bytes, &mut gets[i])?;
+                let r = record(s, i);
+                s.fetched[i] = Some((r, (total + r.offset - start) as usize));
             }
+            extents.push((start, end, total));
+            total += end - start;
             a = b;
         }
-        for (g, r) in gets.iter_mut().zip(&found).filter(|(_, r)| r.len == 0) {
-            self.decode(*r, &[], g)?;
+        s.read.reserve(total as usize);
+        let mut io = 0.0;
+        for (start, end, at) in extents {
+            let into = &mut s.read.as_mut_slice()[at as usize..][..(end - start) as usize];
+            io += dev.read_scattered(start, &mut [into])?;
         }
         Ok(io)
+    }
+
+    /// Decodes block `i` of the last [`Self::fetch`] into `g`.
+    pub fn decode_fetched(
+        &self,
+        i: usize,
+        s: &CompactScratch,
+        g: &mut Get<'_>,
+    ) -> Result<(), PagerError> {
+        let (r, at) = s
+            .fetched
+            .get(i)
+            .copied()
+            .flatten()
+            .ok_or(PagerError::SwapIo {
+                op: "read",
+                offset: g.loc,
+                len: self.block as u64,
+                source: std::io::Error::other("block was not fetched"),
+            })?;
+        let bytes = match r.len {
+            0 => &[][..],
+            len => &s.read.as_slice()[at..][..len as usize],
+        };
+        self.decode(r, bytes, g)
     }
 
     fn decode(&self, r: Record, bytes: &[u8], g: &mut Get<'_>) -> Result<(), PagerError> {
@@ -702,16 +739,14 @@ mod tests {
     fn read_back(c: &CompactSwap, dev: &SwapDevice, block: BlockId, loc: u64) -> Vec<u8> {
         let mut data = vec![0xAAu8; BS];
         let mut s = CompactScratch::new(BS);
-        c.read(
-            dev,
-            &mut [Get {
-                block,
-                loc,
-                data: &mut data,
-            }],
-            &mut s,
-        )
-        .expect("read");
+        c.fetch(dev, [Some(loc)].into_iter(), &mut s)
+            .expect("fetch");
+        let mut get = Get {
+            block,
+            loc,
+            data: &mut data,
+        };
+        c.decode_fetched(0, &s, &mut get).expect("decode");
         data
     }
 
@@ -748,6 +783,29 @@ mod tests {
                 blocks[b as usize]
             );
         }
+        // Fetched together (one extent, and a block not asked for), then
+        // decoded in any order: each exact.
+        let locs = [Some(2 * BS as u64), None, Some(0), Some(3 * BS as u64)];
+        c.fetch(&dev, locs.into_iter(), &mut s).expect("fetch");
+        for i in [3, 0, 2] {
+            let block = (locs[i].expect("asked") / BS as u64) as BlockId;
+            let mut data = vec![0u8; BS];
+            let mut get = Get {
+                block,
+                loc: locs[i].expect("asked"),
+                data: &mut data,
+            };
+            c.decode_fetched(i, &s, &mut get).expect("decode");
+            assert_eq!(data, blocks[block as usize], "fetched {i}");
+        }
+        let mut data = vec![0u8; BS];
+        let mut not_asked = Get {
+            block: 1,
+            loc: BS as u64,
+            data: &mut data,
+        };
+        let e = c.decode_fetched(1, &s, &mut not_asked).unwrap_err();
+        assert!(e.to_string().contains("not fetched"), "{e}");
         // A clone (VM 1, its region after VM 0's): block 0 as the template's,
         // block 1 with one word of its own.
         let mut own = blocks[1].clone();
@@ -884,17 +942,8 @@ mod tests {
         .expect("write");
         assert_eq!(c.stored_bytes(), BS as u64);
         assert_eq!(read_back(&c, &dev, 2, 0), noise);
-        let mut data = vec![0u8; BS];
         let e = c
-            .read(
-                &dev,
-                &mut [Get {
-                    block: 2,
-                    loc: BS as u64,
-                    data: &mut data,
-                }],
-                &mut s,
-            )
+            .fetch(&dev, [Some(BS as u64)].into_iter(), &mut s)
             .unwrap_err();
         assert!(e.to_string().contains("no record"), "{e}");
     }

@@ -1345,7 +1345,10 @@ impl Pager {
             let piece = &plan[r.clone()];
             io += self.read_plan(piece, s)?;
             match resume {
-                Resume::Accounted => self.install(piece, 0, place, s)?,
+                Resume::Accounted => {
+                    self.unpack_plan(piece, 0..piece.len(), s)?;
+                    self.install(piece, 0, place, s)?
+                }
                 Resume::PartByPart(_) => {
                     let lead = lead.filter(|i| r.contains(i)).map(|i| i - r.start);
                     self.install_waking(piece, lead, place, s)?
@@ -1370,18 +1373,21 @@ impl Pager {
         r
     }
 
-    /// Installs a wake prefetch's piece (read into `s.read`) a part at a
-    /// time, the part holding `piece[lead]` first, and wakes each part's
-    /// blocks as it lands.
+    /// Installs a wake prefetch's piece (read by [`Self::read_plan`]) a part
+    /// at a time, the part holding `piece[lead]` first, and wakes each
+    /// part's blocks as it lands. Each part is decoded just before it is
+    /// installed: the first lands without waiting for the others' decoding
+    /// (about 4 us a block here).
     fn install_waking(
         &self,
         piece: &[PlanBlock],
         lead: Option<usize>,
         place: &Place,
-        s: &Scratch,
+        s: &mut Scratch,
     ) -> Result<(), PagerError> {
         let part = (WAKE_PART_BYTES / self.block).max(1);
         for r in lead_first(piece.len(), part, lead) {
+            self.unpack_plan(piece, r.clone(), s)?;
             self.install(&piece[r.clone()], r.start, place, s)?;
             self.wake_installed(&piece[r], place);
         }
@@ -1402,29 +1408,16 @@ impl Pager {
         }
     }
 
-    /// Reads the plan's blocks into `s.read` (slot i = plan[i]) with one
-    /// request per run contiguous on swap, scattered into the slots;
-    /// zero-fills blocks without a swap copy.
+    /// Reads the plan's blocks with one request per run contiguous on
+    /// swap: into `s.read` (slot i = plan[i]), zero-filling blocks without a
+    /// swap copy; from the compact store, as stored, for
+    /// [`Self::unpack_plan`] to decode into those slots.
     fn read_plan(&self, plan: &[PlanBlock], s: &mut Scratch) -> Result<f64, PagerError> {
         let bs = self.block;
         s.read.reserve(plan.len() * bs);
         if let Some(compact) = &self.compact {
-            let mut gets: Vec<Get<'_>> = Vec::with_capacity(plan.len());
-            for (p, data) in plan.iter().zip(s.read.as_mut_slice().chunks_mut(bs)) {
-                if p.loc == NO_LOC {
-                    match compact.template_block(p.block).filter(|_| p.from_template) {
-                        Some(template) => data.copy_from_slice(template),
-                        None => data.fill(0),
-                    }
-                } else {
-                    gets.push(Get {
-                        block: p.block,
-                        loc: p.loc,
-                        data,
-                    });
-                }
-            }
-            return compact.read(&self.swap, &mut gets, &mut s.compact);
+            let locs = plan.iter().map(|p| (p.loc != NO_LOC).then_some(p.loc));
+            return compact.fetch(&self.swap, locs, &mut s.compact);
         }
         read_runs(plan, bs as u64, &mut s.order, &mut s.runs);
         let mut slots: Vec<&mut [u8]> = s.read.as_mut_slice()[..plan.len() * bs]
@@ -1446,6 +1439,40 @@ impl Pager {
             io += self.swap.read_scattered(first, &mut bufs)?;
         }
         Ok(io)
+    }
+
+    /// Decodes blocks `range` of the plan [`Self::read_plan`] read into
+    /// their slots of `s.read` (the compact store's; the plain store's are
+    /// there already). A block without a stored copy is the template's or
+    /// zeros.
+    fn unpack_plan(
+        &self,
+        plan: &[PlanBlock],
+        range: std::ops::Range<usize>,
+        s: &mut Scratch,
+    ) -> Result<(), PagerError> {
+        let Some(compact) = &self.compact else {
+            return Ok(());
+        };
+        let bs = self.block;
+        let slots = s.read.as_mut_slice()[range.start * bs..range.end * bs].chunks_mut(bs);
+        for (i, data) in range.zip(slots) {
+            let p = &plan[i];
+            if p.loc != NO_LOC {
+                let mut get = Get {
+                    block: p.block,
+                    loc: p.loc,
+                    data,
+                };
+                compact.decode_fetched(i, &s.compact, &mut get)?;
+                continue;
+            }
+            match compact.template_block(p.block).filter(|_| p.from_template) {
+                Some(template) => data.copy_from_slice(template),
+                None => data.fill(0),
+            }
+        }
+        Ok(())
     }
 
     /// Installs the plan's blocks from `s.read`, whose slot `slot + i` holds
