@@ -363,6 +363,12 @@ impl Ledger {
             .is_some_and(|v| !v.dying && v.blocks.iter().all(|e| e.loc == NO_LOC))
     }
 
+    /// Whether a block of `vm` is in flight: being faulted in, evicted or
+    /// unprotected.
+    pub fn in_flight(&self, vm: VmId) -> bool {
+        self.vm(vm).is_some_and(|v| v.busy > 0)
+    }
+
     /// Every VM whose memory is first touched from now on is a clone of
     /// `vm`, just hibernated whole (see [`Ledger::never_evicted`]): its
     /// blocks without a swap copy are the template's, and its first wake

@@ -108,6 +108,14 @@ pub const HIBERNATE_CHUNK: usize = 64;
 /// How long a fault waiting for room re-checks for a fatal error.
 const WAIT_SLICE: Duration = Duration::from_millis(50);
 
+/// Longest the clone template's hibernation goes back in its queue for a
+/// fault of the template still in flight (its vCPU stopped just after it
+/// faulted), [`TEMPLATE_RETRY`] apart: saved without that block the template
+/// is refused. Past this it is saved as it is.
+const TEMPLATE_SETTLE: Duration = Duration::from_secs(2);
+/// Between two looks at the template's faults in flight.
+const TEMPLATE_RETRY: Duration = Duration::from_millis(1);
+
 /// Longest [`Pager::reattach_space`] waits for an operation in flight on
 /// the old descriptor (an eviction of a part of a VM, a few milliseconds;
 /// more behind a modeled disk).
@@ -217,6 +225,9 @@ struct State {
     next_space: SpaceId,
     latency: TotalLatency,
     clone_template: CloneTemplate,
+    /// When the template's hibernation first went back in its queue for a
+    /// fault in flight ([`TEMPLATE_SETTLE`]).
+    template_deferred: Option<Instant>,
 }
 
 /// Where clone boot's template stands ([`PagerConfig::clone_template`]).
@@ -377,6 +388,7 @@ impl Pager {
                     Some(_) => CloneTemplate::Pending,
                     None => CloneTemplate::Off,
                 },
+                template_deferred: None,
             }),
             room: Condvar::new(),
             fatal: Mutex::new(None),
@@ -1074,14 +1086,28 @@ impl Pager {
         let Some(place) = st.places.get(&vm).cloned() else {
             return Ok(());
         };
+        let template_pending =
+            st.clone_template == CloneTemplate::Pending && self.cfg.clone_template == Some(vm);
+        if template_pending && st.ledger.in_flight(vm) {
+            let since = *st.template_deferred.get_or_insert_with(Instant::now);
+            if since.elapsed() < TEMPLATE_SETTLE {
+                // Behind the other hibernations, which this thread serves
+                // meanwhile: waiting here for the fault, which may wait for
+                // room they make, could never end.
+                drop(st);
+                std::thread::sleep(TEMPLATE_RETRY);
+                self.hibernate(vm);
+                return Ok(());
+            }
+        }
         // Clone boot's template is its VM's first hibernation, saved whole;
         // without one (or once it failed) the first VM hibernated is the
         // compact store's template, as a base for differences only.
         let (capture, template) = match &st.clone_template {
-            CloneTemplate::Pending => {
-                let ours = self.cfg.clone_template == Some(vm);
-                (ours, ours.then(|| st.ledger.never_evicted(vm)))
-            }
+            CloneTemplate::Pending => (
+                template_pending,
+                template_pending.then(|| st.ledger.never_evicted(vm)),
+            ),
             _ => (true, None),
         };
         let planned = st.ledger.plan_hibernation(vm);

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{config, plugin, Region, Rng};
-use paging_policy::{DiskSpec, GuestMemory, Pager, PagerConfig, PagerError, PolicySpec};
+use paging_policy::{
+    CloneTemplate, DiskSpec, GuestMemory, Pager, PagerConfig, PagerError, PolicySpec,
+};
 
 const WORDS_PER_PAGE: usize = 512;
 
@@ -1237,5 +1239,49 @@ fn wsswap_brings_a_woken_vm_back_in_one_read() {
     }
     assert_eq!(vm_counter(&pager, 0, "faults"), faults + 1);
     assert_eq!(vm_counter(&pager, 0, "swap_read_bytes"), 10 * block);
+    pager.shutdown();
+}
+
+/// The clone template is saved whole even when its hibernation comes while
+/// one of its faults is still in flight (here: waiting for room, which an
+/// eviction behind a modeled disk makes): its hibernation waits for the
+/// fault, without holding up the hibernation thread, instead of saving the
+/// template without that block and refusing it.
+#[test]
+fn a_clone_template_hibernated_with_a_fault_in_flight_is_saved_whole() {
+    let block = 32u64 << 10;
+    let mut cfg = config("demand", block, 4 * block, "template-in-flight");
+    cfg.disk = DiskSpec::parse("hdd").unwrap();
+    cfg.compact_swap = true;
+    cfg.clone_template = Some(0);
+    let pager = Pager::new(cfg, 2, 16 * block).unwrap();
+    let template = Region::new(16 * block as usize);
+    let other = Region::new(16 * block as usize);
+    template.register(&pager, 0).unwrap();
+    other.register(&pager, 1).unwrap();
+    let wpb = block as usize / 8;
+    // VM 1 fills the budget: VM 0's first touch must evict one of its
+    // blocks first, a write of several milliseconds behind the disk model.
+    for b in 0..4 {
+        other.write(b * wpb, 0xB000 + b as u64);
+    }
+    let done = Arc::new(AtomicBool::new(false));
+    let faulting = {
+        let done = Arc::clone(&done);
+        std::thread::spawn(move || {
+            template.write(0, 0xA000);
+            done.store(true, Ordering::SeqCst);
+        })
+    };
+    std::thread::sleep(Duration::from_millis(2));
+    assert!(!done.load(Ordering::SeqCst), "the fault is still in flight");
+    pager.hibernate(0);
+    faulting.join().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pager.clone_template() == CloneTemplate::Pending && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(pager.clone_template(), CloneTemplate::Ready);
+    assert_eq!(template.read(0), 0xA000, "the template's block, read back");
     pager.shutdown();
 }
