@@ -21,7 +21,13 @@ from support.densevm import kvm_available
 
 BENCH = REPO_ROOT / "experiments" / "bench"
 # Benches that start nothing that could outlive them (simulators run to completion).
-PURE_SIMULATION = {"pagesim_speed.py", "python_policy_speed.py", "scalebench_model_vs_pagesim.py"}
+# Benches that start no process: simulations, and a probe of the host's wake-ups.
+STARTS_NO_PROCESS = {
+    "pagesim_speed.py",
+    "python_policy_speed.py",
+    "scalebench_model_vs_pagesim.py",
+    "wakeup_latency.py",
+}
 
 
 def cmdline(pid: int) -> list[str]:
@@ -129,7 +135,7 @@ def calls(tree: ast.AST, name: str) -> bool:
 
 @pytest.mark.parametrize(
     "script",
-    sorted(p.name for p in BENCH.glob("*.py") if p.name not in PURE_SIMULATION),
+    sorted(p.name for p in BENCH.glob("*.py") if p.name not in STARTS_NO_PROCESS),
 )
 def test_every_bench_that_starts_processes_unwinds_on_sigterm(script: str):
     """The test above runs one bench; the others make the same call at the top of main()."""
@@ -138,5 +144,5 @@ def test_every_bench_that_starts_processes_unwinds_on_sigterm(script: str):
     first = main.body[0]
     assert isinstance(first, ast.Expr) and calls(first, "install_signal_handlers"), (
         f"{script}: main() does not begin with install_signal_handlers() "
-        "(a bench that starts nothing belongs in PURE_SIMULATION)"
+        "(a bench that starts nothing belongs in STARTS_NO_PROCESS)"
     )
