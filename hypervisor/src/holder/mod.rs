@@ -919,11 +919,12 @@ fn run(
     // for the thread) is not on the wake path.
     let mut pool: Option<Prebuilt> = None;
     // KVM VMs of hibernated VMs are destroyed off the loop, each on a
-    // thread of its own that ends with it (`destroy_aside`): a destruction
-    // waits for a grace period (about 22 ms here), and wakes queued behind
-    // a few of them took hundreds of milliseconds. A VM woken before its
-    // old KVM VM is gone waits for it: until then its eventfds are that
-    // VM's.
+    // thread of its own that ends with it: a destruction waits for a grace
+    // period (about 22 ms here), and wakes queued behind a few of them took
+    // hundreds of milliseconds. A VM woken before its old KVM VM is gone
+    // waits for it: until then its eventfds are that VM's. (Under
+    // SCHED_IDLE they would starve on a saturated host, a hundred a second
+    // needing a tenth of a core, and such a wake with them.)
     let mut reaping: HashMap<u32, std::thread::JoinHandle<()>> = HashMap::new();
     let mut reaped_pools: Vec<std::thread::JoinHandle<()>> = Vec::new();
     // The VM whose wake emptied the pool, and when to fill it again.
@@ -973,7 +974,7 @@ fn run(
             ToHolder::Hibernate { vm } => {
                 reaping.retain(|_, t| !t.is_finished());
                 if let Some(kvm) = held.remove(&vm).and_then(HeldVm::stop_for_good) {
-                    reaping.insert(vm, destroy_aside(kvm));
+                    reaping.insert(vm, std::thread::spawn(move || drop(kvm)));
                 }
                 // Its KVM VM keeps what it registered; its next wake brings new ones.
                 forget_eventfds(ctx, &mut eventfds, &own, vm);
@@ -989,7 +990,7 @@ fn run(
                         if let Some(Prebuilt { mut vcpu, kvm, .. }) = pool.take() {
                             // Its stack is free once its thread is joined.
                             vcpu.stop();
-                            reaped_pools.push(destroy_aside(kvm));
+                            reaped_pools.push(std::thread::spawn(move || drop(kvm)));
                         }
                     }
                     false => fill_pool(ctx, &mut pool, vm, (&held, &own)),
@@ -1066,18 +1067,6 @@ fn forget_eventfds(
     if let Some(at) = slot_in(ctx, own, vm) {
         eventfds[at] = None;
     }
-}
-
-/// Destroys `kvm` on a thread of its own, under SCHED_IDLE: the CPU time
-/// a destruction takes (its debugfs files, shadow pages, memory slots) is
-/// then never taken from a wake of the same holder, on the same core. The
-/// thread ends with it.
-fn destroy_aside<T: Send + 'static>(kvm: T) -> std::thread::JoinHandle<()> {
-    std::thread::spawn(move || {
-        // Refused, it is destroyed under the cell's policy all the same.
-        let _ = crate::scheduling::set_thread_policy(0, libc::SCHED_IDLE);
-        drop(kvm);
-    })
 }
 
 /// Makes the pool's KVM VM and vCPU thread if it has none (`vm` names it
