@@ -563,36 +563,36 @@ impl CompactSwap {
                 s.fetched.push(found.map(|r| (r, 0)));
             }
         }
-        let mut order: Vec<usize> = (0..s.fetched.len())
-            .filter(|&i| s.fetched[i].is_some_and(|(r, _)| r.len > 0))
+        let mut stored: Vec<(Record, usize)> = s
+            .fetched
+            .iter()
+            .enumerate()
+            .filter_map(|(i, f)| f.filter(|(r, _)| r.len > 0).map(|(r, _)| (r, i)))
             .collect();
-        order.sort_unstable_by_key(|&i| s.fetched[i].map(|(r, _)| r.offset));
-        let record = |s: &CompactScratch, i: usize| s.fetched[i].expect("ordered are fetched").0;
-        // Extents of adjacent records, each read to its own place in `read`.
-        let mut extents = Vec::new();
-        let mut total = 0u64;
-        let mut a = 0;
-        while a < order.len() {
-            let start = record(s, order[a]).offset;
-            let mut end = start + self.sectors(record(s, order[a]).len);
-            let mut b = a + 1;
-            while b < order.len() && record(s, order[b]).offset == end {
-                end += self.sectors(record(s, order[b]).len);
-                b += 1;
+        stored.sort_unstable_by_key(|(r, _)| r.offset);
+        // Extents of records adjacent on the device, read back to back into
+        // `read`; `at` is where the last one's bytes begin there.
+        let mut extents: Vec<(u64, u64)> = Vec::new();
+        let mut at = 0u64;
+        for (r, i) in stored {
+            let len = self.sectors(r.len);
+            match extents.last_mut() {
+                Some((_, end)) if *end == r.offset => *end += len,
+                last => {
+                    at += last.map_or(0, |(start, end)| *end - *start);
+                    extents.push((r.offset, r.offset + len));
+                }
             }
-            for &i in &order[a..b] {
-                let r = record(s, i);
-                s.fetched[i] = Some((r, (total + r.offset - start) as usize));
-            }
-            extents.push((start, end, total));
-            total += end - start;
-            a = b;
+            let start = extents.last().expect("just pushed or grown").0;
+            s.fetched[i] = Some((r, (at + r.offset - start) as usize));
         }
+        let total: u64 = extents.iter().map(|(start, end)| end - start).sum();
         s.read.reserve(total as usize);
-        let mut io = 0.0;
-        for (start, end, at) in extents {
-            let into = &mut s.read.as_mut_slice()[at as usize..][..(end - start) as usize];
-            io += dev.read_scattered(start, &mut [into])?;
+        let (mut io, mut at) = (0.0, 0usize);
+        for (start, end) in extents {
+            let len = (end - start) as usize;
+            io += dev.read_scattered(start, &mut [&mut s.read.as_mut_slice()[at..][..len]])?;
+            at += len;
         }
         Ok(io)
     }
