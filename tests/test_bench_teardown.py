@@ -23,6 +23,7 @@ BENCH = REPO_ROOT / "experiments" / "bench"
 # Benches that start nothing that could outlive them (simulators run to completion).
 # Benches that start no process: simulations, and a probe of the host's wake-ups.
 STARTS_NO_PROCESS = {
+    "page_install_cost.py",
     "pagesim_speed.py",
     "python_policy_speed.py",
     "scalebench_model_vs_pagesim.py",

@@ -172,6 +172,27 @@ def test_a_made_figure_has_points_plots_checks_and_a_manifest(stored: Path):
     assert m["checks"]["passed"] + m["checks"]["failed"] == len(m["checks"]["verdicts"]) > 0
 
 
+def test_a_manifest_records_the_build_as_its_invocation_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A figure's published files are tracked: read once they are written, the build of
+    every remade figure would read dirty."""
+    clean = {"commit": "a" * 40, "dirty": False, "changed_files": 0}
+    tree = {"status": clean}
+    monkeypatch.setattr(results, "build_info", lambda: dict(tree["status"]))
+
+    def runner(exp, out):
+        run_sweep(exp, out, FakePointRunner())
+        tree["status"] = {**clean, "dirty": True, "changed_files": 4}
+
+    work = tmp_path / "work"
+    m = results.make("fig08", ["results", "make", "fig08", "--only=vms=250"], work=work,
+                     dest_root=tmp_path / "results", runner=runner, only=["vms=250"])  # fmt: skip
+    assert m["build"] == clean
+    invocations = json.loads((work / "invocations.json").read_text())
+    assert [i["build"] for i in invocations] == [clean]
+
+
 def test_a_republished_figure_carries_only_its_experiments_plots(tmp_path: Path):
     root = tmp_path / "results"
     work = tmp_path / "work08"

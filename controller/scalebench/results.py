@@ -161,7 +161,15 @@ class Invocations:
             self.items = json.loads(self.path.read_text())
         except (OSError, ValueError):
             self.items = []
-        self.entry = {"argv": argv, "started_at": now_iso(), "wall_seconds": None, "end": None}
+        # The build as it starts: a published figure's own files are tracked, so read after
+        # publishing it, the tree would always differ.
+        self.entry = {
+            "argv": argv,
+            "started_at": now_iso(),
+            "build": build_info(),
+            "wall_seconds": None,
+            "end": None,
+        }
         self.items.append(self.entry)
         self.t0 = time.monotonic()
         self.save()
@@ -305,7 +313,7 @@ def _manifest(figure: str, title: str, claim: str, differences: str, context: di
         "differences": differences,
         "command": "scalebench " + shlex.join(argv),
         "argv": argv,
-        "build": build_info(),
+        "build": context["invocations"][-1]["build"],
         "started_at": context["started_at"],
         "finished_at": now_iso(),
         "wall_seconds": walls[-1] if walls else None,
