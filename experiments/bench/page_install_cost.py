@@ -94,15 +94,22 @@ def main() -> int:
         print(f"error: mmap of the memfd: {os.strerror(ctypes.get_errno())}", file=sys.stderr)
         return 1
     try:
-        uffd = userfaultfd(base, size)
+        return measure(memfd, base, args.rounds)
+    finally:
+        libc.munmap(base, size)
+        os.close(memfd)
+
+
+def measure(memfd: int, base: int, rounds: int) -> int:
+    """Prints each way's median over `rounds` MiB of the memfd mapped at `base`."""
+    try:
+        uffd = userfaultfd(base, rounds * MIB)
     except OSError as e:
         print(f"error: userfaultfd on shared memory: {e}", file=sys.stderr)
         return 1
     source = ctypes.create_string_buffer(os.urandom(MIB), MIB)
-    src = ctypes.addressof(source)
+    src, data = ctypes.addressof(source), source.raw
     scratch = ctypes.create_string_buffer(MIB)
-
-    data = source.raw
 
     def fresh(at: int) -> None:
         checked(libc.fallocate(memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, at, MIB), "punch")
@@ -131,7 +138,7 @@ def main() -> int:
     try:
         for name, punch, install in ways:
             times = []
-            for k in range(args.rounds):
+            for k in range(rounds):
                 at = k * MIB
                 if punch:
                     fresh(at)
@@ -142,8 +149,6 @@ def main() -> int:
             print(f"{name:30s} {us:8.1f} us a MiB, {us / (MIB // PAGE):5.2f} us a page")
     finally:
         os.close(uffd)
-        libc.munmap(base, size)
-        os.close(memfd)
     return 0
 
 
