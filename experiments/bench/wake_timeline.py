@@ -155,10 +155,9 @@ def phases(trace: str, vms: int, latencies: dict[int, float]) -> Phases:
             if 0 <= vm < vms:
                 connects.append((i, vm))
     result = Phases(vms)
-    if not connects:
-        return result
-    ends = [i for i, _ in connects[1:]] + [len(events)]
-    for (start, vm), end in zip(connects, ends, strict=True):
+    # Each wake's events end where the next wake's connect begins.
+    bounds = [i for i, _ in connects] + [len(events)]
+    for (start, vm), end in zip(connects, bounds[1:], strict=True):
         t0 = float(events[start]["ts"])
         wake = Wake(answered=1000 * latencies[vm] if vm in latencies else None)
         in_memslot: dict[str, float] = {}
