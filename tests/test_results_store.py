@@ -366,3 +366,37 @@ def test_a_figures_title_and_claim_fit_across_its_plot():
     # The axes begin up to 1.1 inches from the figure's left edge (log ticks, a y label).
     assert text.get_window_extent(fig.canvas.get_renderer()).width <= fig.bbox.width - 110
     plt.close(fig)
+
+
+@pytest.mark.parametrize("figure", ["fig08", "ecommerce"])
+def test_replot_redraws_a_stored_figures_plots_and_keeps_its_points_checks_and_build(
+    stored: Path, figure: str, capsys
+):
+    folder = stored / figure
+    before = json.loads((folder / "manifest.json").read_text())
+    kept = {name: (folder / name).read_bytes() for name in ("points.csv", "checks.csv")}
+    plots = [name for name in before["files"] if name.endswith(".png")]
+    for name in plots:
+        (folder / name).unlink()
+    assert cli.main(["results", "replot", figure, "--dest", str(stored)]) == 0
+    assert figure in capsys.readouterr().out
+    for name in plots:
+        assert (folder / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    assert {name: (folder / name).read_bytes() for name in kept} == kept
+    after = json.loads((folder / "manifest.json").read_text())
+    redrawn = after.pop("plots_redrawn")
+    assert after == before
+    assert redrawn["at"] and redrawn["build"]["commit"]
+    assert (
+        f"{redrawn['at']} on build {redrawn['build']['commit']}"
+        in render_results(stored).read_text()
+    )
+
+
+def test_replot_of_a_figure_not_stored_says_how_to_make_it(stored: Path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["results", "replot", "fig09", "--dest", str(stored)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "fig09 has no stored results" in err and results.COMMANDS["fig09"] in err

@@ -418,7 +418,8 @@ def cmd_results(argv: list[str]) -> int:
         prog="scalebench results",
         description="Stored results (experiments/results/FIGURE): `make FIGURE` runs the "
         "figure's experiment (resumable) and publishes its points CSV, plots, checks.csv and "
-        "manifest.json; `list` shows each figure's command and state.",
+        "manifest.json; `list` shows each figure's command and state; `replot FIGURE` redraws "
+        "a stored figure's plots.",
     )
     sub = p.add_subparsers(dest="action", required=True)
     mk = sub.add_parser("make", help="run (or resume) one figure and publish it")
@@ -437,6 +438,12 @@ def cmd_results(argv: list[str]) -> int:
     )
     mk.add_argument("--dest", default=None, help=f"results folder (default {results.RESULTS_DIR})")
     sub.add_parser("list", help="each figure's command, state and estimated wall time")
+    rp = sub.add_parser(
+        "replot",
+        help="redraw a stored figure's plots from its stored points and checks (runs nothing)",
+    )
+    rp.add_argument("figure", choices=results.FIGURES)
+    rp.add_argument("--dest", default=None, help=f"results folder (default {results.RESULTS_DIR})")
     args = p.parse_args(argv)
     if args.action == "list":
         for figure in results.FIGURES:
@@ -449,6 +456,14 @@ def cmd_results(argv: list[str]) -> int:
                 else f"not run (about {s['estimated_hours']:g} h)"
             )
             print(f"{figure}: {s['command']}  [{state}]")
+        return 0
+    if args.action == "replot":
+        manifest = results.replot(args.figure, Path(args.dest) if args.dest else None)
+        plots = [name for name in manifest["files"] if name.endswith(".png")]
+        print(
+            f"results {args.figure}: redrew {', '.join(plots)} from the stored points and checks "
+            f"(made on {str(manifest['build']['commit'])[:12]})"
+        )
         return 0
     install_signal_handlers()
     try:

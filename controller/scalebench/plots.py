@@ -38,6 +38,10 @@ _PHASE_COLOURS = {
 MEASUREMENT_LABEL = "measurement window"
 # Characters of a 9-point heading line that fit over the axes of an 8-inch figure.
 HEADING_CHARS = 95
+# Characters of a 7-point monospace verdict line that fit across an 8-inch figure (about
+# 137 at 4.2 points a character, less the margins), and the height such a line takes.
+VERDICT_CHARS = 128
+VERDICT_LINE_INCHES = 0.16
 LIVE_LABEL = "VMs awake (live)"
 UNSTEADY_LABEL = "x: window before the steady state (warm-up < a miss's wait)"
 ZERO_LABEL = "v: none in the window (0 on a log axis)"
@@ -195,8 +199,8 @@ def line_plot(
 
     `claim` (the paper's, which the figure reproduces) is shown under the title, and
     `verdicts` (passed, text) of the sweep's checks under the axes."""
-    verdicts = verdicts or []
-    fig, ax = plt.subplots(figsize=(8, 5 + 0.16 * len(verdicts)))
+    verdict_rows = _verdict_rows(verdicts or [])
+    fig, ax = _figure(verdict_rows)
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault(tuple(row.get(s) for s in series), []).append(row)
@@ -256,10 +260,7 @@ def line_plot(
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7, loc="best")
     _heading(ax, title, claim)
-    _verdict_lines(fig, verdicts)
-    fig.tight_layout(rect=(0, 0.16 * len(verdicts) / fig.get_figheight() + 0.01, 1, 1))
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, verdict_rows, path)
 
 
 def _heading(ax, title: str, claim: str) -> None:
@@ -283,8 +284,8 @@ def bar_plot(
 ) -> None:
     """Grouped bars (one group per label, one bar per entry of `bars`; None: no bar), with the
     claim under the title and the verdicts under the axes as line_plot shows them."""
-    verdicts = verdicts or []
-    fig, ax = plt.subplots(figsize=(8, 5 + 0.16 * len(verdicts)))
+    verdict_rows = _verdict_rows(verdicts or [])
+    fig, ax = _figure(verdict_rows)
     width = 0.8 / max(len(bars), 1)
     for i, (name, values) in enumerate(bars.items()):
         xs = [k + i * width for k, v in enumerate(values) if v is not None]
@@ -294,19 +295,38 @@ def bar_plot(
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=7)
     _heading(ax, title, claim)
-    _verdict_lines(fig, verdicts)
-    fig.tight_layout(rect=(0, 0.16 * len(verdicts) / fig.get_figheight() + 0.01, 1, 1))
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, verdict_rows, path)
 
 
-def _verdict_lines(fig, verdicts: list[tuple[bool, str]]) -> None:
-    for i, (passed, text) in enumerate(verdicts):
+def _verdict_rows(verdicts: list[tuple[bool, str]]) -> list[tuple[bool, str]]:
+    """The lines the verdicts take under the axes: each "PASS"/"FAIL" and its text, wrapped
+    to VERDICT_CHARS (its continuation lines indented), so that none runs off the figure."""
+    rows = []
+    for passed, text in verdicts:
+        lines = textwrap.wrap(
+            f"{'PASS' if passed else 'FAIL'}  {text}", VERDICT_CHARS, subsequent_indent="      "
+        )
+        rows += [(passed, line) for line in lines]
+    return rows
+
+
+def _figure(rows: list[tuple[bool, str]]):
+    """An 8-inch figure and its axes, with room below them for the verdict rows."""
+    return plt.subplots(figsize=(8, 5 + VERDICT_LINE_INCHES * len(rows)))
+
+
+def _save(fig, rows: list[tuple[bool, str]], path: Path) -> None:
+    """Writes the verdict rows under the axes, and the figure to `path`."""
+    line = VERDICT_LINE_INCHES / fig.get_figheight()
+    for i, (passed, text) in enumerate(rows):
         fig.text(
             0.01,
-            0.01 + 0.16 / fig.get_figheight() * (len(verdicts) - 1 - i),
-            f"{'PASS' if passed else 'FAIL'}  {text}"[:150],
+            0.01 + line * (len(rows) - 1 - i),
+            text,
             fontsize=7,
             color="tab:green" if passed else "tab:red",
             family="monospace",
         )
+    fig.tight_layout(rect=(0, line * len(rows) + 0.01, 1, 1))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -336,6 +336,15 @@ def _figure_section(s: dict) -> str:
                 "yes" if m.get("complete") else "NO: part of the grid or changed settings",
             ),
         ]
+        redrawn = m.get("plots_redrawn")
+        if redrawn:
+            facts.append(
+                (
+                    "plots redrawn",
+                    f"{redrawn['at']} on build {redrawn['build'].get('commit')}, from the stored "
+                    "points and checks (scalebench results replot)",
+                )
+            )
         rows = "".join(
             f'<tr><th class="l">{k}</th><td class="l">{e(str(v))}</td></tr>' for k, v in facts
         )

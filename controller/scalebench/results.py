@@ -463,9 +463,48 @@ def ecommerce_findings(runs: list[dict]) -> list[dict]:
     return out
 
 
+def draw_ecommerce_plots(rows: list[dict], checks: list[dict], directory: Path) -> None:
+    """The storage study's two bar plots in `directory`, from its points' rows (points.csv's,
+    as written or as read back) with the checks' verdicts under them."""
+    from .plots import bar_plot
+
+    study = _study_read_shares()
+    labels, ours, theirs, feet = [], [], [], []
+    for w, mix, bench, intensity in MIXES:
+        of_mix = [r for r in rows if (r["workload"], r["mix"]) == (w, mix)]
+        shares = [float(r["read_share"]) for r in of_mix if r["read_share"] not in (None, "")]
+        labels.append(f"{bench} {mix}")
+        ours.append(statistics.median(shares) if shares else None)
+        theirs.append(statistics.mean(study[(bench, intensity)]))
+        regions = [
+            float(r["regions_per_1000"]) for r in of_mix if r["regions_per_1000"] not in (None, "")
+        ]
+        feet.append(statistics.median(regions) if regions else None)
+    verdicts = [
+        (r["passed"] == "yes", f"{r['check']} ({r['group']}): {r['detail']}") for r in checks
+    ]
+    bar_plot(
+        labels,
+        {"scalebench (median of runs)": ours, "study (light and heavy, mean)": theirs},
+        directory / "ecommerce_read_share.png",
+        "E-commerce storage study: read share of sectors moved",
+        "read share (sectors)",
+        ECOMMERCE_CLAIM,
+        verdicts,
+    )
+    bar_plot(
+        labels,
+        {"scalebench (median of runs)": feet},
+        directory / "ecommerce_footprint.png",
+        "E-commerce storage study: I/O working set (distinct 1 MiB regions per 1,000 requests)",
+        "MiB regions / 1k requests",
+        "moving from browsing to ordering lowers I/O traffic but grows the I/O working set",
+        [v for v in verdicts if "working set" in v[1]],
+    )
+
+
 def publish_ecommerce(results_json: Path, dest: Path, context: dict) -> dict:
     """experiments/results/ecommerce from the findings bench's results.json."""
-    from .plots import bar_plot
     from .sweep import write_csv
 
     runs = json.loads(Path(results_json).read_text())
@@ -489,37 +528,7 @@ def publish_ecommerce(results_json: Path, dest: Path, context: dict) -> dict:
     write_csv(rows, staging / "points.csv")
     shutil.copyfile(STUDY_CSV, staging / "study_block_metrics.csv")
     write_csv(ecommerce_findings(runs), staging / CHECKS)
-    study = _study_read_shares()
-    labels, ours, theirs, feet = [], [], [], []
-    for w, mix, bench, intensity in MIXES:
-        shares = [r["read_share"] for r in rows if (r["workload"], r["mix"]) == (w, mix)]
-        labels.append(f"{bench} {mix}")
-        ours.append(statistics.median(shares) if shares else None)
-        theirs.append(statistics.mean(study[(bench, intensity)]))
-        regions = [r["regions_per_1000"] for r in rows if (r["workload"], r["mix"]) == (w, mix)]
-        feet.append(statistics.median(regions) if regions else None)
-    verdicts = [
-        (r["passed"] == "yes", f"{r['check']} ({r['group']}): {r['detail']}")
-        for r in _read_csv(staging / CHECKS)
-    ]
-    bar_plot(
-        labels,
-        {"scalebench (median of runs)": ours, "study (light and heavy, mean)": theirs},
-        staging / "ecommerce_read_share.png",
-        "E-commerce storage study: read share of sectors moved",
-        "read share (sectors)",
-        ECOMMERCE_CLAIM,
-        verdicts,
-    )
-    bar_plot(
-        labels,
-        {"scalebench (median of runs)": feet},
-        staging / "ecommerce_footprint.png",
-        "E-commerce storage study: I/O working set (distinct 1 MiB regions per 1,000 requests)",
-        "MiB regions / 1k requests",
-        "moving from browsing to ordering lowers I/O traffic but grows the I/O working set",
-        [v for v in verdicts if "working set" in v[1]],
-    )
+    draw_ecommerce_plots(rows, _read_csv(staging / CHECKS), staging)
     names = _copy_fresh(sorted(staging.iterdir()), dest)
     shutil.rmtree(staging, ignore_errors=True)
     manifest = _manifest(
@@ -544,6 +553,36 @@ def publish_ecommerce(results_json: Path, dest: Path, context: dict) -> dict:
         checks=_checks_summary(dest / CHECKS),
         files=sorted([*names, MANIFEST]),
     )
+    (dest / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def replot(figure: str, dest_root: Path | None = None) -> dict:
+    """Redraws a stored figure's plots from its stored points.csv, checks.csv and cliff
+    tables, running nothing: a change to how figures are drawn reaches the stored ones
+    without a re-run. Points, checks and the build they were made on stay as they are; the
+    manifest records the redraw (`plots_redrawn`: when, on which build). Returns it."""
+    if figure not in FIGURES:
+        raise ConfigError(f"unknown figure {figure!r} (known: {', '.join(FIGURES)})")
+    dest = Path(dest_root or RESULTS_DIR) / figure
+    if not (dest / MANIFEST).exists():
+        raise ConfigError(f"{figure} has no stored results in {dest}: {COMMANDS[figure]}")
+    manifest = json.loads((dest / MANIFEST).read_text())
+    points, checks = _read_csv(dest / "points.csv"), _read_csv(dest / CHECKS)
+    if figure == ECOMMERCE:
+        draw_ecommerce_plots(points, checks, dest)
+    else:
+        from .sweep import draw_plots, load_experiment
+
+        exp = load_experiment(experiment_file(figure))
+        exp = exp.overridden(manifest.get("settings") or []).restricted(manifest.get("only") or [])
+        tables = {
+            spec.name: _read_csv(dest / f"{spec.name}.csv")
+            for spec in exp.plots
+            if spec.kind == "cliff"
+        }
+        draw_plots(exp, points, checks, tables, dest)
+    manifest["plots_redrawn"] = {"at": now_iso(), "build": build_info()}
     (dest / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 

@@ -336,34 +336,26 @@ def _status(record: Path) -> str | None:
         return None
 
 
-def finish_sweep(exp: Experiment, out_dir: Path) -> dict:
-    """results.csv, the plots, checks.csv and sweep.json from the stored point results."""
+def draw_plots(
+    exp: Experiment,
+    rows: list[dict],
+    checks: list[dict],
+    tables: dict[str, list[dict]],
+    out_dir: Path,
+) -> None:
+    """The experiment's plots (PNG) in out_dir: from the points' rows (results.csv's), with
+    the checks' verdicts under each, and a cliff plot from its table in `tables` (by plot
+    name, cliff_rows'). Also what `scalebench results replot` draws from a stored figure."""
     from .plots import line_plot  # matplotlib is slow to import
 
-    docs: dict[str, dict] = {}
-    for key, _ in exp.points():
-        record = point_record(out_dir, key)
-        if record.exists():
-            doc = json.loads(record.read_text())
-            doc.pop(
-                "timeseries", None
-            )  # kept in the point's own file; too big for the sweep document
-            docs[key] = doc
-    rows = [csv_row(k, d) for k, d in docs.items()]
-    write_csv(rows, out_dir / "results.csv")
-    checks = run_checks(exp.checks, rows) if exp.checks else []
-    if checks:
-        write_csv(checks, out_dir / "checks.csv")
     verdicts = [
         (c["passed"] == "yes", f"{c['check']} ({c['group']}): {c['detail']}") for c in checks
     ]
     for spec in exp.plots:
         title = spec.title or exp.title or exp.name
         if spec.kind == "cliff":
-            table = cliff_rows(rows, [spec.x, *spec.series])
-            write_csv(table, out_dir / f"{spec.name}.csv")
             line_plot(
-                table,
+                tables[spec.name],
                 spec.x,
                 ["measured_cliff_vms", "model_cliff_vms"],
                 spec.series,
@@ -388,6 +380,30 @@ def finish_sweep(exp: Experiment, out_dir: Path) -> dict:
                 claim=exp.claim,
                 verdicts=verdicts,
             )
+
+
+def finish_sweep(exp: Experiment, out_dir: Path) -> dict:
+    """results.csv, the plots, checks.csv and sweep.json from the stored point results."""
+    docs: dict[str, dict] = {}
+    for key, _ in exp.points():
+        record = point_record(out_dir, key)
+        if record.exists():
+            doc = json.loads(record.read_text())
+            doc.pop(
+                "timeseries", None
+            )  # kept in the point's own file; too big for the sweep document
+            docs[key] = doc
+    rows = [csv_row(k, d) for k, d in docs.items()]
+    write_csv(rows, out_dir / "results.csv")
+    checks = run_checks(exp.checks, rows) if exp.checks else []
+    if checks:
+        write_csv(checks, out_dir / "checks.csv")
+    tables = {}
+    for spec in exp.plots:
+        if spec.kind == "cliff":
+            tables[spec.name] = cliff_rows(rows, [spec.x, *spec.series])
+            write_csv(tables[spec.name], out_dir / f"{spec.name}.csv")
+    draw_plots(exp, rows, checks, tables, out_dir)
     hosts = hosts_by_kind(docs)
     warnings = [mixed_hosts_warning(hosts)] if len(hosts) > 1 else []
     doc = {

@@ -372,11 +372,18 @@ pub fn ensure_fd_budget(count: u32, fds_each: u64) -> Result<(), FdShortage> {
 /// VM ids stay below this (the pager's limit).
 pub const MAX_VM_ID: u32 = paging_policy::pager::MAX_VM_ID;
 /// Tasks (processes and threads) left to the rest of the host.
-const TASK_HEADROOM: u64 = 2048;
+pub const TASK_HEADROOM: u64 = 2048;
 /// Tasks a cell's front takes besides its VMs (main thread, boot threads).
-const TASKS_PER_CELL: u64 = 4;
-/// Tasks a holder takes besides its vCPU threads.
-const TASKS_PER_HOLDER: u64 = 2;
+pub const TASKS_PER_CELL: u64 = 4;
+/// Tasks a live VM takes: its vCPU thread, and the worker thread KVM gives
+/// every VM (`kvm-nx-lpage-recovery`, made even with `nx_huge_pages` off).
+/// Counting the vCPU thread alone, 100,000 VMs with 10,000 live passed the
+/// check and then ran out of pids: 7,992 wakes failed to spawn a thread
+/// (docs/measurements/2026-12-08.md).
+pub const TASKS_PER_LIVE_VM: u64 = 2;
+/// Tasks a holder takes besides its VMs': its two threads, and the KVM
+/// worker thread of its pooled empty VM (with hibernation).
+pub const TASKS_PER_HOLDER: u64 = 3;
 /// VMs a holder owns by default. Smaller holders make each notifier walk
 /// cheaper and cost a process each (docs/host-facts.md, "Address spaces and
 /// MMU notifiers"; hypervisor/README.md, "Host memory per VM").
@@ -397,7 +404,7 @@ const PARENT_FDS_PER_HOLDER: u64 = 3;
 
 /// The most VMs one densevm may hold at once with cells of `cell_vms` and
 /// at most `live` of them live (`--max-live`; else all): each live one
-/// takes a vCPU thread, and every VM's cell and holder their share of tasks,
+/// takes [`TASKS_PER_LIVE_VM`], and every VM's cell and holder their share of tasks,
 /// within the lowest of `kernel.pid_max`, `kernel.threads-max` and
 /// RLIMIT_NPROC (less [`TASK_HEADROOM`]); the parent holds two descriptors
 /// per holder and two per cell within RLIMIT_NOFILE; and ids stay below
@@ -431,8 +438,17 @@ pub fn max_vms(cell_vms: u32, live: Option<u32>) -> (u32, String) {
     let holders = per_cell.div_ceil(holder_vms(cell_vms.max(1)) as u64);
     let cell_tasks = holders * TASKS_PER_HOLDER + TASKS_PER_CELL;
     let by_tasks = match live {
-        Some(live) => tasks.0.saturating_sub(TASK_HEADROOM + live as u64) / cell_tasks * per_cell,
-        None => tasks.0.saturating_sub(TASK_HEADROOM) / (cell_tasks + per_cell) * per_cell,
+        Some(live) => {
+            tasks
+                .0
+                .saturating_sub(TASK_HEADROOM + live as u64 * TASKS_PER_LIVE_VM)
+                / cell_tasks
+                * per_cell
+        }
+        None => {
+            tasks.0.saturating_sub(TASK_HEADROOM) / (cell_tasks + per_cell * TASKS_PER_LIVE_VM)
+                * per_cell
+        }
     };
     // ensure_fd_budget raises the soft limit to the hard one.
     let mut nofile = libc::rlimit {

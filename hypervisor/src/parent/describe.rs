@@ -47,6 +47,12 @@ pub fn describe(args: &ServeArgs) -> Result<Value, ConfigError> {
             "cell_vms": cell_vms,
             "max_vms": max_vms,
             "max_vms_bound": bound,
+            "tasks": {
+                "per_live_vm": config::TASKS_PER_LIVE_VM,
+                "per_holder": config::TASKS_PER_HOLDER,
+                "per_cell": config::TASKS_PER_CELL,
+                "headroom": config::TASK_HEADROOM,
+            },
             "kernel_bytes_per_live_vm": config::KERNEL_BYTES_PER_VM,
             "host_bytes_per_hibernated_vm": config::ASLEEP_BYTES_PER_VM,
         },
