@@ -400,3 +400,26 @@ def test_replot_of_a_figure_not_stored_says_how_to_make_it(stored: Path, capsys)
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "fig09 has no stored results" in err and results.COMMANDS["fig09"] in err
+
+
+def test_a_redraws_build_is_clean_of_the_stored_results_own_files(monkeypatch):
+    """Redrawing the figures one after another changes the stored results' files: they are
+    not the drawing code's build, so they do not make it dirty; other changes do."""
+    status = {"text": ""}
+
+    def fake_git(*args: str) -> str:  # FAKE git: the status under test, a fixed HEAD
+        return status["text"] if args[0] == "status" else "c" * 40
+
+    monkeypatch.setattr(results, "_git", fake_git)
+    status["text"] = (
+        "M experiments/results/fig08/fig08_throughput.png\n M experiments/results/index.html"
+    )
+    assert results.build_info(ignoring=results.RESULTS_DIR) == {
+        "commit": "c" * 40,
+        "dirty": False,
+        "changed_files": 0,
+    }
+    assert results.build_info()["changed_files"] == 2
+    status["text"] += "\n M controller/scalebench/plots.py"
+    built = results.build_info(ignoring=results.RESULTS_DIR)
+    assert built["dirty"] is True and built["changed_files"] == 1

@@ -116,13 +116,19 @@ def _git(*args: str) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
-def build_info() -> dict:
-    """The build the result comes from: HEAD, and whether tracked files differed from it."""
+def build_info(ignoring: Path | None = None) -> dict:
+    """The build the result comes from: HEAD, and whether tracked files differed from it
+    (those under `ignoring` aside: a redraw's own published files, say)."""
     status = _git("status", "--porcelain", "--untracked-files=no")
+    changed = status.splitlines() if status else []
+    if ignoring is not None and ignoring.resolve().is_relative_to(REPO_ROOT.resolve()):
+        inside = f"{ignoring.resolve().relative_to(REPO_ROOT.resolve()).as_posix()}/"
+        # "XY PATH" (the output's first line comes with X's blank stripped).
+        changed = [line for line in changed if not line[2:].strip().startswith(inside)]
     return {
         "commit": _git("rev-parse", "HEAD"),
-        "dirty": bool(status) if status is not None else None,
-        "changed_files": len(status.splitlines()) if status else 0,
+        "dirty": bool(changed) if status is not None else None,
+        "changed_files": len(changed),
     }
 
 
@@ -568,6 +574,9 @@ def replot(figure: str, dest_root: Path | None = None) -> dict:
     if not (dest / MANIFEST).exists():
         raise ConfigError(f"{figure} has no stored results in {dest}: {COMMANDS[figure]}")
     manifest = json.loads((dest / MANIFEST).read_text())
+    # The drawing code's build: the stored results' own files (this redraw's, the other
+    # figures') are not part of it.
+    build = build_info(ignoring=dest.parent)
     points, checks = _read_csv(dest / "points.csv"), _read_csv(dest / CHECKS)
     if figure == ECOMMERCE:
         draw_ecommerce_plots(points, checks, dest)
@@ -582,7 +591,7 @@ def replot(figure: str, dest_root: Path | None = None) -> dict:
             if spec.kind == "cliff"
         }
         draw_plots(exp, points, checks, tables, dest)
-    manifest["plots_redrawn"] = {"at": now_iso(), "build": build_info()}
+    manifest["plots_redrawn"] = {"at": now_iso(), "build": build}
     (dest / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
