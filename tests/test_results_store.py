@@ -423,3 +423,12 @@ def test_a_redraws_build_is_clean_of_the_stored_results_own_files(monkeypatch):
     status["text"] += "\n M controller/scalebench/plots.py"
     built = results.build_info(ignoring=results.RESULTS_DIR)
     assert built["dirty"] is True and built["changed_files"] == 1
+
+
+def test_rows_read_back_take_the_grids_values_so_replotted_lines_are_labelled_alike():
+    from scalebench.sweep import grid_values, load_experiment
+
+    exp = load_experiment(ROOT / "experiments" / "fig09.toml")
+    [row] = grid_values(exp, [{"alpha": "0", "block": "4k", "vms": "500", "status": "ok"}])
+    assert row == {"alpha": 0.0, "block": "4k", "vms": 500, "status": "ok"}
+    assert isinstance(row["alpha"], float) and f"alpha={row['alpha']}" == "alpha=0.0"

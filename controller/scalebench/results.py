@@ -581,16 +581,16 @@ def replot(figure: str, dest_root: Path | None = None) -> dict:
     if figure == ECOMMERCE:
         draw_ecommerce_plots(points, checks, dest)
     else:
-        from .sweep import draw_plots, load_experiment
+        from .sweep import draw_plots, grid_values, load_experiment
 
         exp = load_experiment(experiment_file(figure))
         exp = exp.overridden(manifest.get("settings") or []).restricted(manifest.get("only") or [])
         tables = {
-            spec.name: _read_csv(dest / f"{spec.name}.csv")
+            spec.name: grid_values(exp, _read_csv(dest / f"{spec.name}.csv"))
             for spec in exp.plots
             if spec.kind == "cliff"
         }
-        draw_plots(exp, points, checks, tables, dest)
+        draw_plots(exp, grid_values(exp, points), checks, tables, dest)
     manifest["plots_redrawn"] = {"at": now_iso(), "build": build}
     (dest / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest

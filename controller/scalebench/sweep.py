@@ -18,6 +18,7 @@ import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from .checks import KINDS as CHECK_KINDS
 from .checks import CheckSpec, run_checks
@@ -247,6 +248,12 @@ def mixed_hosts_warning(hosts: dict[str, list[str]]) -> str:
     )
 
 
+def csv_text(value: Any) -> Any:
+    """A value as write_csv writes it: a float to six significant digits (more is float
+    noise, 99.99999999999999 for 100), anything else as it is."""
+    return f"{value:.6g}" if isinstance(value, float) else value
+
+
 def write_csv(rows: list[dict], path: Path) -> None:
     if not rows:
         return
@@ -254,10 +261,14 @@ def write_csv(rows: list[dict], path: Path) -> None:
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, columns)
         w.writeheader()
-        # Six significant digits: more is float noise (99.99999999999999 for 100).
-        w.writerows(
-            {k: f"{v:.6g}" if isinstance(v, float) else v for k, v in r.items()} for r in rows
-        )
+        w.writerows({k: csv_text(v) for k, v in r.items()} for r in rows)
+
+
+def grid_values(exp: Experiment, rows: list[dict]) -> list[dict]:
+    """Rows read back from a sweep's CSV with its grid's columns as the sweep had them (the
+    grid's 0.0 was written "0"), so that plots drawn from them label their lines alike."""
+    known = {key: {str(csv_text(v)): v for v in values} for key, values in exp.grid.items()}
+    return [{k: known.get(k, {}).get(v, v) for k, v in row.items()} for row in rows]
 
 
 PointRunner = Callable[[RunConfig], RunResult]
