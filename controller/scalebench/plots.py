@@ -298,6 +298,11 @@ def bar_plot(
     _save(fig, verdict_rows, path)
 
 
+def check_verdicts(checks: list[dict]) -> list[tuple[bool, str]]:
+    """The verdicts a plot shows for checks.csv's rows: (passed, "check (group): detail")."""
+    return [(c["passed"] == "yes", f"{c['check']} ({c['group']}): {c['detail']}") for c in checks]
+
+
 def _verdict_rows(verdicts: list[tuple[bool, str]]) -> list[tuple[bool, str]]:
     """The lines the verdicts take under the axes: each "PASS"/"FAIL" and its text, wrapped
     to VERDICT_CHARS (its continuation lines indented), so that none runs off the figure."""

@@ -472,7 +472,7 @@ def ecommerce_findings(runs: list[dict]) -> list[dict]:
 def draw_ecommerce_plots(rows: list[dict], checks: list[dict], directory: Path) -> None:
     """The storage study's two bar plots in `directory`, from its points' rows (points.csv's,
     as written or as read back) with the checks' verdicts under them."""
-    from .plots import bar_plot
+    from .plots import bar_plot, check_verdicts
 
     study = _study_read_shares()
     labels, ours, theirs, feet = [], [], [], []
@@ -486,9 +486,7 @@ def draw_ecommerce_plots(rows: list[dict], checks: list[dict], directory: Path) 
             float(r["regions_per_1000"]) for r in of_mix if r["regions_per_1000"] not in (None, "")
         ]
         feet.append(statistics.median(regions) if regions else None)
-    verdicts = [
-        (r["passed"] == "yes", f"{r['check']} ({r['group']}): {r['detail']}") for r in checks
-    ]
+    verdicts = check_verdicts(checks)
     bar_plot(
         labels,
         {"scalebench (median of runs)": ours, "study (light and heavy, mean)": theirs},

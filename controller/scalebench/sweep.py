@@ -357,11 +357,9 @@ def draw_plots(
     """The experiment's plots (PNG) in out_dir: from the points' rows (results.csv's), with
     the checks' verdicts under each, and a cliff plot from its table in `tables` (by plot
     name, cliff_rows'). Also what `scalebench results replot` draws from a stored figure."""
-    from .plots import line_plot  # matplotlib is slow to import
+    from .plots import check_verdicts, line_plot  # matplotlib is slow to import
 
-    verdicts = [
-        (c["passed"] == "yes", f"{c['check']} ({c['group']}): {c['detail']}") for c in checks
-    ]
+    verdicts = check_verdicts(checks)
     for spec in exp.plots:
         title = spec.title or exp.title or exp.name
         if spec.kind == "cliff":
