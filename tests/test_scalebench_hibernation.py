@@ -29,7 +29,7 @@ from scalebench.config import (
     validate,
     with_scale_to_zero_if_needed,
 )
-from scalebench.densevm import log2_quantile_us
+from scalebench.densevm import wake_quantile_us
 from scalebench.diskbench import DiskBench
 from scalebench.disks import disk_model
 from scalebench.history import History
@@ -243,17 +243,16 @@ def test_a_run_config_reaches_the_model():
 # -- the result's figures, the summary and the plot ---------------------------
 
 
-def test_densevm_log2_quantiles_read_the_way_densevm_reads_them():
-    # hypervisor/src/link/wake_latency.rs: latencies 0, 3, 900, 1500, 1900, 70000 us.
-    buckets = [0] * 24
-    for i in (0, 1, 9, 10, 10, 16):
-        buckets[i] += 1
-    assert log2_quantile_us(buckets, 0.5) == 1 << 10
-    assert log2_quantile_us(buckets, 0.99) == 1 << 17
-    assert log2_quantile_us([0] * 24, 0.5) is None
+def test_wake_quantiles_read_the_way_densevm_reads_them():
+    # hypervisor/src/link/wake_latency.rs: each bucket named by the largest latency it holds.
+    histogram = [[3, 1], [903, 1], [1_503, 2], [1_903, 1], [70_143, 1]]
+    assert wake_quantile_us(histogram, 0.5) == 1_503
+    assert wake_quantile_us(histogram, 0.99) == 70_143
+    assert wake_quantile_us(histogram, 0.01) == 3
+    assert wake_quantile_us([], 0.5) is None
 
 
-def sample(requests: int, wakes: int, histogram: list[int], running: int = 7) -> dict:
+def sample(requests: int, wakes: int, histogram: list[list[int]], running: int = 7) -> dict:
     return {
         "requests": requests,
         "hibernated": 40 - running,
@@ -261,20 +260,18 @@ def sample(requests: int, wakes: int, histogram: list[int], running: int = 7) ->
         "hibernations": wakes + 3,
         "wakes": wakes,
         "wake_failures": 0,
-        "wake_us_log2": histogram,
+        "wake_us": histogram,
         "clones_started": 12,
     }
 
 
 def test_the_window_takes_counts_at_its_end_and_wakes_over_it():
-    early = [0] * 24
-    early[14] = 100  # slow wakes before the window: not its own
-    late = list(early)
-    late[10], late[11] = 30, 20
+    early = [[2_047, 20], [16_511, 80]]  # slow wakes before the window: not its own
+    late = [[2_047, 50], [3_007, 20], [16_511, 80]]
     w = hibernation_window(sample(1000, 100, early), sample(1500, 150, late, running=9), 500)
     assert (w.hibernated, w.live, w.wakes, w.hibernations, w.wake_failures) == (31, 9, 50, 50, 0)
     assert w.wake_fraction == 0.1 and w.clones_started == 12
-    assert (w.wake_us_p50, w.wake_us_p99) == (1 << 11, 1 << 12)
+    assert (w.wake_us_p50, w.wake_us_p99) == (2_047, 3_007)
     # A densevm that reports no histogram, and a window that served nothing.
     none = hibernation_window(sample(10, 0, []), sample(10, 0, []), 0)
     assert none.wake_us_p99 is None and none.wake_fraction is None
@@ -318,7 +315,7 @@ def test_the_sampler_records_hibernation_only_when_it_is_on():
     on, off = [], []
     Sampler(Totals(), on, hibernation=True).sample("load")
     Sampler(Totals(), off).sample("load")
-    assert on[0]["running"] == 3 and on[0]["wakes"] == 2 and on[0]["wake_us_log2"] == []
+    assert on[0]["running"] == 3 and on[0]["wakes"] == 2 and on[0]["wake_us"] == []
     assert "running" not in off[0] and "wakes" not in off[0]
 
 

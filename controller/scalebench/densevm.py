@@ -66,17 +66,27 @@ def boot_timeout_s(vms: int) -> float:
     return 120 + 0.1 * vms
 
 
-def log2_quantile_us(buckets: list[int], q: float) -> int | None:
-    """The `q` quantile (0..1) of a stats log2 histogram (`wake_us_log2`: bucket i holds
-    [2^i, 2^(i+1)) us) as its bucket's upper bound, as densevm reads its own (`wake_us_p99`);
-    None when it is empty."""
-    total = sum(buckets)
+def wake_quantile_us(histogram: list[list[int]], q: float) -> int | None:
+    """The `q` quantile (0 < q <= 1) of a stats wake-latency histogram (`wake_us`: [[us, count],
+    ...] ascending, each bucket named by the largest latency it holds, within 1%), read as
+    densevm reads its own (`wake_us_p99`); None when it is empty."""
+    counts = [count for _, count in histogram]
+    total = sum(counts)
     if total == 0:
         return None
     rank = min(max(math.ceil(q * total), 1), total)
     return next(
-        1 << (i + 1) for i, seen in enumerate(itertools.accumulate(buckets)) if seen >= rank
+        us
+        for (us, _), seen in zip(histogram, itertools.accumulate(counts), strict=True)
+        if seen >= rank
     )
+
+
+def wakes_between(before: list[list[int]], after: list[list[int]]) -> list[list[int]]:
+    """The wakes of two samples of densevm's cumulative `wake_us` that the later one counts
+    beyond the earlier: the histogram of the window between them."""
+    earlier = {us: count for us, count in before}
+    return [[us, count - earlier.get(us, 0)] for us, count in after if count > earlier.get(us, 0)]
 
 
 def control(api: Path, request: dict, timeout_s: float = 30.0) -> dict:

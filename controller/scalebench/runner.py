@@ -10,7 +10,6 @@ stopped, the cgroup is removed and the result is written: status "ok", or
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import resource
@@ -27,7 +26,14 @@ from pathlib import Path
 from . import calibration, diskbench
 from .cgroup import Containment, memory_limit
 from .config import RunConfig, binary, hibernation_flags, validate
-from .densevm import DenseVM, DenseVMArgs, DenseVMError, boot_timeout_s, log2_quantile_us
+from .densevm import (
+    DenseVM,
+    DenseVMArgs,
+    DenseVMError,
+    boot_timeout_s,
+    wake_quantile_us,
+    wakes_between,
+)
 from .disks import differences, disk_model
 from .model import (
     DEFAULT_FAULT_US,
@@ -199,7 +205,7 @@ class Sampler:
         }
         if self.hibernation:
             row.update({k: totals.get(k, 0) for k in self.HIBERNATION_KEYS})
-            row["wake_us_log2"] = totals.get("wake_us_log2") or []
+            row["wake_us"] = totals.get("wake_us") or []
         self.samples.append(row)
         self.last = now
         return row
@@ -274,7 +280,7 @@ class HibernationWindow:
     hibernations: int
     wake_failures: int
     wake_fraction: float | None  # wakes per request served: the model's wake_fraction
-    wake_us_p50: int | None  # of the window's wakes, densevm's log2 buckets' upper bounds
+    wake_us_p50: int | None  # of the window's wakes, in densevm (within 1%)
     wake_us_p99: int | None
     clones_started: int  # VMs started as clones of the template by its end (0 without --clone-boot)
 
@@ -283,12 +289,7 @@ def hibernation_window(before: dict, after: dict, requests: int) -> HibernationW
     """Hibernation between two Sampler rows: counts at `after`, counters and wake latencies
     over the window (the difference of densevm's cumulative histograms)."""
     wakes = after["wakes"] - before["wakes"]
-    histogram = [
-        b - a
-        for a, b in itertools.zip_longest(
-            before["wake_us_log2"], after["wake_us_log2"], fillvalue=0
-        )
-    ]
+    histogram = wakes_between(before["wake_us"], after["wake_us"])
     return HibernationWindow(
         hibernated=after["hibernated"],
         live=after["running"],
@@ -296,8 +297,8 @@ def hibernation_window(before: dict, after: dict, requests: int) -> HibernationW
         hibernations=after["hibernations"] - before["hibernations"],
         wake_failures=after["wake_failures"] - before["wake_failures"],
         wake_fraction=wakes / requests if requests > 0 else None,
-        wake_us_p50=log2_quantile_us(histogram, 0.5),
-        wake_us_p99=log2_quantile_us(histogram, 0.99),
+        wake_us_p50=wake_quantile_us(histogram, 0.5),
+        wake_us_p99=wake_quantile_us(histogram, 0.99),
         clones_started=after["clones_started"],
     )
 

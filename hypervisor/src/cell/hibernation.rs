@@ -10,7 +10,7 @@
 use crate::config::Hibernation;
 use crate::holder::builder::Start;
 use crate::link::idle_profile::{IdleProfile, Now};
-use crate::link::wake_latency;
+use crate::link::wake_latency::WakeLatencies;
 use serde_json::{json, Value};
 use std::collections::{HashSet, VecDeque};
 use std::time::{Duration, Instant};
@@ -234,14 +234,14 @@ pub struct SleepStats {
     /// Wakes that failed (the VM is then stopped as crashed).
     pub wake_failures: u64,
     /// Wake latencies, from the ask to the holder's answer.
-    wake_us: [u64; wake_latency::BUCKETS],
+    wake_us: WakeLatencies,
 }
 
 impl SleepStats {
     /// Counts a wake that took `took`.
     pub fn record_wake(&mut self, took: Duration) {
         self.wakes += 1;
-        self.wake_us[wake_latency::bucket(took.as_micros() as u64)] += 1;
+        self.wake_us.record(took);
     }
 
     /// The counters for the `stats` totals (the parent adds the cells' up).
@@ -250,7 +250,7 @@ impl SleepStats {
             "hibernations": self.hibernations,
             "wakes": self.wakes,
             "wake_failures": self.wake_failures,
-            "wake_us_log2": self.wake_us.to_vec(),
+            "wake_us": self.wake_us.to_json(),
         })
     }
 }

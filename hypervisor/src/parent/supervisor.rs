@@ -22,7 +22,7 @@ use crate::config::{self, CellSettings};
 use crate::link::framing::{FrameError, LineStream, More};
 use crate::link::idle_profile::global_cut;
 use crate::link::protocol::{deadline, FromCell, ToCell};
-use crate::link::wake_latency;
+use crate::link::wake_latency::WakeLatencies;
 use crate::parent::api::{self, Request};
 use crate::parent::cell_handle::{quote, Cell, PendingCell};
 use crate::parent::heap_trim::HeapTrim;
@@ -1036,6 +1036,7 @@ impl Supervisor {
         let by = Instant::now() + deadline::CELL_REPLY;
         let replies = self.ask(&self.live_cells(), &ToCell::Stats { per_vm }, by);
         let mut totals = Map::new();
+        let mut wakes = WakeLatencies::new();
         let mut vms = Vec::new();
         for (index, reply) in replies {
             // A cell ended while asked is counted with the dead ones below.
@@ -1050,6 +1051,9 @@ impl Supervisor {
             }
             if let Some(theirs) = reply["totals"].as_object() {
                 add_totals(&mut totals, theirs);
+                if let Some(Err(e)) = theirs.get(WAKE_US).map(|h| wakes.add_json(h)) {
+                    crate::log!("densevm: cell {index}: stats: {e}; its wakes left out");
+                }
             }
             if let Some(list) = reply["vms"].as_array() {
                 vms.extend(list.iter().cloned());
@@ -1070,7 +1074,7 @@ impl Supervisor {
             totals.insert(key.into(), json!(value));
         }
         totals.insert("cells".into(), json!(self.live_cells().len()));
-        add_wake_quantiles(&mut totals);
+        add_wake_latencies(&mut totals, &wakes);
         let mut reply = json!({ "ok": true, "totals": totals });
         if per_vm {
             vms.extend(self.dead_cells_vms(true));
@@ -1303,26 +1307,17 @@ fn sort_by_id(vms: &mut [Value]) {
     vms.sort_by_key(|vm| vm["id"].as_u64().unwrap_or(u64::MAX));
 }
 
-/// Adds a cell's totals to the sum: integers add up, and arrays of them
-/// (histograms) element by element; anything else is kept from the first
-/// cell that has it.
+/// The key of a cell's wake-latency histogram in its totals.
+const WAKE_US: &str = "wake_us";
+
+/// Adds a cell's totals to the sum: integers add up; anything else but its
+/// wake-latency histogram (merged apart) is kept from the first cell that
+/// has it.
 fn add_totals(sum: &mut Map<String, Value>, theirs: &Map<String, Value>) {
-    for (key, value) in theirs {
+    for (key, value) in theirs.iter().filter(|(key, _)| *key != WAKE_US) {
         match (sum.get(key).and_then(Value::as_u64), value.as_u64()) {
             (Some(a), Some(b)) => {
                 sum.insert(key.clone(), json!(a.saturating_add(b)));
-            }
-            _ if value.is_array() && sum.get(key).is_some_and(Value::is_array) => {
-                let ours = sum.get_mut(key).and_then(Value::as_array_mut);
-                for (a, b) in ours
-                    .into_iter()
-                    .flatten()
-                    .zip(value.as_array().into_iter().flatten())
-                {
-                    if let (Some(x), Some(y)) = (a.as_u64(), b.as_u64()) {
-                        *a = json!(x.saturating_add(y));
-                    }
-                }
             }
             (None, _) if !sum.contains_key(key) => {
                 sum.insert(key.clone(), value.clone());
@@ -1332,16 +1327,12 @@ fn add_totals(sum: &mut Map<String, Value>, theirs: &Map<String, Value>) {
     }
 }
 
-/// The wake latency's median and 99th percentile, from the cells' summed
-/// log2 histogram (each the upper bound of its bucket).
-fn add_wake_quantiles(totals: &mut Map<String, Value>) {
-    let buckets: Vec<u64> = totals
-        .get("wake_us_log2")
-        .and_then(Value::as_array)
-        .map(|a| a.iter().filter_map(Value::as_u64).collect())
-        .unwrap_or_default();
+/// The cells' merged wake-latency histogram and its median and 99th
+/// percentile, in µs.
+fn add_wake_latencies(totals: &mut Map<String, Value>, wakes: &WakeLatencies) {
+    totals.insert(WAKE_US.into(), wakes.to_json());
     for (key, q) in [("wake_us_p50", 0.5), ("wake_us_p99", 0.99)] {
-        totals.insert(key.into(), json!(wake_latency::quantile(&buckets, q)));
+        totals.insert(key.into(), json!(wakes.quantile(q)));
     }
 }
 
@@ -1385,7 +1376,7 @@ mod tests {
         let mut sum = Map::new();
         add_totals(
             &mut sum,
-            json!({"requests": 5, "running": 2, "note": "a"})
+            json!({"requests": 5, "running": 2, "note": "a", "wake_us": [[1000, 1]]})
                 .as_object()
                 .unwrap(),
         );
@@ -1396,9 +1387,18 @@ mod tests {
                 .unwrap(),
         );
         assert_eq!(
-            Value::Object(sum),
+            Value::Object(sum.clone()),
             json!({"requests": 12, "running": 3, "note": "a", "crashed": 1})
         );
+        let mut wakes = WakeLatencies::new();
+        for us in [1_000, 1_000, 5_000] {
+            wakes.record(std::time::Duration::from_micros(us));
+        }
+        add_wake_latencies(&mut sum, &wakes);
+        assert_eq!(sum["wake_us"], wakes.to_json());
+        assert_eq!(sum["wake_us_p50"], json!(wakes.quantile(0.5)));
+        assert!((1_000..=1_010).contains(&sum["wake_us_p50"].as_u64().unwrap()));
+        assert!((5_000..=5_050).contains(&sum["wake_us_p99"].as_u64().unwrap()));
     }
 
     #[test]
