@@ -49,6 +49,45 @@ def spte(ts: float, gfn: int) -> str:
     )
 
 
+def walk(ts: float, addr: int, pferr: str = "0 ") -> str:
+    return f"  vcpu0-77 [000] ...1. {ts:.6f}: kvm_mmu_pagetable_walk: addr {addr:x} pferr {pferr}"
+
+
+def requested(ts: float, gfn: int) -> str:
+    return (
+        f"  vcpu0-77 [000] ...1. {ts:.6f}: kvm_mmu_spte_requested: gfn {gfn:x} pfn 45200e level 1"
+    )
+
+
+def test_the_guests_exits_are_counted_by_why_and_spaced():
+    bench = timeline_bench()
+    t = 50.0
+    lines = [
+        connect(t, 1),
+        # Its first fetch, on the image's code.
+        walk(t + 0.001000, 0x200000, "10 F"),
+        requested(t + 0.001001, 0x200),
+        spte(t + 0.001002, 0x200),
+        # A system page, then an emulated instruction (two walks, nothing mapped).
+        walk(t + 0.001030, 0x1000),
+        requested(t + 0.001031, 0x1),
+        spte(t + 0.001032, 0x1),
+        walk(t + 0.001060, 0x200303),
+        walk(t + 0.001061, 0x200303, "10 F"),
+        # RAM: one exit maps 8 pages, its walk and SPTEs a few µs apart.
+        walk(t + 0.001095, 0x488000),
+        requested(t + 0.001096, 0x488),
+        *(spte(t + 0.001097 + i * 0.000001, 0x488 + i) for i in range(8)),
+        connect(t + 0.020, 2),
+    ]
+    wake, other = bench.phases("\n".join(lines), vms=10, latencies={}).wakes
+    counts = (wake.exits, wake.ram_exits, wake.system_exits, wake.code_exits, wake.emulated)
+    assert counts == (4, 1, 1, 1, 1)
+    assert wake.ram_ptes == 8
+    assert wake.exit_gap_us == approx(30.0), "gaps of 30, 30 and 35 us"
+    assert (other.exits, other.exit_gap_us) == (0, None)
+
+
 def test_each_wake_gets_the_events_between_its_connect_and_the_next():
     bench = timeline_bench()
     t = 100.0

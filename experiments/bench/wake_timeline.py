@@ -13,12 +13,16 @@ the VM's address):
   - UFFDIO_COPY: the first and the last (the prefetch installing the working set);
   - guest RAM faults: the first and the last shadow PTE that KVM sets on guest RAM, and how
     many it sets (PVM shadow-pages the guest, and KVM maps up to 8 pages a fault);
+  - guest exits: every time the guest left for KVM (a shadow page walk after a quiet spell),
+    by why: a fault on RAM, on a system page or on the image's code, or an instruction
+    emulated (a walk that maps nothing: the instruction's fetch); and their spacing;
   - answered: the last byte at the client.
 The median of each is printed for each N.
 
-The trace uses tracefs events: kvmmmu:kvm_mmu_set_spte, the ioctl and preadv system calls,
-and sock:inet_sock_set_state. It uses the mono clock. What it changes (the events, the clock,
-the buffer size, the mount if tracefs was not mounted) is put back on exit.
+The trace uses tracefs events: kvmmmu:kvm_mmu_set_spte, kvm_mmu_pagetable_walk and
+kvm_mmu_spte_requested, the ioctl and preadv system calls, and sock:inet_sock_set_state. It
+uses the mono clock. What it changes (the events, the clock, the buffer size, the mount if
+tracefs was not mounted) is put back on exit.
 
 Usage: experiments/bench/wake_timeline.py [--vms 200,4000] [--wakes 200] [--wake-rate 50]
        [--cell-vms N]
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ipaddress
+import itertools
 import re
 import statistics
 import subprocess
@@ -50,11 +55,18 @@ TRACEFS = Path("/sys/kernel/tracing")
 KVM_RUN = 0xAE80
 KVM_SET_USER_MEMORY_REGION = 0x4020AE46
 UFFDIO_COPY = 0xC028AA03
-# First guest frame of a VM's RAM (RAM_GPA in hypervisor/src/guest/abi.rs, 0x40_0000).
+# First guest frames of a VM's RAM and of the shared image (RAM_GPA, IMAGE_GPA in
+# hypervisor/src/guest/abi.rs); below the image, its system pages.
 RAM_FIRST_GFN = 0x400
+IMAGE_FIRST_GFN = 0x200
+# Shadow-MMU events this close after another belong to the same exit (one exit's walks and
+# SPTEs take a few µs; exits come ~25 µs or more apart under PVM).
+SAME_EXIT_MS = 0.008
 # The events and their filters; sys_exit_ioctl has no cmd field and is matched to its enter.
 EVENTS = {
     "kvmmmu/kvm_mmu_set_spte": "",
+    "kvmmmu/kvm_mmu_pagetable_walk": "",
+    "kvmmmu/kvm_mmu_spte_requested": "",
     "syscalls/sys_enter_ioctl": f"cmd == {KVM_RUN} || cmd == {KVM_SET_USER_MEMORY_REGION}"
     f" || cmd == {UFFDIO_COPY}",
     "syscalls/sys_exit_ioctl": "",
@@ -83,7 +95,23 @@ class Wake:
     ram_pte_first: float | None = None
     ram_pte_last: float | None = None
     ram_ptes: int = 0
+    exits: int = 0
+    ram_exits: int = 0
+    system_exits: int = 0
+    code_exits: int = 0
+    emulated: int = 0
+    exit_gap_us: float | None = None
     answered: float | None = None
+
+    def count_exits(self, starts: list[float], gfns: list[int | None]) -> None:
+        """The guest's exits, each from its start (ms) and the first frame it mapped."""
+        self.exits = len(starts)
+        self.ram_exits = sum(g is not None and g >= RAM_FIRST_GFN for g in gfns)
+        self.code_exits = sum(g is not None and IMAGE_FIRST_GFN <= g < RAM_FIRST_GFN for g in gfns)
+        self.system_exits = sum(g is not None and g < IMAGE_FIRST_GFN for g in gfns)
+        self.emulated = gfns.count(None)
+        gaps = [1000 * (b - a) for a, b in itertools.pairwise(starts)]
+        self.exit_gap_us = statistics.median(gaps) if gaps else None
 
 
 @dataclass
@@ -161,9 +189,20 @@ def phases(trace: str, vms: int, latencies: dict[int, float]) -> Phases:
         t0 = float(events[start]["ts"])
         wake = Wake(answered=1000 * latencies[vm] if vm in latencies else None)
         in_memslot: dict[str, float] = {}
+        # Each exit's start and the first frame it mapped (None: it mapped none).
+        exit_starts: list[float] = []
+        exit_gfns: list[int | None] = []
+        last_mmu = -1.0
         for e in events[start + 1 : end]:
             ms = (float(e["ts"]) - t0) * 1000
             rest = e["rest"]
+            if e["event"].startswith("kvm_mmu_"):
+                if e["event"] == "kvm_mmu_pagetable_walk" and ms - last_mmu > SAME_EXIT_MS:
+                    exit_starts.append(ms)
+                    exit_gfns.append(None)
+                elif e["event"] == "kvm_mmu_spte_requested" and exit_gfns[-1:] == [None]:
+                    exit_gfns[-1] = int(rest.split()[1], 16)
+                last_mmu = ms
             if e["event"] == "kvm_mmu_set_spte":
                 if int(rest.split()[1], 16) >= RAM_FIRST_GFN:
                     wake.ram_pte_first = earliest(wake.ram_pte_first, ms)
@@ -183,6 +222,7 @@ def phases(trace: str, vms: int, latencies: dict[int, float]) -> Phases:
                 elif cmd == UFFDIO_COPY:
                     wake.copy_first = earliest(wake.copy_first, ms)
                     wake.copy_last = ms
+        wake.count_exits(exit_starts, exit_gfns)
         result.wakes.append(wake)
     return result
 
@@ -218,6 +258,12 @@ ROWS = (
     ("first guest RAM PTE", "ram_pte_first"),
     ("last guest RAM PTE", "ram_pte_last"),
     ("  guest RAM PTEs set", "ram_ptes"),
+    ("guest exits", "exits"),
+    ("  faults on RAM", "ram_exits"),
+    ("  faults on system pages", "system_exits"),
+    ("  faults on code", "code_exits"),
+    ("  instructions emulated", "emulated"),
+    ("  us between exits", "exit_gap_us"),
     ("answered", "answered"),
 )
 
