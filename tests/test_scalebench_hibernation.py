@@ -496,5 +496,9 @@ def test_the_nightly_records_the_density_probe_in_its_history(tmp_path):
     proc = nightly_cli(tmp_path, *args, metrics_text=DENSITY)
     assert proc.returncode == 0, proc.stdout + proc.stderr  # the first run: a baseline
     samples = json.loads((out / "nightly.json").read_text())["samples"]
-    assert samples["hib_bytes_per_vm"][0] > 0 and 0 < samples["hib_wake_p99_ms"][0] < 2000
+    # The probe's figures, bounded as test_the_density_probe_measures_hibernated_vms bounds
+    # them: over 100 VMs a host still freeing a previous test's memory moves MemAvailable
+    # more than they cost, either way (CI read -134 KB a VM once), never by a guest's RAM.
+    assert abs(samples["hib_bytes_per_vm"][0]) < 4 << 20
+    assert 0 < samples["hib_wake_p99_ms"][0] < 2000
     assert History(history).runs()[-1].samples == samples
