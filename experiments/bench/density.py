@@ -11,6 +11,9 @@ swap) under --max-live. Printed per N:
     slab, page-table, kernel-stack, shmem, anon and vmalloc growth (page cache dropped
     before each reading);
   - swap: what the pager uses and what the swap file has allocated on disk;
+  - the same once more after --settle seconds of idle: on some hosts MemAvailable moves on
+    its own by several KiB a VM for a minute or two after a densevm starts, either way, while
+    what densevm's processes hold does not (docs/measurements/2026-12-08.md);
 then --sample VMs spread over the N are sent one GET each at --rate a second (the first
 GET of a VM created asleep is its first start: its boot, or with --clone-boot its start as
 a clone of the image's template), every answer checked for the exact body of GET /, the
@@ -19,7 +22,7 @@ sleep again the same figures per N and per VM served, with the host's CPU time (
 it, the client's included) from the first of those GETs until all slept, per VM served.
 
 Usage: experiments/bench/density.py [--vms 1000,60000] [--sample 300] [--rate 50]
-       [--max-live 2000] [--cell-vms 1000] [--clone-boot] [--selfcheck]
+       [--max-live 2000] [--cell-vms 1000] [--settle 60] [--clone-boot] [--selfcheck]
 """
 
 from __future__ import annotations
@@ -133,6 +136,8 @@ def run(n: int, args: argparse.Namespace, workdir: Path) -> None:
     with Session(build, workdir, n, ADDR_BASE, *flags) as session:
         ready_s = time.monotonic() - t0
         registered = snapshot(session, before, n)
+        time.sleep(args.settle)
+        settled = snapshot(session, before, n)
         k = min(args.sample, n)
         sample = [i * n // k for i in range(k)]
         busy0 = host_busy_s()
@@ -147,7 +152,11 @@ def run(n: int, args: argparse.Namespace, workdir: Path) -> None:
     ran = len(sample)
     boot_s = session.boot.boot_seconds
     print(f"--vms {n}: ready in {ready_s:.1f} s (densevm's boot_seconds {boot_s:.1f})")
-    for name, h in (("registered", registered), (f"after {ran} served", served)):
+    for name, h in (
+        ("registered", registered),
+        (f"registered, {args.settle:.0f} s later", settled),
+        (f"after {ran} served", served),
+    ):
         print(
             f"  {name}: threads/fds/maps {h.objects.threads}/{h.objects.fds}/{h.objects.maps};"
             f" host memory {h.mem_kib_per_vm:.1f} KiB a VM ("
@@ -199,6 +208,9 @@ def main() -> int:
     parser.add_argument("--mem", default="1G")
     parser.add_argument("--idle-after", type=float, default=1.0)
     parser.add_argument(
+        "--settle", type=float, default=60.0, help="seconds idle before the second reading"
+    )
+    parser.add_argument(
         "--clone-boot", action="store_true", help="densevm --clone-boot: VMs start as clones"
     )
     parser.add_argument(
@@ -209,8 +221,8 @@ def main() -> int:
     )
     args = parser.parse_args()
     counts = [int(v) for v in args.vms.split(",")]
-    if min(counts) < 1 or args.sample < 1 or args.rate <= 0:
-        parser.error("--vms, --sample and --rate must be positive")
+    if min(counts) < 1 or args.sample < 1 or args.rate <= 0 or args.settle < 0:
+        parser.error("--vms, --sample and --rate must be positive, --settle not negative")
     with tempfile.TemporaryDirectory(prefix="density-", dir=ROOT / "target") as workdir:
         for n in counts:
             run(n, args, Path(workdir))
