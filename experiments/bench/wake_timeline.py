@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,6 +83,13 @@ LINE = re.compile(
 )
 
 
+def exit_kind(gfn: int | None) -> str:
+    """Why the guest left, from the first frame the exit mapped (None: it mapped none)."""
+    if gfn is None:
+        return "emulated"
+    return "ram" if gfn >= RAM_FIRST_GFN else "code" if gfn >= IMAGE_FIRST_GFN else "system"
+
+
 @dataclass
 class Wake:
     """One wake's phases, in milliseconds from the client's connect."""
@@ -105,11 +113,10 @@ class Wake:
 
     def count_exits(self, starts: list[float], gfns: list[int | None]) -> None:
         """The guest's exits, each from its start (ms) and the first frame it mapped."""
+        kinds = Counter(map(exit_kind, gfns))
         self.exits = len(starts)
-        self.ram_exits = sum(g is not None and g >= RAM_FIRST_GFN for g in gfns)
-        self.code_exits = sum(g is not None and IMAGE_FIRST_GFN <= g < RAM_FIRST_GFN for g in gfns)
-        self.system_exits = sum(g is not None and g < IMAGE_FIRST_GFN for g in gfns)
-        self.emulated = gfns.count(None)
+        self.ram_exits, self.system_exits = kinds["ram"], kinds["system"]
+        self.code_exits, self.emulated = kinds["code"], kinds["emulated"]
         gaps = [1000 * (b - a) for a, b in itertools.pairwise(starts)]
         self.exit_gap_us = statistics.median(gaps) if gaps else None
 
